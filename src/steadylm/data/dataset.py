@@ -1,0 +1,81 @@
+"""Fixed-length training windows over HDF5 token shards, safe to use in DataLoader workers.
+
+Window i of a shard is `tokens[i*T : i*T + T + 1]`; windows never cross shards, so every sample
+is `T+1` contiguous tokens of one file. Files are opened lazily in whichever process reads
+them (handles keyed by pid) and are never pickled: a DataLoader worker always opens its own.
+Index -1 is padding (from `EpochBatchSampler`): x = zeros, y = -100 (ignored by the loss).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from steadylm.data.shards import ShardInfo, open_tokens, read_shard_info
+
+IGNORE_INDEX = -100
+PAD_INDEX = -1
+
+
+class TokenWindows(Dataset):
+    def __init__(self, paths, context_length: int, *, infos: list[ShardInfo] | None = None):
+        self.paths = [Path(p) for p in paths]
+        self.context_length = int(context_length)
+        if self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        if infos is None:
+            infos = [read_shard_info(p) for p in self.paths]
+        self.n_tokens = np.array([i.n_tokens for i in infos], dtype=np.int64)
+        T = self.context_length
+        self.n_windows = np.maximum((self.n_tokens - 1) // T, 0)
+        self.cum_windows = np.cumsum(self.n_windows)  # cum[s] = windows in shards 0..s
+        self._handles: dict[tuple[int, int], object] = {}
+
+    def __len__(self) -> int:
+        return int(self.cum_windows[-1]) if len(self.cum_windows) else 0
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global window index -> (shard number, token offset of the window's first token)."""
+        s = int(np.searchsorted(self.cum_windows, index, side="right"))
+        first = int(self.cum_windows[s - 1]) if s > 0 else 0
+        return s, (index - first) * self.context_length
+
+    def _tokens(self, s: int):
+        key = (os.getpid(), s)
+        ds = self._handles.get(key)
+        if ds is None:
+            if any(k[0] != key[0] for k in self._handles):
+                self._handles = {}  # inherited through fork: never reuse another process's handle
+            ds = self._handles[key] = open_tokens(self.paths[s])
+        return ds
+
+    def __getitem__(self, index):
+        index = int(index)
+        T = self.context_length
+        if index == PAD_INDEX:
+            return torch.zeros(T, dtype=torch.int64), torch.full((T,), IGNORE_INDEX, dtype=torch.int64)
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows (-1 is padding)")
+        s, off = self.locate(index)
+        w = torch.from_numpy(self._tokens(s)[off : off + T + 1].astype(np.int64))
+        return w[:-1].clone(), w[1:].clone()
+
+    def __getitems__(self, indices) -> list:
+        return [self[i] for i in indices]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    def close(self) -> None:
+        for ds in self._handles.values():
+            try:
+                ds.file.close()
+            except Exception:
+                pass
+        self._handles = {}
