@@ -1,0 +1,53 @@
+# steadylm: `make help` lists the targets. Every target creates the environment it needs.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Without an NVIDIA driver, pin the CPU-tested torch; with one, let pip pick the user's CUDA build.
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==2.13.0)
+RUN ?=
+ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install steadylm with dev extras
+
+data: $(VENV)/.installed ## tokenize the embedded corpus (stdlib sources) into HDF5 shards under data/
+	$(PY) -m steadylm.data.prepare $(ARGS)
+
+demo: data ## fresh clone -> prepared data, a tiny model trained, TensorBoard logs, checkpoint, report
+	$(PY) train.py model=tiny trainer.max_steps=300 trainer.val_check_interval=100 optim.warmup_steps=30 hydra.run.dir=logs/demo $(ARGS)
+	$(PY) -m steadylm.diagnose logs/demo
+	@echo "demo done: logs/demo (make tensorboard RUN=logs/demo)"
+
+test: $(VENV)/.installed ## run the test suite (fast tests; CI runs this)
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: $(VENV)/.installed ## run only the slow tests (LR sensitivity, long DDP runs)
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+doctor: $(VENV)/.installed ## preflight checks with the same overrides as train.py (ARGS="model=small ...")
+	$(PY) -m steadylm.doctor $(ARGS)
+
+diagnose: $(VENV)/.installed ## report of a run directory: make diagnose RUN=logs/train/runs/...
+	$(PY) -m steadylm.diagnose $(RUN)
+
+tensorboard: $(VENV)/.installed ## serve a run (or sweep) dir on 127.0.0.1: make tensorboard RUN=logs/demo
+	$(VENV)/bin/tensorboard --logdir $(RUN) --host 127.0.0.1
+
+bench: $(VENV)/.installed ## side-by-side speed ratios (Lightning+suite vs raw loop, loader, bf16, compile)
+	$(PY) benchmarks/bench.py $(ARGS)
+
+clean: ## remove logs and caches (keeps data/ and .venv)
+	rm -rf logs outputs multirun .pytest_cache
+
+.PHONY: help install data demo test test-slow doctor diagnose tensorboard bench clean

@@ -1,0 +1,33 @@
+"""Weight initialisation schemes, selected by `model.init`.
+
+`gpt2` (default): N(0, 0.02) everywhere, and the projections that write into the residual stream
+scaled by 1/sqrt(2·n_layer) so the residual variance does not grow with depth (GPT-2 paper §2.3).
+`xavier`: Glorot-uniform linears, what older guides suggest for deep stacks.
+`torch_default`: PyTorch's own per-layer defaults, kept to show what unstable init looks like.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+INIT_SCHEMES = ("gpt2", "xavier", "torch_default")
+
+
+def init_weights(model: nn.Module, scheme: str, n_layer: int) -> None:
+    if scheme not in INIT_SCHEMES:
+        raise ValueError(f"model.init={scheme!r} is not one of {', '.join(INIT_SCHEMES)}")
+    if scheme == "torch_default":
+        return
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            if scheme == "gpt2":
+                std = 0.02 / math.sqrt(2 * n_layer) if getattr(module, "is_residual_proj", False) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            else:
+                nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)

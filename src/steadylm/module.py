@@ -1,0 +1,108 @@
+"""The LightningModule: next-token loss, AdamW parameter groups, the per-step LR schedule.
+
+It owns the objective and the optimizer recipe, nothing else: stability checks live in callbacks
+(`steadylm.stability`) so each can be switched off and tested alone. It must never cast targets
+silently: a float or wrongly shaped target is a data bug, and is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
+
+from steadylm.model import GPT, GPTConfig
+from steadylm.schedule import lr_at
+
+IGNORE_INDEX = -100
+
+
+def _plain(cfg: Any) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Refuse targets that cross-entropy would accept but mean something else."""
+    if targets.dtype != torch.long:
+        raise TypeError(
+            f"targets must be int64 token ids (torch.long), got {targets.dtype}; "
+            "fix the data pipeline instead of casting (a float target is a soft-label bug)"
+        )
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != logits shape {tuple(logits.shape[:-1])}")
+
+
+class LMModule(L.LightningModule):
+    def __init__(
+        self, model: dict, optim: dict, compile: bool = False, run_config: dict | None = None, tokenizer: str | None = None
+    ):
+        super().__init__()
+        model, optim = _plain(model), _plain(optim)
+        self.save_hyperparameters({"model": model, "optim": optim, "compile": compile})
+        self.optim_cfg = optim
+        self.z_loss = float(optim.get("z_loss", 0.0))
+        self.net = GPT(GPTConfig(**model))
+        self.forward_fn = torch.compile(self.net) if compile else self.net
+        # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
+        self.run_config = run_config
+        self.tokenizer_name = tokenizer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.forward_fn(idx)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy over non-padding tokens, plus z-loss; returns (loss, z_term)."""
+        check_targets(logits, targets)
+        flat = logits.float().view(-1, logits.shape[-1])
+        tgt = targets.view(-1)
+        valid = tgt != IGNORE_INDEX
+        # sum / count rather than mean: an all-padding batch (end of an epoch on one rank) gives 0, not NaN.
+        n = valid.sum().clamp(min=1)
+        ce = F.cross_entropy(flat, tgt, ignore_index=IGNORE_INDEX, reduction="sum") / n
+        z = flat.new_zeros(())
+        if self.z_loss:
+            # z-loss (PaLM): keeps log Z near 0 so logits cannot drift to where bf16 softmax loses precision.
+            z = self.z_loss * (torch.logsumexp(flat, dim=-1).pow(2) * valid).sum() / n
+        return ce + z, z
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss, z = self.loss(self(x), y)
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        if self.z_loss:
+            self.log("train/z_loss", z, on_step=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss, _ = self.loss(self(x), y)
+        self.log("val/loss", loss, on_epoch=True, sync_dist=True, prog_bar=True)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx % max(1, self.trainer.log_every_n_steps) == 0:
+            self.log("optim/lr", self.lr_schedulers().get_last_lr()[0], on_step=True)
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        # Weight decay only on matrices (linears, embeddings); decaying gains and biases hurts.
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = self.device.type == "cuda"
+        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=fused)
+        sched = LambdaLR(opt, lambda step: self.lr_factor(step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def lr_factor(self, step: int) -> float:
+        o = self.optim_cfg
+        lr = lr_at(step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"])
+        return lr / o["lr"]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["steadylm"] = {"config": self.run_config, "tokenizer": self.tokenizer_name}

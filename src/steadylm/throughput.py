@@ -1,0 +1,45 @@
+"""Tokens/s and MFU, logged every `log_every_n_steps` from wall-clock time between logging steps.
+
+Measuring over a window of steps (not per step) keeps the hot path free of host syncs: the only
+work per step is adding the batch's token count, a shape, never a device value.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+
+# Dense bf16 peak FLOP/s per device. Lightning's table has no H200; H100 and H200 SXM share a peak.
+PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "4090": 165.2e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class Throughput(L.Callback):
+    def __init__(self) -> None:
+        self._tokens = 0
+        self._t0: float | None = None
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._tokens += batch[0].numel()
+        step = trainer.global_step  # optimizer steps: unchanged across accumulated micro-batches
+        if step % max(1, trainer.log_every_n_steps) or step == self._last_step:
+            return
+        self._last_step = step
+        now = time.perf_counter()
+        if self._t0 is not None and now > self._t0:
+            tps = self._tokens * trainer.world_size / (now - self._t0)
+            pl_module.log("perf/tokens_per_sec", tps, on_step=True)
+            peak = peak_flops(pl_module.device)
+            if peak:
+                per_device = tps / trainer.world_size
+                pl_module.log("perf/mfu", per_device * pl_module.net.flops_per_token() / peak, on_step=True)
+        self._t0, self._tokens = now, 0

@@ -1,0 +1,46 @@
+"""Shared fixtures: real shards from a slice of the embedded corpus, and the real composed config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig
+
+from steadylm.config import compose
+from steadylm.data.prepare import prepare
+
+# Small enough for seconds per run, large enough that loss visibly falls.
+TINY_OVERRIDES = [
+    "trainer=cpu",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "model.context_length=64",
+    "data.batch_size=8",
+    "trainer.max_steps=30",
+    "trainer.val_check_interval=15",
+    "trainer.limit_val_batches=4",
+    "trainer.log_every_n_steps=5",
+    "trainer.enable_progress_bar=false",
+    "optim.warmup_steps=5",
+    "callbacks.checkpoint.every_n_train_steps=15",
+]
+
+
+@pytest.fixture(scope="session")
+def shards_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    prepare(input=None, out_dir=out, max_bytes=400_000, val_fraction=0.05, progress=False)
+    return out
+
+
+@pytest.fixture
+def make_cfg(shards_dir, tmp_path):
+    """Compose the real train config, shrunk to tiny CPU sizes, writing into tmp_path."""
+
+    def _make(*overrides: str, out: Path | None = None) -> DictConfig:
+        out = out or tmp_path / "run"
+        return compose([*TINY_OVERRIDES, f"data.dir={shards_dir}", f"paths.output_dir={out}", *overrides])
+
+    return _make

@@ -1,0 +1,131 @@
+"""End-to-end: the real Trainer on real shards, TensorBoard files, checkpoints, DDP, multirun."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from steadylm.module import LMModule
+from steadylm.schedule import lr_at
+from steadylm.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scalars(run_dir: Path) -> dict[str, list[float]]:
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tiny_run_learns_and_writes_tensorboard_and_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.max_steps=60", "optim.lr=3e-3")
+    metrics, objects = train(cfg)
+    run = tmp_path / "run"
+    tags = scalars(run)
+    for tag in ("train/loss", "val/loss", "optim/lr", "perf/tokens_per_sec"):
+        assert tag in tags, tags.keys()
+    losses = tags["train/loss"]
+    assert losses[0] == pytest.approx(math.log(257), abs=0.6)  # ≈ ln(vocab) at init
+    assert losses[-1] < losses[0] - 1.0  # learns on the embedded corpus
+    assert objects["trainer"].global_step == 60
+    ckpts = sorted((run / "checkpoints").glob("*.ckpt"))
+    assert [c.name for c in ckpts] == ["last.ckpt", "step0000060.ckpt"]
+    ckpt = torch.load(ckpts[0], weights_only=True)
+    assert ckpt["steadylm"]["tokenizer"] == "bytes"
+    assert ckpt["steadylm"]["config"]["model"]["context_length"] == 64
+    assert metrics["val/loss"] < losses[0]
+
+
+def test_lr_follows_warmup_then_cosine():
+    kw = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(1e-4)
+    assert lr_at(9, **kw) == pytest.approx(1e-3)
+    assert lr_at(60, **kw) == pytest.approx(5.5e-4)
+    assert lr_at(110, **kw) == pytest.approx(1e-4)
+    curve = [lr_at(s, **kw) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(curve, curve[1:]))  # no abrupt jump up or down after warmup
+    assert max(abs(a - b) for a, b in zip(curve, curve[1:])) < 2e-5
+
+
+def test_weight_decay_only_on_matrices(make_cfg):
+    from steadylm.train import build
+
+    module = build(make_cfg())["module"]
+    opt = module.configure_optimizers()["optimizer"]
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
+    assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "targets,error,match",
+    [
+        (torch.zeros(2, 8), TypeError, "int64"),
+        (torch.zeros(2, 8, dtype=torch.int32), TypeError, "int64"),
+        (torch.zeros(2, 7, dtype=torch.long), ValueError, "shape"),
+    ],
+)
+def test_wrong_target_dtype_or_shape_is_refused_not_cast(targets, error, match):
+    module = LMModule(model=dict(n_layer=1, n_head=2, d_model=32, context_length=8, vocab_size=64), optim=dict(lr=1e-3))
+    logits = module(torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(error, match=match):
+        module.loss(logits, targets)
+
+
+def test_all_padding_batch_gives_zero_loss_not_nan():
+    module = LMModule(model=dict(n_layer=1, n_head=2, d_model=32, context_length=8, vocab_size=64), optim=dict(lr=1e-3))
+    logits = module(torch.zeros(2, 8, dtype=torch.long))
+    loss, _ = module.loss(logits, torch.full((2, 8), -100))
+    assert loss.item() == 0.0
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(cwd)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+CLI_TINY = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
+    "trainer.max_steps=6", "optim.warmup_steps=2", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+]
+
+
+def test_two_process_cpu_ddp_run(shards_dir, tmp_path):
+    out = tmp_path / "ddp"
+    proc = run_cli(
+        "trainer=cpu", "trainer.devices=2", "trainer.strategy=ddp", f"data.dir={shards_dir}", f"hydra.run.dir={out}",
+        *CLI_TINY, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world_size=2" in proc.stderr + proc.stdout or "MEMBER: 2/2" in proc.stderr + proc.stdout
+    assert (out / "checkpoints" / "last.ckpt").exists()
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0 only
+
+
+def test_two_job_multirun_writes_separate_run_dirs(shards_dir, tmp_path):
+    proc = run_cli("-m", "trainer=cpu", "optim.lr=1e-3,3e-3", f"data.dir={shards_dir}", *CLI_TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [j.name for j in jobs] == ["0", "1"]
+    lrs = [(j / ".hydra" / "overrides.yaml").read_text() for j in jobs]
+    assert "optim.lr=0.001" in lrs[0] and "optim.lr=0.003" in lrs[1]
+    for job in jobs:
+        assert (job / "checkpoints" / "last.ckpt").exists()
+
+
+def test_config_mistake_is_one_message_and_exit_2(shards_dir, tmp_path):
+    proc = run_cli("model.context_length=512", "data.context_length=16", f"data.dir={shards_dir}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "error: data.context_length=16 differs from model.context_length=512" in proc.stderr
+    assert "Traceback" not in proc.stderr
