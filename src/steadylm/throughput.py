@@ -15,15 +15,15 @@ import torch
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "4090": 165.2e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+def peak_flops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
 
 
 class Throughput(L.Callback):
-    def __init__(self) -> None:
+    """`peak_flops` overrides the table (FLOP/s per device), e.g. for a GPU it lacks; MFU is logged when known."""
+
+    def __init__(self, peak_flops: float | None = None) -> None:
+        self.peak_flops = peak_flops
         self._tokens = 0
         self._t0: float | None = None
         self._last_step = -1
@@ -38,8 +38,12 @@ class Throughput(L.Callback):
         if self._t0 is not None and now > self._t0:
             tps = self._tokens * trainer.world_size / (now - self._t0)
             pl_module.log("perf/tokens_per_sec", tps, on_step=True)
-            peak = peak_flops(pl_module.device)
+            peak = self.peak_flops or self._device_peak(pl_module.device)
             if peak:
                 per_device = tps / trainer.world_size
                 pl_module.log("perf/mfu", per_device * pl_module.net.flops_per_token() / peak, on_step=True)
         self._t0, self._tokens = now, 0
+
+    @staticmethod
+    def _device_peak(device: torch.device) -> float | None:
+        return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None

@@ -16,20 +16,34 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
+from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import SteadyError
 from steadylm.module import LMModule
+from steadylm.preflight import check_environment, hydra_errors_as_messages
+from steadylm.sweep import finish_job
 
 log = logging.getLogger("steadylm")
 
 
-def resolve_precision(precision: Any) -> Any:
-    """`auto`: bf16-mixed where the GPU supports it, else full fp32 (CPU autocast is opt-in)."""
+def resolve_precision(precision: Any, accelerator: Any = "auto") -> Any:
+    """`auto`: bf16-mixed where the hardware has bf16 units, else fp32.
+
+    On a CPU without native bf16 (no AVX512-BF16/AMX) autocast emulates it and runs ~10x slower
+    (`make bench`), so it is only chosen where oneDNN reports support.
+    """
     if precision != "auto":
         return precision
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    return "32-true"
+    if accelerator != "cpu" and torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
+    return "bf16-mixed" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "32-true"
+
+
+def enable_fast_matmul() -> None:
+    """TF32 tensor cores for fp32 matmuls on Ampere+ (what nanoGPT does); a no-op on CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def instantiate_named(group: DictConfig | None) -> list[Any]:
@@ -41,6 +55,8 @@ def instantiate_named(group: DictConfig | None) -> list[Any]:
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
+    check_environment(cfg)
+    enable_fast_matmul()
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")  # shard checks run here, before any process group or logger exists
@@ -51,32 +67,53 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         run_config=plain_config(cfg),
         tokenizer=datamodule.tokenizer_name,
     )
-    trainer = instantiate(
+    return {"cfg": cfg, "datamodule": datamodule, "module": module, "trainer": build_trainer(cfg)}
+
+
+def build_trainer(cfg: DictConfig) -> L.Trainer:
+    return instantiate(
         cfg.trainer,
         callbacks=instantiate_named(cfg.get("callbacks")),
         logger=instantiate_named(cfg.get("logger")) or False,
-        precision=resolve_precision(cfg.trainer.precision),
+        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
-    return {"cfg": cfg, "datamodule": datamodule, "module": module, "trainer": trainer}
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     objects = build(cfg)
     trainer = objects["trainer"]
-    trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    use_fsdp_clipping(trainer)
+    refuse_multirun_multiprocess(trainer)
+    ckpt_path = checkpoint_to_resume(cfg, objects["module"])
+    trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return metrics, objects
 
 
+_task_started = [False]
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def _app(cfg: DictConfig) -> float | None:
+    _task_started[0] = True
     try:
         metrics, _ = train(cfg)
     except SteadyError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    metric = cfg.get("optimized_metric")
-    return metrics.get(metric) if metric else None
+    except Exception as err:
+        if not in_multirun():
+            raise
+        # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
+        log.exception("job failed: %s", cfg.paths.output_dir)
+        return finish_job(cfg, {}, err)
+    return finish_job(cfg, metrics)
+
+
+def main() -> None:
+    """`python train.py ...`: Hydra's own errors (unknown preset, typo'd key) also become one line."""
+    with hydra_errors_as_messages(_task_started):
+        _app()
 
 
 if __name__ == "__main__":

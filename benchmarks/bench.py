@@ -1,0 +1,195 @@
+"""Side-by-side speed ratios, measured in one process with interleaved rounds (`make bench`).
+
+Absolute times on shared machines are noise; ratios of medians taken round-robin in one process are
+not. Every comparison runs the *same* model object, data and optimizer, so the only difference
+measured is the one named in the row:
+
+  lightning+suite / raw loop   train.py's Lightning path with every stability callback vs a plain loop
+  suite on / suite off         `callbacks=default` vs `callbacks=minimal`
+  loader / training tokens/s   the real DataModule over real shards vs what training consumes
+  bf16 / fp32 (CPU autocast)   and compile / eager
+
+Usage: python benchmarks/bench.py [--quick] [--rounds N] [--steps N] [--json FILE] [--no-compile] [overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import lightning as L
+import torch
+
+from steadylm.config import compose, set_key
+from steadylm.data.prepare import prepare
+from steadylm.train import build, build_trainer
+
+WARMUP = 3  # steps dropped from each timed block: allocator and autotuning settle there
+
+
+class StepTimer(L.Callback):
+    """Wall time between consecutive batch starts: data, forward, backward, clip, step and every hook."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:])][WARMUP:]
+
+
+def lightning_block(cfg, module, datamodule, steps: int) -> list[float]:
+    """One `trainer.fit` of `steps` steps on the shared module and data; set-up is not timed."""
+    set_key(cfg, "trainer.max_steps", steps + 1)
+    trainer = build_trainer(cfg)
+    timer = StepTimer()
+    trainer.callbacks.append(timer)
+    trainer.fit(module, datamodule=datamodule)
+    return timer.step_times()
+
+
+def raw_block(module, opt, sched, loader_iter: Iterator, steps: int, *, autocast=False, forward=None) -> list[float]:
+    """The plain PyTorch loop nanoGPT users would write: same model, data, optimizer and clipping."""
+    forward = forward or module.net
+    times, t0 = [], time.perf_counter()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    for _ in range(steps + 1):
+        x, y = next(loader_iter)
+        with ctx:
+            loss, _ = module.loss(forward(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times[WARMUP:]
+
+
+def endless(loader) -> Iterator:
+    while True:
+        yield from loader
+
+
+def ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(a) / statistics.median(b)
+
+
+def interleave(rounds: int, runners: dict[str, Callable[[], list[float]]]) -> dict[str, list[float]]:
+    """Round-robin the runners so drift in machine load hits every side equally."""
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(rounds):
+        for name, run in runners.items():
+            samples[name] += run()
+        print(f"  round {r + 1}/{rounds} done", file=sys.stderr)
+    return samples
+
+
+def loader_tokens_per_sec(datamodule, batches: int) -> float:
+    loader = datamodule.train_dataloader()
+    it = endless(loader)
+    next(it)
+    t0, tokens = time.perf_counter(), 0
+    for _ in range(batches):
+        x, _ = next(it)
+        tokens += x.numel()
+    return tokens / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite; numbers are not meaningful")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per block")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (compiling takes a while)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.d_model=256")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.no_compile = 1, 6, True
+    logging.getLogger("lightning").setLevel(logging.WARNING)
+
+    work = Path(tempfile.mkdtemp(prefix="steadylm-bench-"))
+    data_dir = work / "data"
+    prepare(input=None, out_dir=data_dir, max_bytes=300_000 if args.quick else 3_000_000, progress=False)
+    common = [
+        "trainer=cpu", f"data.dir={data_dir}", f"paths.output_dir={work / 'run'}", "logger=none",
+        "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0", "trainer.enable_model_summary=false",
+        "trainer.val_check_interval=1000000", "optim.warmup_steps=1",
+        "trainer.max_steps=100000", *args.overrides,
+    ]
+    suite_cfg = compose([*common, "callbacks=default", "~callbacks.checkpoint"])
+    bare_cfg = compose([*common, "callbacks=none"])
+    objects = build(suite_cfg)
+    module, datamodule = objects["module"], objects["datamodule"]
+    opt_cfg = module.configure_optimizers()
+    opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    batches = endless(datamodule.train_dataloader())
+    steps = args.steps
+
+    def raw(**kw) -> Callable[[], list[float]]:
+        return lambda: raw_block(module, opt, sched, batches, steps, **kw)
+
+    print(f"timing {args.rounds} interleaved rounds of {steps} steps each …", file=sys.stderr)
+    runners = {
+        "raw": raw(),
+        "suite": lambda: lightning_block(suite_cfg, module, datamodule, steps),
+        "bare": lambda: lightning_block(bare_cfg, module, datamodule, steps),
+        "raw_bf16": raw(autocast=True),
+    }
+    if not args.no_compile:
+        compiled = torch.compile(module.net)
+        raw_block(module, opt, sched, batches, 2, forward=compiled)  # compile outside the timed rounds
+        runners["raw_compiled"] = raw(forward=compiled)
+    t = interleave(args.rounds, runners)
+
+    tokens_per_step = datamodule.batch_size * datamodule.context_length
+    train_tps = tokens_per_step / statistics.median(t["suite"])
+    fpt = module.net.flops_per_token()
+    results = {
+        "lightning_suite_over_raw": ratio(t["suite"], t["raw"]),
+        "suite_on_over_off": ratio(t["suite"], t["bare"]),
+        "loader_over_training_tokens_per_sec": loader_tokens_per_sec(datamodule, 20 if args.quick else 200) / train_tps,
+        "bf16_over_fp32_cpu": ratio(t["raw_bf16"], t["raw"]),
+        "compiled_over_eager": ratio(t["raw_compiled"], t["raw"]) if "raw_compiled" in t else None,
+        "flops_per_token": fpt,
+        "train_tokens_per_sec": train_tps,
+        "model_flops_per_sec": fpt * train_tps,
+        "params": module.net.num_params(),
+    }
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def report(r: dict) -> None:
+    rows = [
+        ("step time: Lightning + suite / raw loop", r["lightning_suite_over_raw"], "<= 1.02"),
+        ("step time: suite on / suite off", r["suite_on_over_off"], "<= 1.02"),
+        ("tokens/s: data loader / training", r["loader_over_training_tokens_per_sec"], ">= 50"),
+        ("step time: bf16 autocast / fp32 (CPU)", r["bf16_over_fp32_cpu"], "< 1 where the CPU has bf16"),
+        ("step time: torch.compile / eager", r["compiled_over_eager"], "< 1"),
+    ]
+    print(f"\n{'ratio (medians, interleaved)':44} {'value':>9}  target")
+    for name, value, target in rows:
+        shown = "skipped" if value is None else f"{value:9.3f}"
+        print(f"{name:44} {shown:>9}  {target}")
+    print(f"\nmodel: {r['params']:,} params, {r['flops_per_token']:,} FLOPs/token (6N + 12·L·d·T)")
+    print(f"training: {r['train_tokens_per_sec']:,.0f} tokens/s = {r['model_flops_per_sec'] / 1e9:.2f} GFLOP/s achieved")
+
+
+if __name__ == "__main__":
+    main()

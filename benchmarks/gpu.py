@@ -1,0 +1,78 @@
+"""GPU throughput and MFU of `model=small` (GPT-2 124M) in bf16 with torch.compile, on one GPU.
+
+Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak table in
+`steadylm.throughput` and which SDPA kernel the attention can use. Goal on one H200: MFU >= 45%.
+
+Usage: python benchmarks/gpu.py [--steps 60] [--batch 16] [--no-compile] [overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from bench import StepTimer
+
+from steadylm.config import compose
+from steadylm.data.prepare import prepare
+from steadylm.throughput import peak_flops
+from steadylm.train import build
+
+
+def flash_attention_usable(head_dim: int, seq: int) -> bool:
+    """Whether the flash kernel accepts our attention shapes in bf16 (else SDPA falls back silently)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 12, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU visible; this benchmark needs one (the CPU ratios are in `make bench`)")
+
+    work = Path(tempfile.mkdtemp(prefix="steadylm-gpu-"))
+    prepare(input=None, out_dir=work / "data", max_bytes=4_000_000, progress=False)
+    cfg = compose([
+        "model=small", "trainer=gpu", "trainer.precision=bf16-mixed", f"compile={not args.no_compile}",
+        f"data.dir={work / 'data'}", f"data.batch_size={args.batch}", "data.num_workers=2", "data.pin_memory=true",
+        f"paths.output_dir={work / 'run'}", f"trainer.max_steps={args.steps}", "optim.warmup_steps=10",
+        "trainer.limit_val_batches=0", "trainer.val_check_interval=1000000", "logger=none", "~callbacks.checkpoint",
+        "trainer.enable_progress_bar=false", *args.overrides,
+    ])
+    objects = build(cfg)
+    timer = StepTimer()
+    objects["trainer"].callbacks.append(timer)
+    objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+
+    times = timer.step_times()[10:]  # compile and autotune happen in the first steps
+    tokens = cfg.data.batch_size * cfg.model.context_length
+    tps = tokens / statistics.median(times)
+    net = objects["module"].net
+    name = torch.cuda.get_device_name()
+    peak = peak_flops(name)
+    print(f"device: {name}; params {net.num_params():,}; FLOPs/token {net.flops_per_token():,}")
+    print(f"flash attention usable: {flash_attention_usable(net.cfg.d_model // net.cfg.n_head, net.cfg.context_length)}")
+    print(f"step time (median of {len(times)}): {statistics.median(times) * 1e3:.1f} ms; tokens/s: {tps:,.0f}")
+    achieved = tps * net.flops_per_token()
+    mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.throughput.PEAK_FLOPS)"
+    print(f"model FLOP/s: {achieved / 1e12:.1f} TFLOP/s; MFU: {mfu}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Throughput/MFU logging, the peak-FLOPs table, and the benchmark script's quick mode."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steadylm.throughput import peak_flops
+from steadylm.train import resolve_precision, train
+from tests.test_train import scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_peak_table_knows_h200_and_h100():
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("Some Future GPU") is None
+
+
+def test_auto_precision_is_fp32_on_a_cpu_without_bf16_units():
+    import torch
+
+    expected = "bf16-mixed" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "32-true"
+    assert resolve_precision("auto", "cpu") == expected
+    assert resolve_precision("16-mixed", "cpu") == "16-mixed"
+
+
+def test_tokens_per_sec_and_mfu_are_logged(make_cfg, tmp_path):
+    _, objects = train(make_cfg("callbacks.throughput.peak_flops=1e12", "trainer.max_steps=20"))
+    tags = scalars(tmp_path / "run")
+    tps, mfu = tags["perf/tokens_per_sec"], tags["perf/mfu"]
+    assert len(tps) == len(mfu) >= 2 and all(t > 0 for t in tps)
+    fpt = objects["module"].net.flops_per_token()
+    for t, m in zip(tps, mfu):
+        assert m == pytest.approx(t * fpt / 1e12, rel=1e-4)
+
+
+def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("Lightning + suite / raw loop", "suite on / suite off", "data loader / training", "bf16 autocast", "FLOPs/token"):
+        assert row in proc.stdout
+    results = json.loads(out.read_text())
+    for key in ("lightning_suite_over_raw", "suite_on_over_off", "loader_over_training_tokens_per_sec", "bf16_over_fp32_cpu"):
+        assert results[key] > 0
+    assert results["flops_per_token"] > 6 * results["params"]
