@@ -21,10 +21,16 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## create .venv and install steadylm with dev extras
 
-data: $(VENV)/.installed ## tokenize the embedded corpus (stdlib sources) into HDF5 shards under data/
+DEMO_DATA := data/stdlib-bytes/tokenizer.json
+
+data: $(VENV)/.installed ## tokenize the embedded corpus (stdlib sources) into HDF5 shards under data/ (ARGS="data.input=...")
 	$(PY) -m steadylm.data.prepare $(ARGS)
 
-demo: data ## fresh clone -> prepared data, a tiny model trained, TensorBoard logs, checkpoint, report
+$(DEMO_DATA): | $(VENV)/.installed
+	$(PY) -m steadylm.data.prepare
+
+demo: $(VENV)/.installed $(DEMO_DATA) ## fresh clone -> prepared data, a tiny model trained, TensorBoard logs, checkpoint, report
+	rm -rf logs/demo
 	$(PY) train.py model=tiny trainer.max_steps=300 trainer.val_check_interval=100 optim.warmup_steps=30 hydra.run.dir=logs/demo $(ARGS)
 	$(PY) -m steadylm.diagnose logs/demo
 	@echo "demo done: logs/demo (make tensorboard RUN=logs/demo)"
