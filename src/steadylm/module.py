@@ -50,6 +50,8 @@ class LMModule(L.LightningModule):
         # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
         self.run_config = run_config
         self.tokenizer_name = tokenizer
+        # Optimizer steps skipped by the stability guard: the LR schedule counts only applied steps.
+        self.skipped_steps = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.forward_fn(idx)
@@ -94,9 +96,10 @@ class LMModule(L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = self.device.type == "cuda"
+        # fp16's GradScaler must unscale before clipping, which fused AdamW does not allow.
+        fused = self.device.type == "cuda" and self.trainer.precision != "16-mixed"
         opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=fused)
-        sched = LambdaLR(opt, lambda step: self.lr_factor(step))
+        sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def lr_factor(self, step: int) -> float:
@@ -105,4 +108,9 @@ class LMModule(L.LightningModule):
         return lr / o["lr"]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["steadylm"] = {"config": self.run_config, "tokenizer": self.tokenizer_name}
+        checkpoint["steadylm"] = {
+            "config": self.run_config, "tokenizer": self.tokenizer_name, "skipped_steps": self.skipped_steps,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = int(checkpoint.get("steadylm", {}).get("skipped_steps", 0))

@@ -1,0 +1,51 @@
+"""The append-only events log: `<run_dir>/stability/events.jsonl`, one JSON object per line.
+
+Every detection and action of the stability callbacks goes through `emit`, so `diagnose` and the
+tests read one file. Only global rank 0 writes (all ranks reach the same decisions), and each line
+is flushed as it is written so a crash right after an event still leaves it on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("steadylm.stability")
+
+KINDS = (
+    "nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike", "update_ratio", "attn_logit",
+    "fp16_skip_streak", "rollback", "stop",
+)
+ACTIONS = ("log", "skip", "rollback", "stop")
+
+
+def stability_dir(trainer) -> Path:
+    return Path(trainer.default_root_dir) / "stability"
+
+
+def events_path(trainer) -> Path:
+    return stability_dir(trainer) / "events.jsonl"
+
+
+def emit(trainer, step: int, kind: str, action: str, detail: dict[str, Any] | None = None) -> None:
+    """Append one event (rank 0 only) and echo it to the console log."""
+    assert kind in KINDS and action in ACTIONS, (kind, action)
+    if not trainer.is_global_zero:
+        return
+    event = {"step": int(step), "kind": kind, "action": action, "detail": detail or {}, "time": time.time()}
+    path = events_path(trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(event) + "\n")
+        f.flush()
+    log.warning("stability: step %d %s -> %s %s", step, kind, action, json.dumps(detail or {}))
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "stability" / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

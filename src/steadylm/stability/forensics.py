@@ -1,0 +1,107 @@
+"""Name the first module that went non-finite, and write the forensic bundle of a stop.
+
+`locate` re-runs this step's micro-batches through the bare model (never the DDP wrapper, so no
+collective runs and `.grad` is untouched) with forward and backward hooks on every leaf module, and
+records the first non-finite output in forward order and the first non-finite gradient in backward
+order, plus per-layer statistics. It runs only on the failure path; its host syncs do not matter there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from steadylm.stability.events import stability_dir
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+def first_nonfinite_grad(net: torch.nn.Module) -> str | None:
+    """The module owning the first parameter (registration order) whose current `.grad` is non-finite."""
+    named = [(n, p.grad) for n, p in net.named_parameters() if p.grad is not None]
+    if not named:
+        return None
+    bad = torch.stack([~g.isfinite().all() for _, g in named]).tolist()
+    return next((_module_of(n) for (n, _), b in zip(named, bad) if b), None)
+
+
+def window_indices(trainer, batch_idx: int) -> list[int]:
+    """The data windows this rank read at `batch_idx` of the epoch (from our `EpochBatchSampler`)."""
+    sampler = getattr(getattr(trainer, "datamodule", None), "_train_sampler", None)
+    if sampler is None:
+        return []
+    G = sampler.global_batch
+    chunk = sampler.permutation()[batch_idx * G : (batch_idx + 1) * G]
+    return [i for i in chunk[sampler.rank :: sampler.world_size].tolist() if i >= 0]
+
+
+def locate(pl_module, batches: list) -> dict:
+    """Re-run `batches` with hooks; returns {"forward": name|None, "backward": name|None, "layers": {...}}."""
+    net = pl_module.net
+    leaves = [(n or "net", m) for n, m in net.named_modules() if not list(m.children())]
+    layers: dict[str, dict] = {}
+    order: dict[str, list[str]] = {"forward": [], "backward": []}
+
+    def fwd_hook(name):
+        def hook(module, args, out):
+            if isinstance(out, torch.Tensor):
+                o = out.detach().float()
+                finite = o.isfinite()
+                fin = o[finite]
+                layers.setdefault(name, {}).update(
+                    out_nonfinite=int((~finite).sum()),
+                    out_absmax=float(fin.abs().max()) if fin.numel() else None,
+                    out_rms=float(fin.pow(2).mean().sqrt()) if fin.numel() else None,
+                )
+                if not finite.all():
+                    order["forward"].append(name)
+
+        return hook
+
+    def bwd_hook(name):
+        def hook(module, grad_input, grad_output):
+            g = grad_output[0]
+            if g is not None:
+                bad = int((~g.isfinite()).sum())
+                layers.setdefault(name, {})["grad_nonfinite"] = bad
+                if bad:
+                    order["backward"].append(name)
+
+        return hook
+
+    handles = []
+    for name, m in leaves:
+        handles.append(m.register_forward_hook(fwd_hook(name)))
+        handles.append(m.register_full_backward_hook(bwd_hook(name)))
+    params = [p for p in net.parameters() if p.requires_grad]
+    try:
+        with torch.enable_grad():
+            for x, y in batches:
+                loss, _ = pl_module.loss(net(x), y)
+                torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for n, p in net.named_parameters():
+        if not p.isfinite().all():
+            layers.setdefault(_module_of(n), {})["param_nonfinite"] = True
+    first = lambda key: order[key][0] if order[key] else None  # noqa: E731
+    return {"forward": first("forward"), "backward": first("backward"), "layers": layers}
+
+
+def culprit(report: dict, grad_module: str | None) -> str | None:
+    """Forward order first (where the NaN was born), then backward, then the raw gradients."""
+    return report.get("forward") or report.get("backward") or grad_module
+
+
+def write_bundle(trainer, step: int, bundle: dict) -> Path | None:
+    if not trainer.is_global_zero:
+        return None
+    path = stability_dir(trainer) / "forensics" / f"step_{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(bundle, indent=1))
+    return path

@@ -1,0 +1,46 @@
+"""`LossScaleMonitor`: under fp16 (`trainer.precision=16-mixed`), make the loss scaler's skips visible.
+
+The GradScaler skips every step whose unscaled gradients overflow and halves the scale; a run whose
+scale keeps collapsing is a silent stall: the loss curve goes flat while the step counter advances.
+This counts each scaler skip in `optim/skipped_steps` (so the LR schedule does not advance on it),
+logs `optim/loss_scale`, and raises an `fp16_skip_streak` event when `streak` skips run back to back.
+Inactive (no cost) without a scaler: bf16 and fp32 do not need one.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+from steadylm.stability.events import emit
+from steadylm.stability.probe import ProbeUser, loss_scaler, probe_for
+
+
+class LossScaleMonitor(ProbeUser, L.Callback):
+    def __init__(self, streak: int = 5) -> None:
+        self.streak = int(streak)
+        self.consecutive = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        scaler = loss_scaler(trainer)
+        if scaler is None:
+            return
+        probe = probe_for(trainer)
+        m = probe.measure(trainer, pl_module)
+        if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
+            pl_module.log("optim/loss_scale", scaler.get_scale(), on_step=True, on_epoch=False)
+        if not m.grad_nonfinite:
+            self.consecutive = 0
+            return
+        probe.skip(trainer, pl_module, null_grads=False)  # the scaler itself skips the update
+        self.consecutive += 1
+        if self.consecutive == self.streak:
+            emit(trainer, trainer.global_step, "fp16_skip_streak", "log", {
+                "consecutive": self.consecutive, "loss_scale": scaler.get_scale(),
+                "skipped_steps": pl_module.skipped_steps,
+            })
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive = int(state["consecutive"])

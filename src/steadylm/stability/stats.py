@@ -1,0 +1,115 @@
+"""`GradParamStats`: the numbers that show a run drifting toward divergence before it gets there.
+
+Every step (from the probe's one reduced host copy, no extra sync): `optim/grad_norm` (pre-clip, which
+Lightning's clipping computes and throws away) and `optim/skipped_steps`. Every `every_n_steps` steps,
+chosen to coincide with Lightning's logging steps: per-block grad norm, param norm and update/param
+ratio ‖Δθ‖/‖θ‖ (params snapshotted before the update on those steps only), max attention logit per
+layer (the O(T²) tracking is switched on for that step only) and activation RMS per block (forward
+hooks on that step only). All of a logging step's tensors are stacked and copied to the host once.
+Alarms (`update_ratio`, `attn_logit`) go to the events log; they never change training.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from steadylm.stability.events import emit
+from steadylm.stability.probe import ProbeUser, probe_for
+
+
+class GradParamStats(ProbeUser, L.Callback):
+    def __init__(self, every_n_steps: int = 10, update_ratio_alarm: float = 1.0, attn_logit_alarm: float = 100.0) -> None:
+        self.every_n_steps = max(1, int(every_n_steps))
+        self.update_ratio_alarm = float(update_ratio_alarm)
+        self.attn_logit_alarm = float(attn_logit_alarm)
+        self._armed_step = -1
+        self._hooks: list = []
+        self._act: dict[int, torch.Tensor] = {}
+        self._before: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _blocks(pl_module) -> list[torch.nn.Module]:
+        return list(getattr(pl_module.net, "blocks", []))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        step = trainer.global_step
+        # Lightning writes logs when (step + 1) % log_every_n_steps == 0; measure on those steps.
+        if (step + 1) % self.every_n_steps or self._armed_step == step:
+            return
+        self._armed_step = step
+        for i, block in enumerate(self._blocks(pl_module)):
+            block.attn.track_max_logit = True
+            self._hooks.append(block.register_forward_hook(self._rms_hook(i)))
+
+    def _rms_hook(self, i: int):
+        def hook(module, args, out):
+            self._act[i] = out.detach().float().pow(2).mean().sqrt()
+
+        return hook
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        m = probe_for(trainer).measure(trainer, pl_module)
+        pl_module.log("optim/grad_norm", m.grad_norm, on_step=True, on_epoch=False)
+        if self._armed_step != trainer.global_step:
+            return
+        blocks = self._blocks(pl_module)
+        self._grad_norms = [self._norm([p.grad for p in b.parameters() if p.grad is not None]) for b in blocks]
+        self._before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    @staticmethod
+    def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(tensors).float() if tensors else torch.zeros(())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.log("optim/skipped_steps", float(getattr(pl_module, "skipped_steps", 0)), on_step=True, on_epoch=False)
+        if self._armed_step < 0 or trainer.global_step <= self._armed_step:
+            return  # not armed, or still accumulating micro-batches of the armed step
+        step, self._armed_step = self._armed_step, -1
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if not self._before:
+            return  # the step ended without an optimizer step
+        blocks = self._blocks(pl_module)
+        named = dict(pl_module.named_parameters())
+        ids = [{id(p) for p in b.parameters()} for b in blocks]
+        block_params = [[n for n, p in named.items() if id(p) in own] for own in ids]
+        delta = {n: named[n].detach() - self._before[n] for n in named}
+        param_norms = [self._norm([named[n].detach() for n in ns]) for ns in block_params]
+        delta_norms = [self._norm([delta[n] for n in ns]) for ns in block_params]
+        total_param = self._norm([p.detach() for p in named.values()])
+        total_delta = self._norm(list(delta.values()))
+        logits = [b.attn.max_logit if b.attn.max_logit is not None else torch.zeros(()) for b in blocks]
+        acts = [self._act.get(i, torch.zeros(())) for i in range(len(blocks))]
+        for b in blocks:
+            b.attn.track_max_logit, b.attn.max_logit = False, None
+        self._before, self._act = {}, {}
+        rows = [self._grad_norms, param_norms, delta_norms, logits, acts]
+        flat = [t.to(total_param.device).float() for row in rows for t in row] + [total_delta, total_param]
+        values = torch.stack(flat).tolist() if flat else []  # the one host copy of a logging step
+        self._log(trainer, pl_module, step, values, len(blocks))
+
+    def _log(self, trainer, pl_module, step: int, values: list[float], n: int) -> None:
+        grad, param, delta, logit, act = (values[k * n : (k + 1) * n] for k in range(5))
+        total_delta, total_param = values[5 * n], values[5 * n + 1]
+        ratio = [d / max(p, 1e-12) for d, p in zip(delta, param)]
+        total_ratio = total_delta / max(total_param, 1e-12)
+        metrics = {"stability/update_ratio": total_ratio}
+        for i in range(n):
+            metrics.update({
+                f"stability/grad_norm/block_{i}": grad[i], f"stability/param_norm/block_{i}": param[i],
+                f"stability/update_ratio/block_{i}": ratio[i], f"stability/max_attn_logit/block_{i}": logit[i],
+                f"stability/act_rms/block_{i}": act[i],
+            })
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        worst = max([total_ratio, *ratio])
+        if worst > self.update_ratio_alarm:
+            emit(trainer, step, "update_ratio", "log", {
+                "value": worst, "threshold": self.update_ratio_alarm, "global": total_ratio,
+                "block": max(range(n), key=ratio.__getitem__) if n else None,
+            })
+        if n and max(logit) > self.attn_logit_alarm:
+            i = max(range(n), key=logit.__getitem__)
+            emit(trainer, step, "attn_logit", "log", {"value": logit[i], "threshold": self.attn_logit_alarm, "block": i})
