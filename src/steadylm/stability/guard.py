@@ -62,7 +62,6 @@ class NonFiniteGuard(ProbeUser, L.Callback):
             if restored is not None:
                 self.rollbacks += 1
                 self.consecutive = 0
-                probe.skip(trainer, pl_module)
                 emit(trainer, step, kind, "rollback", detail)
                 emit(trainer, step, "rollback", "rollback", {**restored, "module": self.module, "from_step": self.streak_start})
                 return

@@ -78,23 +78,21 @@ class StepProbe:
         )
         return self._measured
 
-    def skip(self, trainer, pl_module, null_grads: bool = True) -> bool:
+    def skip(self, trainer, pl_module, null_grads: bool = True, total: int | None = None) -> None:
         """Skip this optimizer step: no grads -> AdamW leaves weights, moments, step count and decay alone.
 
-        Counts the step once in `pl_module.skipped_steps`, which the LR schedule subtracts so a skipped
-        step does not advance it. Returns False if the step was already skipped by another callback.
+        Counts the step once in `pl_module.skipped_steps` (optimizer steps whose update is not in the
+        weights), which the LR schedule subtracts so a skipped step does not advance it; a rollback
+        passes the new `total` instead.
         """
         if null_grads:
             for p in pl_module.parameters():
                 p.grad = None
-        if self._skipped_step == trainer.global_step:
-            return False
+        if total is not None:
+            pl_module.skipped_steps = total
+        elif self._skipped_step != trainer.global_step:
+            pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
         self._skipped_step = trainer.global_step
-        pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
-        return True
-
-    def skipped(self, trainer) -> bool:
-        return self._skipped_step == trainer.global_step
 
 
 def probe_for(trainer) -> StepProbe:

@@ -1,6 +1,6 @@
 """Roll back to the last good checkpoint in the run dir, in place, in the middle of `fit`.
 
-Restores the weights, optimizer state, LR scheduler and skipped-step count from the newest checkpoint
+Restores the weights and optimizer state from the newest checkpoint
 that was saved at or before the first bad step and holds only finite weights. The data loader is not
 rewound: the window between that checkpoint and now is skipped, as PaLM did by hand. Every rank reads
 the same file after the same collective decision, so the replicas stay identical.
@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from steadylm.stability.probe import probe_for
 
 
 def checkpoint_dir(trainer) -> Path:
@@ -34,14 +36,17 @@ def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None
 
 
 def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
-    """Restore in place; returns {"checkpoint", "to_step"} or None when no good checkpoint exists."""
+    """Restore in place and skip this step; returns {"checkpoint", "to_step"}, or None without a good checkpoint.
+
+    The steps between the checkpoint and now are no longer in the weights, so they join the skipped
+    count: the LR schedule (which subtracts it) resumes where the checkpoint left off.
+    """
     found = last_good_checkpoint(trainer, at_or_before)
     if found is None:
         return None
     path, ckpt = found
     pl_module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
-    if trainer.lr_scheduler_configs and ckpt.get("lr_schedulers"):
-        trainer.lr_scheduler_configs[0].scheduler.load_state_dict(ckpt["lr_schedulers"][0])
-    pl_module.skipped_steps = int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
+    applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
+    probe_for(trainer).skip(trainer, pl_module, total=trainer.global_step + 1 - applied)
     return {"checkpoint": path.name, "to_step": int(ckpt["global_step"])}

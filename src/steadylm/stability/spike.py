@@ -90,7 +90,7 @@ class SpikeDetector(ProbeUser, L.Callback):
         if self.action == "rollback" and self.rollbacks < self.max_rollbacks:
             restored = rollback(trainer, pl_module, optimizer, step)
             self.rollbacks += restored is not None
-        if self.action != "log":
+        if self.action != "log" and not restored:
             probe.skip(trainer, pl_module)
         action = "rollback" if restored else ("skip" if self.action != "log" else "log")
         for signal, detail in spikes.items():
