@@ -1,0 +1,129 @@
+"""Sample text from a checkpoint: `python -m steadylm.generate ckpt=PATH prompt="def " max_new_tokens=200`.
+
+The checkpoint alone is enough: the model shape comes from `hyper_parameters.model` and the tokenizer
+from `steadylm.tokenizer`, both written by training. It is loaded with `weights_only=True`, so a
+checkpoint file can never run code. Same checkpoint, prompt and seed -> the same text.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from steadylm.data.tokenizer import Tokenizer, get_tokenizer
+from steadylm.errors import SteadyError
+from steadylm.model import GPT, GPTConfig
+
+
+@dataclass
+class GenerateArgs:
+    ckpt: str
+    prompt: str = "\n"
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int | None = 50  # sample only among the k most likely tokens; null = all
+    seed: int = 0
+    device: str = "auto"  # auto = cuda when available
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
+    """Rebuild the GPT and its tokenizer from a training checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise SteadyError(f"ckpt={path}: no such checkpoint file; pass a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        model_cfg = ckpt["hyper_parameters"]["model"]
+        tokenizer_name = ckpt["steadylm"]["tokenizer"]
+        state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    except (KeyError, TypeError) as e:
+        raise SteadyError(f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py") from None
+    except Exception as e:  # torch.load reports truncated/foreign files through many exception types
+        raise SteadyError(f"ckpt={path}: cannot be read as a checkpoint ({type(e).__name__}); is it truncated?") from None
+    model = GPT(GPTConfig(**model_cfg))
+    model.load_state_dict(state)
+    return model.to(device).eval(), get_tokenizer(tokenizer_name)
+
+
+@torch.no_grad()
+def sample(
+    model: GPT,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    vocab_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Append up to `max_new_tokens` sampled ids to `ids`; returns only the new ones.
+
+    `vocab_size` masks the padding ids above the tokenizer's vocabulary, which the model was never
+    trained to emit. The context is cropped to the model's last `context_length` tokens.
+    """
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.context_length :])[0, -1].float()
+        if vocab_size is not None:
+            logits[vocab_size:] = -float("inf")
+        if temperature <= 0:
+            nxt = logits.argmax()
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = -float("inf")
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[0]
+        new.append(int(nxt))
+        idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+    return new
+
+
+def generate(args: GenerateArgs) -> str:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_checkpoint(args.ckpt, device)
+    ids = tok.encode(args.prompt) or [tok.eos_id]
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    new = sample(model, ids, args.max_new_tokens, args.temperature, args.top_k, tok.vocab_size, generator)
+    return args.prompt + tok.decode(new)
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("null", "none") else int(text)
+
+
+# Text values (ckpt, prompt, device) are taken verbatim: `prompt="def "` keeps its trailing space.
+CONVERTERS = {"max_new_tokens": int, "temperature": float, "top_k": _optional_int, "seed": int}
+
+
+def parse_args(argv: list[str]) -> GenerateArgs:
+    """`key=value` arguments (the same syntax as train.py overrides) over the defaults above."""
+    keys = ", ".join(f.name for f in fields(GenerateArgs))
+    values = {}
+    for arg in argv:
+        key, sep, text = arg.partition("=")
+        if not sep or key not in CONVERTERS and key not in ("ckpt", "prompt", "device"):
+            raise SteadyError(f"unknown argument {arg!r}; use key=value with keys: {keys}")
+        try:
+            values[key] = CONVERTERS.get(key, str)(text)
+        except ValueError:
+            raise SteadyError(f"{key}={text!r} is not a number; e.g. {key}={getattr(GenerateArgs, key)}") from None
+    if "ckpt" not in values:
+        raise SteadyError("ckpt= is required: the path of a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)")
+    return GenerateArgs(**values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        print(generate(parse_args(sys.argv[1:] if argv is None else argv)))
+    except SteadyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
