@@ -1,0 +1,84 @@
+"""Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep.
+
+Lightning's DDP launcher re-runs `train.py` for each extra local process and passes it rank 0's
+`hydra.run.dir` (and `hydra.output_subdir=null`, so `.hydra/` is written once). This module adds
+what that leaves open: Hydra's job log file is written by rank 0 only, FSDP gets norm clipping the
+FSDP way, and a multirun that would make every child re-run the whole sweep is refused up front.
+It must never start processes itself: launching stays with Lightning, torchrun or submitit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from omegaconf import OmegaConf
+
+from steadylm.errors import ConfigError
+from steadylm.model.gpt import Block
+
+# Set by torchrun (RANK), SLURM/submitit (SLURM_PROCID) and Lightning's launcher (LOCAL_RANK, NODE_RANK).
+RANK_ENV_VARS = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
+
+
+def is_rank_zero_process() -> bool:
+    """True unless the environment names this process as a non-zero rank (works before any process group)."""
+    return all(os.environ.get(var, "0") == "0" for var in RANK_ENV_VARS)
+
+
+def rank_zero_file(path: str) -> str:
+    """`path` on rank 0, the null device elsewhere: used for Hydra's job log file."""
+    return path if is_rank_zero_process() else os.devnull
+
+
+OmegaConf.register_new_resolver("rank_zero_file", rank_zero_file, replace=True)
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
+    """Refuse `-m` with a strategy whose launcher re-runs the script (the children would re-run the sweep)."""
+    if not in_multirun():
+        return
+    strategy = trainer.strategy
+    relaunches = isinstance(strategy.launcher, _SubprocessScriptLauncher) and trainer.num_devices > 1
+    if relaunches and not strategy.cluster_environment.creates_processes_externally:
+        raise ConfigError(
+            f"Hydra multirun (-m) cannot start trainer.devices={trainer.num_devices} processes itself "
+            f"({type(strategy).__name__}): Lightning re-runs train.py for each extra process, which would re-run "
+            "the whole sweep; sweep with hydra/launcher=slurm (submitit starts every job's processes), or run each "
+            "job without -m (e.g. `torchrun --nproc_per_node=N train.py hydra.run.dir=... <overrides>`)."
+        )
+
+
+def block_wrap_policy() -> set[type]:
+    """FSDP units for `trainer=fsdp`: one per transformer block, so only one block is gathered at a time."""
+    return {Block}
+
+
+class FSDPClipping(L.Callback):
+    """Global-norm clipping for FSDP, which shards gradients so only the wrapped module can compute the norm.
+
+    Lightning refuses `gradient_clip_algorithm=norm` under FSDP, so `use_fsdp_clipping` moves the clip value
+    here; appended last, it runs after the other callbacks' `on_before_optimizer_step` (they see pre-clip grads).
+    """
+
+    def __init__(self, max_norm: float):
+        self.max_norm = float(max_norm)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        trainer.strategy.model.clip_grad_norm_(self.max_norm)
+
+
+def use_fsdp_clipping(trainer: L.Trainer) -> None:
+    """Under FSDP, replace Lightning's norm clipping (which it refuses there) with `FSDPClipping`."""
+    clip = trainer.gradient_clip_val
+    if isinstance(trainer.strategy, FSDPStrategy) and clip and trainer.gradient_clip_algorithm == "norm":
+        trainer.gradient_clip_val = None
+        trainer.callbacks.append(FSDPClipping(clip))

@@ -1,0 +1,162 @@
+"""Sweep bookkeeping: each job's outcome in `<run_dir>/result.json`, and a summary of the whole sweep.
+
+`finish_job` runs at the end of every job (rank 0 writes) and classifies it: a job *diverged* when its
+loss went non-finite, a stability callback stopped it, or its `train()` raised. `SweepSummary` is a
+Hydra callback (`hydra.callbacks.sweep_summary`) that, when a multirun ends, writes
+`<sweep_dir>/summary.md` (one row per job) and `summary.png` (final val loss vs LR, diverged jobs marked).
+It only reads run dirs; it must never change a job's files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from steadylm.distributed import is_rank_zero_process
+
+RESULT_FILE = "result.json"
+EVENTS_FILE = Path("stability") / "events.jsonl"
+
+
+def stop_event(run_dir: Path) -> dict | None:
+    """The first stability event whose action stopped the run, if any."""
+    path = run_dir / EVENTS_FILE
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed process
+        if event.get("action") == "stop":
+            return event
+    return None
+
+
+def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | None) -> str | None:
+    """Why a job diverged, or None when it did not."""
+    if error is not None:
+        return f"train() raised {type(error).__name__}: {error}"
+    for key in ("train/loss", "val/loss"):
+        if key in metrics and not math.isfinite(metrics[key]):
+            return f"non-finite {key}"
+    event = stop_event(run_dir)
+    if event is not None:
+        return f"stopped on {event.get('kind')} at step {event.get('step')}"
+    return None
+
+
+def finish_job(cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None) -> float | None:
+    """Record the job's outcome (rank 0) and return the metric a sweeper optimises (NaN when diverged)."""
+    run_dir = Path(cfg.paths.output_dir)
+    reason = divergence(metrics, run_dir, error)
+    if is_rank_zero_process():
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        result = {
+            "status": "diverged" if reason else "ok",
+            "reason": reason,
+            "lr": float(cfg.optim.lr),
+            "val_loss": metrics.get("val/loss"),
+            "train_loss": metrics.get("train/loss"),
+            "overrides": overrides,
+        }
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # json writes NaN/Infinity tokens, which json.loads reads back.
+        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    metric = cfg.get("optimized_metric")
+    if not metric:
+        return None
+    return float("nan") if reason else metrics.get(metric)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job folders of a sweep (those Hydra wrote a config into), in job order."""
+    dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
+    return sorted(dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def read_job(job_dir: Path) -> dict[str, Any]:
+    """A job's result; a job that never wrote one (killed, crashed hard) is `missing`."""
+    path = job_dir / RESULT_FILE
+    if path.is_file():
+        return {"job": job_dir.name, **json.loads(path.read_text())}
+    overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
+    return {"job": job_dir.name, "status": "missing", "reason": f"no {RESULT_FILE}", "overrides": list(overrides)}
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4g}"
+
+
+def summary_table(jobs: list[dict[str, Any]]) -> str:
+    rows = [
+        "| job | overrides | lr | final val/loss | status | reason |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for j in jobs:
+        overrides = " ".join(f"`{o}`" for o in j.get("overrides", []))
+        rows.append(
+            f"| {j['job']} | {overrides} | {_fmt(j.get('lr'))} | {_fmt(j.get('val_loss'))} | "
+            f"{j['status']} | {j.get('reason') or ''} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
+    """Final val loss vs LR; diverged jobs drawn as red crosses along the top edge, not left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = sorted(
+        (j["lr"], j["val_loss"])
+        for j in jobs
+        if j["status"] == "ok" and j.get("val_loss") is not None and math.isfinite(j["val_loss"])
+    )
+    diverged = [j["lr"] for j in jobs if j["status"] == "diverged" and j.get("lr") is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if ok:
+        ax.plot(*zip(*ok), "o-", color="tab:blue", label="final val/loss")
+    top = max((loss for _, loss in ok), default=1.0) * 1.1
+    if diverged:
+        ax.plot(diverged, [top] * len(diverged), "x", color="tab:red", markersize=12, mew=3, label="diverged")
+        for lr in diverged:
+            ax.annotate("diverged", (lr, top), textcoords="offset points", xytext=(0, -16), ha="center", color="tab:red")
+        ax.set_ylim(top=top * 1.05)
+    lrs = [lr for lr, _ in ok] + diverged
+    if lrs and min(lrs) > 0 and len(set(lrs)) > 1:
+        ax.set_xscale("log")
+    ax.set_xlabel("optim.lr")
+    ax.set_ylabel("final val/loss")
+    ax.set_title(f"sweep: {len(jobs)} jobs, {len(diverged)} diverged")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Write `summary.md` and `summary.png` into `sweep_dir`; returns the job records."""
+    jobs = [read_job(d) for d in job_dirs(sweep_dir)]
+    text = f"# Sweep summary: {sweep_dir}\n\n{summary_table(jobs)}"
+    (sweep_dir / "summary.md").write_text(text)
+    plot_summary(jobs, sweep_dir / "summary.png")
+    return jobs
+
+
+class SweepSummary(Callback):
+    """Hydra callback: summarise the sweep once every job has finished."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            jobs = summarize_sweep(sweep_dir)
+            diverged = sum(j["status"] == "diverged" for j in jobs)
+            print(f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {diverged} diverged)")

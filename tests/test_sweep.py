@@ -1,0 +1,78 @@
+"""Sweep bookkeeping: each job's outcome, and the summary (table + PNG) with diverged jobs marked."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steadylm.sweep import divergence, summarize_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_TINY = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
+    "trainer.max_steps=6", "optim.warmup_steps=2", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+]
+
+
+def write_job(sweep: Path, num: int, overrides: list[str], result: dict | None) -> None:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if result is not None:
+        (job / "result.json").write_text(json.dumps(result))
+
+
+def test_divergence_names_its_cause(tmp_path):
+    assert divergence({"train/loss": 2.0, "val/loss": 2.1}, tmp_path, None) is None
+    assert divergence({"train/loss": math.nan}, tmp_path, None) == "non-finite train/loss"
+    assert divergence({"val/loss": math.inf}, tmp_path, None) == "non-finite val/loss"
+    assert divergence({}, tmp_path, RuntimeError("boom")) == "train() raised RuntimeError: boom"
+    (tmp_path / "stability").mkdir()
+    events = [
+        {"step": 3, "kind": "loss_spike", "action": "log", "detail": {}},
+        {"step": 7, "kind": "nonfinite_grad", "action": "stop", "detail": {}},
+    ]
+    (tmp_path / "stability" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"step": 8, "ki')
+    assert divergence({"val/loss": 2.0}, tmp_path, None) == "stopped on nonfinite_grad at step 7"
+
+
+def test_summary_marks_diverged_and_missing_jobs(tmp_path):
+    ok = dict(status="ok", reason=None, val_loss=2.5)
+    write_job(tmp_path, 0, ["optim.lr=0.001"], {**ok, "lr": 1e-3, "overrides": ["optim.lr=0.001"]})
+    write_job(tmp_path, 1, ["optim.lr=0.003"], {**ok, "lr": 3e-3, "val_loss": 2.2, "overrides": ["optim.lr=0.003"]})
+    diverged = dict(status="diverged", reason="non-finite val/loss", lr=10.0, val_loss=math.nan, overrides=["optim.lr=10"])
+    write_job(tmp_path, 2, ["optim.lr=10"], diverged)
+    write_job(tmp_path, 10, ["optim.lr=30"], None)  # killed before it could write a result
+    jobs = summarize_sweep(tmp_path)
+    assert [j["job"] for j in jobs] == ["0", "1", "2", "10"]
+    assert [j["status"] for j in jobs] == ["ok", "ok", "diverged", "missing"]
+    table = (tmp_path / "summary.md").read_text()
+    assert "| 1 | `optim.lr=0.003` | 0.003 | 2.2 | ok |" in table
+    assert "| 2 | `optim.lr=10` | 10 | nan | diverged | non-finite val/loss |" in table
+    assert "| 10 | `optim.lr=30` | — | — | missing | no result.json |" in table
+    assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_three_job_multirun_summary_marks_the_diverged_job(shards_dir, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "trainer=cpu", "optim.lr=1e-3,3e-3,1e6", "optim.min_lr=0",
+         "trainer.gradient_clip_val=null", f"data.dir={shards_dir}", *CLI_TINY],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    assert f"sweep summary: {sweep / 'summary.md'} (3 jobs, 1 diverged)" in proc.stdout
+    results = [json.loads((sweep / str(i) / "result.json").read_text()) for i in range(3)]
+    assert [r["status"] for r in results] == ["ok", "ok", "diverged"]
+    assert [r["lr"] for r in results] == [1e-3, 3e-3, 1e6]
+    assert all(math.isfinite(r["val_loss"]) for r in results[:2])
+    table = (sweep / "summary.md").read_text()
+    assert "| 2 | `trainer=cpu` `optim.lr=1000000.0`" in table and "| diverged |" in table
+    assert (sweep / "summary.png").stat().st_size > 1000
