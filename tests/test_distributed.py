@@ -1,0 +1,95 @@
+"""Hydra + multi-process strategies: presets, one run dir and one writer, the multirun + DDP refusal."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from steadylm.distributed import FSDPClipping
+from steadylm.errors import ConfigError
+from steadylm.train import build, train
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_TINY = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
+    "trainer.max_steps=6", "optim.warmup_steps=2", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+]
+
+
+class RankProbe(L.Callback):
+    """Each rank drops `rank<k>.txt` into the run dir it was given (used by the DDP test through the CLI)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        Path(trainer.default_root_dir, f"rank{trainer.global_rank}.txt").write_text(str(os.getpid()))
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "STEADYLM_ROOT": str(cwd)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=400
+    )
+
+
+@pytest.mark.parametrize(
+    "preset,accelerator,devices,strategy",
+    [("ddp_sim", "cpu", 2, "ddp"), ("ddp", "gpu", "auto", "ddp"), ("gpu", "gpu", 1, "auto"), ("cpu", "cpu", 1, "auto")],
+)
+def test_trainer_presets(make_cfg, preset, accelerator, devices, strategy):
+    t = make_cfg(f"trainer={preset}").trainer
+    assert (t.accelerator, t.devices, t.strategy) == (accelerator, devices, strategy)
+
+
+def test_devices_nodes_precision_pass_straight_through(make_cfg):
+    t = make_cfg("trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8", "trainer.precision=bf16-mixed").trainer
+    assert (t.num_nodes, t.devices, t.precision) == (2, 8, "bf16-mixed")
+    assert t.strategy._target_ == "lightning.pytorch.strategies.FSDPStrategy"
+
+
+def test_multirun_with_a_relaunching_strategy_is_refused_before_training(make_cfg, tmp_path):
+    cfg = make_cfg("trainer=ddp_sim", "hydra.mode=MULTIRUN")
+    with pytest.raises(ConfigError, match=r"multirun \(-m\) cannot start trainer.devices=2 processes.*hydra/launcher=slurm"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing started, nothing written
+
+
+def test_progress_bar_is_tqdm_not_rich(make_cfg):
+    trainer = build(make_cfg("trainer.enable_progress_bar=true"))["trainer"]
+    assert type(trainer.progress_bar_callback) is TQDMProgressBar  # plain lines in SLURM logs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs CUDA (it refuses accelerator=cpu)")
+def test_fsdp_trains_with_norm_clipping(make_cfg):
+    metrics, objects = train(make_cfg("trainer=fsdp", "trainer.devices=1", "trainer.max_steps=10"))
+    trainer = objects["trainer"]
+    assert trainer.gradient_clip_val is None  # Lightning's own norm clipping is refused under FSDP ...
+    assert [c.max_norm for c in trainer.callbacks if isinstance(c, FSDPClipping)] == [1.0]  # ... so it is done here
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+
+
+@pytest.mark.slow
+def test_two_process_ddp_shares_rank0_run_dir_and_writes_once(shards_dir, tmp_path):
+    proc = run_cli("trainer=ddp_sim", f"data.dir={shards_dir}", "+callbacks.probe._target_=test_distributed.RankProbe",
+                   "callbacks.checkpoint.every_n_train_steps=3", *CLI_TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(runs) == 1  # the child got rank 0's ${now}-stamped dir, not its own
+    run = runs[0]
+    assert sorted(p.name for p in run.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+    assert len(list(run.rglob("events.out.tfevents.*"))) == 1
+    assert len(list(run.rglob(".hydra"))) == 1 and len(list(run.rglob("*.log"))) == 1  # train.log, rank 0's
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step0000006.ckpt"]
+    assert len(list(run.glob("result.json"))) == 1
+
+
+@pytest.mark.slow
+def test_multirun_with_ddp_exits_2_with_one_message(shards_dir, tmp_path):
+    proc = run_cli("-m", "trainer=ddp_sim", "optim.lr=1e-3,3e-3", f"data.dir={shards_dir}", *CLI_TINY, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "error: Hydra multirun (-m) cannot start trainer.devices=2 processes itself" in proc.stderr
+    assert "Traceback" not in proc.stderr and "MEMBER: 2/2" not in proc.stderr
