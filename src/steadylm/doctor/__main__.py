@@ -1,0 +1,3 @@
+from steadylm.doctor.cli import main
+
+main()

@@ -1,0 +1,73 @@
+"""Data rows: every shard opens with consistent attributes, and the DataModule accepts them for this model.
+
+Both reuse the loaders training runs (`read_shard_info`, `ShardDataModule.setup`), so a shard
+doctor passes is one training accepts. Returns the DataModule's first batch for the model checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from steadylm.data.shards import read_shard_info
+from steadylm.doctor.check import OK, WARN, Check, from_error, guarded
+
+SPLITS = ("train", "val")
+
+
+def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
+    """One row per unreadable shard (all of them, not just the first), else one summary row."""
+    folder = Path(cfg.data.dir).expanduser()
+    paths = sorted(p for split in SPLITS for p in folder.glob(f"{split}-*.h5"))
+    if not paths:
+        return []  # the DataModule row names the missing folder or split and how to prepare it
+    rows, infos = [], []
+    for path in paths:
+        try:
+            infos.append(read_shard_info(path, deep=deep))
+        except Exception as err:
+            rows.append(from_error(f"data: shard {path.name}", err))
+    if rows:
+        return rows
+    how = "every token rescanned" if deep else "attrs only; --deep rescans tokens"
+    n = sum(i.n_tokens for i in infos)
+    return [Check("data: shards", OK, f"{len(infos)} shards in {folder} open, format 1, {n:,} tokens, vocab "
+                                      f"{infos[0].vocab_size}, max id {max(i.max_token_id for i in infos)} ({how})")]
+
+
+def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, torch.Tensor] | None]:
+    """Vocab vs model, one tokenizer, windows of context_length + 1, a val split; then run length."""
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    T, V = dm.context_length, cfg.model.vocab_size
+    rows = [Check("data: fits the model", OK,
+                  f"shard vocab {dm.vocab_size} <= model.vocab_size {V}, tokenizer {dm.tokenizer_name}; "
+                  f"{len(dm.train_set):,} train / {len(dm.val_set):,} val windows of {T + 1} tokens")]
+    t = cfg.trainer
+    ranks = (int(t.devices) if str(t.devices).isdigit() else 1) * int(t.get("num_nodes", 1))
+    per_step = dm.batch_size * int(t.get("accumulate_grad_batches", 1)) * ranks
+    epochs = int(t.max_steps) * per_step / len(dm.train_set)
+    evidence = f"{t.max_steps} steps x {per_step} windows ({ranks} rank(s)) = {epochs:.2f} epochs of {len(dm.train_set):,}"
+    if epochs > 20:
+        rows.append(Check("data: enough tokens", WARN, f"{evidence}: each window is seen {epochs:.0f} times (overfits)",
+                          "prepare more data or lower trainer.max_steps"))
+    else:
+        rows.append(Check("data: enough tokens", OK, evidence))
+    n = min(dm.batch_size, 4)
+    x, y = zip(*(dm.train_set[i] for i in range(min(n, len(dm.train_set)))))
+    return rows, (torch.stack(x), torch.stack(y))
+
+
+def data_checks(cfg: DictConfig, deep: bool) -> tuple[list[Check], tuple[torch.Tensor, torch.Tensor] | None]:
+    rows = guarded("data: shards", lambda: check_shards(cfg, deep))
+    batch = None
+
+    def run() -> list[Check]:
+        nonlocal batch
+        dm_rows, batch = check_datamodule(cfg)
+        return dm_rows
+
+    return rows + guarded("data: fits the model", run), batch
