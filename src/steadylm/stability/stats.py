@@ -77,9 +77,10 @@ class GradParamStats(ProbeUser, L.Callback):
         ids = [{id(p) for p in b.parameters()} for b in blocks]
         block_params = [[n for n, p in named.items() if id(p) in own] for own in ids]
         delta = {n: named[n].detach() - self._before[n] for n in named}
-        param_norms = [self._norm([named[n].detach() for n in ns]) for ns in block_params]
+        # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
+        param_norms = [self._norm([self._before[n] for n in ns]) for ns in block_params]
         delta_norms = [self._norm([delta[n] for n in ns]) for ns in block_params]
-        total_param = self._norm([p.detach() for p in named.values()])
+        total_param = self._norm(list(self._before.values()))
         total_delta = self._norm(list(delta.values()))
         logits = [b.attn.max_logit if b.attn.max_logit is not None else torch.zeros(()) for b in blocks]
         acts = [self._act.get(i, torch.zeros(())) for i in range(len(blocks))]
