@@ -76,3 +76,20 @@ def test_three_job_multirun_summary_marks_the_diverged_job(shards_dir, tmp_path)
     table = (sweep / "summary.md").read_text()
     assert "| 2 | `trainer=cpu` `optim.lr=1000000.0`" in table and "| diverged |" in table
     assert (sweep / "summary.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_optuna_search_optimises_val_loss(shards_dir, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional extra: pip install -e '.[sweep]'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path]), "STEADYLM_ROOT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2",
+         "hydra.sweeper.sampler.n_startup_trials=1", "trainer=cpu", f"data.dir={shards_dir}", *CLI_TINY],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    best = (sweep / "optimization_results.yaml").read_text()
+    assert "optim.lr" in best and "best_value" in best
+    values = [json.loads((sweep / str(i) / "result.json").read_text())["val_loss"] for i in range(2)]
+    assert f"best_value: {min(values)}" in best  # the sweeper minimised what train() returned
