@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from steadylm.stability import read_events
 from steadylm.stability.spike import RollingStats, SpikeDetector
 from steadylm.train import build
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = [
     "trainer.max_steps=12", "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_train_steps=4",
     "trainer.log_every_n_steps=4", "model.d_model=32", "model.context_length=32", "data.batch_size=4",
@@ -48,8 +55,10 @@ class Snapshot(L.Callback):
             self.after = self._state(trainer, pl_module)
 
 
-def fit(cfg, *extra_callbacks):
+def fit(cfg, *extra_callbacks, precision_plugin=None):
     objs = build(cfg)
+    if precision_plugin is not None:
+        objs["trainer"].strategy.precision_plugin = precision_plugin
     objs["trainer"].callbacks.extend(extra_callbacks)
     objs["trainer"].fit(objs["module"], datamodule=objs["datamodule"])
     return objs
@@ -134,3 +143,68 @@ def test_spike_detector_state_survives_a_round_trip():
     assert list(other.stats["loss"].values) == [2.0, 3.0, 4.0, 5.0]
     assert other.stats["loss"].threshold(6.0) == pytest.approx(RollingStats(4, [2, 3, 4, 5]).threshold(6.0))
     assert RollingStats(4, [2, 3, 4, 5]).threshold(1.0) == pytest.approx(3.5 + math.sqrt(1.25))
+
+
+def test_fp16_with_an_absurd_loss_scale_counts_skipped_steps_and_alarms(make_cfg, tmp_path):
+    # Lightning turns `trainer.precision=16-mixed` into bf16 on CPU; the fp16 plugin is what a GPU gets.
+    cfg = make_cfg(*FAST, "callbacks.loss_scale.streak=4", faults({"kind": "loss_scale", "step": 0, "value": 2.0**60}))
+    objs = fit(cfg, precision_plugin=MixedPrecision("16-mixed", "cpu"))
+    events = read_events(tmp_path / "run")
+    streak = [e for e in events if e["kind"] == "fp16_skip_streak"]
+    assert [e["step"] for e in streak] == [3] and streak[0]["detail"]["consecutive"] == 4
+    assert not any(e["kind"].startswith("nonfinite") for e in events)  # overflow is the scaler's business
+    skipped = objs["module"].skipped_steps
+    assert skipped >= 6  # every step overflows until the scale has halved down from 2**60
+    scaler = objs["trainer"].precision_plugin.scaler
+    assert scaler.get_scale() == 2.0 ** (60 - skipped)
+
+
+def test_attention_logit_alarm_fires_without_qk_norm_at_lr_0_1_and_stays_quiet_with_it(make_cfg, tmp_path):
+    def alarms(*overrides, out):
+        fit(make_cfg(*FAST, "optim.lr=0.1", "trainer.max_steps=24", "~callbacks.spike", *overrides, out=out))
+        return [e for e in read_events(out) if e["kind"] == "attn_logit"]
+
+    assert alarms("model.qk_norm=false", out=tmp_path / "plain")
+    assert alarms("model.qk_norm=true", out=tmp_path / "qk") == []
+
+
+class ParamHash(L.Callback):
+    """Writes this rank's parameter hash and skipped-step count at the end of fit (for the DDP test)."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"hash": digest, "skipped": pl_module.skipped_steps, "step": trainer.global_step})
+        )
+
+
+def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(shards_dir, tmp_path):
+    out = tmp_path / "ddp"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    ddp = "{_target_: lightning.pytorch.strategies.DDPStrategy, timeout: {_target_: datetime.timedelta, seconds: 60}}"
+    hooks = (
+        "+callbacks.faults={_target_: steadylm.stability.FaultInjector, faults: ["
+        "{kind: nan_loss, step: 3, rank: 1}, {kind: inf_grad, step: 5, rank: 1, param: wte.weight}]}"
+    )
+    args = [
+        "trainer=cpu", "trainer.devices=2", f"trainer.strategy={ddp}", f"data.dir={shards_dir}", f"hydra.run.dir={out}",
+        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
+        "trainer.max_steps=8", "optim.warmup_steps=2", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=4",
+        "trainer.enable_progress_bar=false", hooks, f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
+    ]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # identical weights: both ranks skipped the same steps
+    assert ranks[0]["skipped"] == 2 and ranks[0]["step"] == 8
+    events = read_events(out)
+    # Step 5's inf exists on rank 1 only, after DDP's all-reduce: only the reduced flag can skip rank 0 too.
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [
+        (3, "nonfinite_loss", "skip"), (5, "nonfinite_grad", "skip"),
+    ]
