@@ -112,6 +112,7 @@ def _app(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """`python train.py ...`: Hydra's own errors (unknown preset, typo'd key) also become one line."""
+    _task_started[0] = False
     with hydra_errors_as_messages(_task_started):
         _app()
 

@@ -1,0 +1,284 @@
+"""Checkpoints that survive crashes and resume bitwise: atomic writes, safe loads, `resume=auto`.
+
+- `AtomicCheckpointIO` (a Trainer plugin) writes every checkpoint to a hidden temp file in the same
+  folder, fsyncs it and `os.replace`s it into place: a kill or a full disk during a save leaves the
+  previous checkpoint intact and never a partial file under a `.ckpt` name.
+- Loading always uses `torch.load(weights_only=True)`: a checkpoint that carries pickled code is
+  refused with one message instead of being executed.
+- `SaveOnException` saves `exception.ckpt` when training dies of an exception (or Ctrl-C).
+- `RNGState` carries the torch/numpy/python (and CUDA) generators through a checkpoint, so dropout
+  after a resume draws the same numbers as the uninterrupted run.
+- `resolve_ckpt_path` turns `ckpt_path=...` / `resume=auto` into the file to resume from.
+
+This module must never overwrite or delete a checkpoint it did not just write in full.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from steadylm.errors import SteadyError
+
+log = logging.getLogger("steadylm")
+
+TMP_PREFIX = "."  # temp files are hidden and end in .tmp, so no `*.ckpt` glob ever matches one
+TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(SteadyError):
+    """A checkpoint that cannot be used: missing, corrupt, unsafe, or for a different model."""
+
+
+# --- writing and reading ------------------------------------------------------------------------
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (POSIX): without this a power cut can undo `os.replace`."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform/filesystem; the file itself is already synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(checkpoint: dict, path: str | os.PathLike) -> None:
+    """Write `checkpoint` to `path` so that `path` is always either the old or the complete new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def is_complete(path: Path) -> bool:
+    """Cheap integrity check: `torch.save` writes a zip whose central directory comes last,
+    so a truncated or garbled file fails to open without reading the tensors."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return bool(z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """`torch.load(weights_only=True)`, with each way it can fail turned into one clear message."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint file not found; check ckpt_path (or use resume=auto)")
+    if not is_complete(path):
+        raise CheckpointError(
+            f"{path}: not a complete checkpoint (truncated or corrupt); resume from another file in "
+            f"{path.parent} (resume=auto picks the newest good one)"
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        detail = str(e).split("\n\n")[1].strip() if "\n\n" in str(e) else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"{path}: refused to load: it carries pickled code, which weights_only loading never runs "
+            f"({detail}); resume only from checkpoints written by steadylm, or re-save this one's tensors "
+            "from a trusted session"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); resume from another file") from None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's CheckpointIO with durable atomic saves and weights-only loads (see module doc)."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        atomic_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None) -> dict:
+        return safe_load(path, map_location=map_location)
+
+
+# --- finding what to resume from ----------------------------------------------------------------
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The most recently written complete `*.ckpt` in `folder` (temp files and broken files skipped)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    candidates = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for path in candidates:
+        if is_complete(path):
+            return path
+        log.warning("resume=auto: skipping %s (incomplete or corrupt)", path)
+    return None
+
+
+def resolve_ckpt_path(cfg) -> str | None:
+    """`ckpt_path=<file>` resumes from that file; `resume=auto` from the newest good checkpoint in
+    this run's `checkpoints/` (a fresh start if there is none, so one command serves start and restart)."""
+    ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
+    if resume not in (None, "auto"):
+        raise CheckpointError(f"resume={resume} is not supported; use resume=auto, or ckpt_path=<file> for a given checkpoint")
+    if resume == "auto" and ckpt_path:
+        raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
+    if ckpt_path:
+        return str(ckpt_path)
+    if resume != "auto":
+        return None
+    folder = Path(cfg.paths.output_dir) / "checkpoints"
+    found = latest_checkpoint(folder)
+    if found is None:
+        log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
+        return None
+    log.info("resume=auto: continuing from %s", found)
+    return str(found)
+
+
+def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Module) -> None:
+    """Refuse, naming the keys, a checkpoint whose weights do not fit the configured model."""
+    theirs = ckpt.get("state_dict")
+    if not isinstance(theirs, dict):
+        raise CheckpointError(f"{path}: has no 'state_dict'; it is not a steadylm/Lightning training checkpoint")
+    ours = module.state_dict()
+    missing = [k for k in ours if k not in theirs]  # state_dict order: the model's own names first
+    unexpected = [k for k in theirs if k not in ours]
+    wrong = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in ours if k in theirs and theirs[k].shape != ours[k].shape]
+    if not (missing or unexpected or wrong):
+        return
+    parts = []
+    if wrong:
+        parts.append("shape mismatch (checkpoint vs config): " + ", ".join(wrong[:4]) + (" ..." if len(wrong) > 4 else ""))
+    if missing:
+        parts.append("missing: " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))
+    if unexpected:
+        parts.append("unexpected: " + ", ".join(unexpected[:4]) + (" ..." if len(unexpected) > 4 else ""))
+    model = (ckpt.get("steadylm") or {}).get("config", {}).get("model")
+    fix = (
+        "use the model overrides it was trained with: " + " ".join(f"model.{k}={v}" for k, v in model.items())
+        if isinstance(model, dict)
+        else "use the model config it was trained with"
+    )
+    raise CheckpointError(f"{path}: was written for a different model shape ({'; '.join(parts)}); {fix}")
+
+
+def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
+    """The checkpoint this run resumes from, already checked to load safely and fit `module`."""
+    path = resolve_ckpt_path(cfg)
+    if path is not None:
+        check_compatible(safe_load(path, mmap=True), path, module)  # mmap: no second full read into RAM
+    return path
+
+
+# --- callbacks ------------------------------------------------------------------------------------
+
+
+class SaveOnException(L.Callback):
+    """Save `<dirpath>/exception.ckpt` when training (not setup or a failed restore) dies of an exception.
+
+    Single-process only: under DDP the other ranks may be stuck in a collective, and a save is one.
+    """
+
+    def __init__(self, dirpath: str, filename: str = "exception.ckpt"):
+        self.path = Path(dirpath) / filename
+        self._training = False
+
+    def on_train_start(self, trainer, pl_module):
+        self._training = True
+
+    def on_train_end(self, trainer, pl_module):
+        self._training = False
+
+    def on_exception(self, trainer, pl_module, exception):
+        if not self._training or trainer.world_size > 1:
+            return
+        self._training = False
+        trainer.save_checkpoint(self.path)
+        log.warning("%s: saved on %s at step %d; resume with resume=auto", self.path, type(exception).__name__, trainer.global_step)
+
+
+def _collect_rng() -> dict:
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        # numpy's key array is stored as a tensor: weights_only loading accepts tensors, not ndarrays.
+        "numpy": {
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RNGState(L.Callback):
+    """Carry the global RNGs through checkpoints, for a bitwise-identical resume.
+
+    The restored state is applied at the first training batch after the restore, because building
+    the resumed DataLoader iterator draws from the torch generator. Validation (which builds its own
+    iterator) hands the generators back as they were after the last training step, so it never shifts
+    the training stream and a resume right after a validation matches the uninterrupted run.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict | None = None
+        self._after_step: dict | None = None
+
+    def state_dict(self) -> dict:
+        return _collect_rng()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._pending = state_dict
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._pending is not None:
+            _restore_rng(self._pending)
+            self._pending = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._after_step = _collect_rng()  # a few KB copied on the host; no device sync
+
+    def on_validation_end(self, trainer, pl_module):
+        if self._after_step is not None:
+            _restore_rng(self._after_step)
+            self._after_step = None

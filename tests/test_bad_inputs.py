@@ -1,0 +1,220 @@
+"""Every mistake a user can make with data, config, environment or checkpoint: one `error:` line
+naming the file/key and the fix, exit 2, no traceback, and every file already on disk unchanged.
+
+The cases go through the real `main` (Hydra's command line, composition and run folder) in-process;
+`test_cli_subprocess_reports_one_line` checks once that a real `python train.py` prints the same.
+Disk full while writing shards is `test_shards.py::test_atomic_write_disk_full_leaves_no_file_and_keeps_existing`
+(the partial shard is removed and nothing under a shard's name is left half-written).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from steadylm.config import set_key
+from steadylm.train import main, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "trainer=cpu", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.context_length=32",
+    "data.batch_size=4", "trainer.max_steps=2", "optim.warmup_steps=1", "trainer.enable_progress_bar=false",
+    "callbacks.checkpoint.every_n_train_steps=2",
+]
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """Hydra's `main` installs root log handlers bound to pytest's captured stderr; drop them after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_unchanged(before: dict[str, str], root: Path) -> None:
+    after = snapshot(root)
+    changed = [p for p, h in before.items() if after.get(p) != h]
+    assert not changed, f"pre-existing files changed or removed: {changed}"
+
+
+def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def assert_one_clear_error(code: int, err: str, pattern: str) -> None:
+    import re
+
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1, err[-2000:]
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+# --- data: each builds a shard folder from the real fixture shards, then breaks one thing ---------
+
+
+def _raw(path: Path, data, **attrs) -> None:
+    with h5py.File(path, "w") as f:
+        if data is not None:
+            f.create_dataset("tokens", data=data)
+        base = {"format_version": 1, "vocab_size": 257, "eos_id": 256, "tokenizer": "bytes",
+                "n_tokens": 0 if data is None else len(data), "max_token_id": 0 if data is None or not len(data) else int(np.max(data))}
+        for k, v in {**base, **attrs}.items():
+            f.attrs[k] = v
+
+
+def _truncate(d: Path) -> None:
+    p = d / "train-00000.h5"
+    p.write_bytes(p.read_bytes()[:4096])
+
+
+def _only_short_train(d: Path) -> None:
+    (d / "train-00000.h5").unlink()
+    _raw(d / "train-00000.h5", np.arange(20, dtype=np.uint16))
+
+
+DATA_CASES = {
+    "missing_dir": (lambda d: shutil.rmtree(d), [], r"shards.*data\.dir does not exist; run `make data`"),
+    "empty_shard": (lambda d: _raw(d / "train-00001.h5", np.zeros(0, np.uint16)), [], r"train-00001\.h5.*empty"),
+    "truncated": (_truncate, [], r"train-00000\.h5: not a readable HDF5 file \(truncated or corrupt"),
+    "no_tokens_dataset": (lambda d: _raw(d / "train-00001.h5", None), [], r"train-00001\.h5: has no 'tokens' dataset"),
+    "float_tokens": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.float32)), [], r"train-00001\.h5.*dtype float32.*unsigned"),
+    "oov_ids": (lambda d: _raw(d / "train-00001.h5", np.array([1, 300, 2], np.uint16), vocab_size=257), [], r"train-00001\.h5: max_token_id 300 >= vocab_size 257"),
+    "format_version": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.uint16), format_version=2), [], r"train-00001\.h5: format_version 2 is not supported"),
+    "too_short": (_only_short_train, [], r"train-00000\.h5.*20 tokens, fewer than model\.context_length \+ 1 = 33"),
+    "val_missing": (lambda d: (d / "val-00000.h5").unlink(), [], r"no val shards \(val-\*\.h5\) found; run `make data`"),
+    "vocab_too_small": (lambda d: None, ["model.vocab_size=128"], r"train-00000\.h5: shard vocab_size 257 exceeds model\.vocab_size 128; set model\.vocab_size >= 257"),
+    "context_mismatch": (lambda d: None, ["data.context_length=16"], r"data\.context_length=16 differs from model\.context_length=32"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
+def test_bad_data_and_config(case, shards_dir, tmp_path, monkeypatch, capsys):
+    breaker, extra, pattern = DATA_CASES[case]
+    data = tmp_path / "shards"
+    shutil.copytree(shards_dir, data)
+    breaker(data)
+    before = snapshot(tmp_path)
+    code, err = run_main(monkeypatch, capsys, *TINY, f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}", *extra)
+    assert_one_clear_error(code, err, pattern)
+    assert_unchanged(before, tmp_path)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- the command line and the environment ---------------------------------------------------------
+
+CLI_CASES = {
+    "unknown_preset": (["model=huge"], r"Could not find 'model/huge'; available: large, medium, small, tiny"),
+    "typo_override": (["trainer.max_stepz=3"], r"trainer\.max_stepz is not a config key; did you mean trainer\.max_steps\b.*\+trainer\.max_stepz="),
+    "bad_override_syntax": (["model.n_layer=["], r"no viable alternative at input '\['"),
+    "too_many_gpus": (["trainer.accelerator=gpu", "trainer.devices=64"], r"trainer\.(accelerator=gpu but no CUDA GPU is visible|devices=64 asks for 64 GPUs)"),
+    "run_dir_unwritable": (["hydra.run.dir={file}/run"], r"cannot create .*a-file/run \(Not a directory\); pass hydra\.run\.dir="),
+    "output_dir_unwritable": (["paths.output_dir={file}/out"], r"paths\.output_dir=.*a-file/out is not writable \(Not a directory\)"),
+    "resume_bogus": (["resume=yes"], r"resume=yes is not supported; use resume=auto"),
+    "resume_and_ckpt": (["resume=auto", "ckpt_path=x.ckpt"], r"both ckpt_path and resume=auto are set"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_bad_command_line_and_environment(case, shards_dir, tmp_path, monkeypatch, capsys):
+    args, pattern = CLI_CASES[case]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a file where a folder is expected")
+    before = snapshot(tmp_path)
+    args = [a.format(file=blocker) for a in args]
+    code, err = run_main(monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args)
+    assert_one_clear_error(code, err, pattern)
+    assert_unchanged(before, tmp_path)
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+
+class Payload:
+    """Stands in for code smuggled into a checkpoint: unpickling it would import and call this module."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
+    """One real checkpoint (d_model=64), then every way of pointing ckpt_path at the wrong thing."""
+    good = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    train(make_cfg("trainer.max_steps=2", "optim.warmup_steps=1", "callbacks.checkpoint.every_n_train_steps=2"))
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    evil = ckpts / "evil.ckpt"
+    torch.save({**torch.load(good, weights_only=True), "extra": Payload(), "fn": functools.partial(print)}, evil)
+    truncated = ckpts / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    cases = [
+        (good, ["model.d_model=32"], r"last\.ckpt: was written for a different model shape \(shape mismatch \(checkpoint vs config\): "
+         r"net\.wte\.weight \(320, 64\) vs \(320, 32\).*use the model overrides it was trained with: .*model\.d_model=64"),
+        (good, ["model.n_layer=3"], r"different model shape \(missing: net\.blocks\.2\."),
+        (evil, [], r"evil\.ckpt: refused to load: it carries pickled code.*(getcwd|Payload|partial)"),
+        (truncated, [], r"truncated\.ckpt: not a complete checkpoint \(truncated or corrupt\)"),
+        (ckpts / "nope.ckpt", [], r"nope\.ckpt: checkpoint file not found"),
+    ]
+    before = snapshot(tmp_path)
+    run_dir = tmp_path / "resumed"
+    for ckpt, extra, pattern in cases:
+        overrides = ["trainer=cpu", "model.n_head=2", "model.d_model=64", "model.context_length=64", "model.n_layer=2"]
+        code, err = run_main(
+            monkeypatch, capsys, *overrides, *extra, "trainer.enable_progress_bar=false", f"data.dir={make_cfg().data.dir}",
+            f"hydra.run.dir={run_dir}", f"ckpt_path={ckpt}",
+        )
+        assert_one_clear_error(code, err, pattern)
+        assert not (run_dir / "checkpoints").exists()
+    assert_unchanged(before, tmp_path)
+
+
+def test_compressed_shard_warns_and_trains(make_cfg, shards_dir, tmp_path):
+    data = tmp_path / "shards"
+    shutil.copytree(shards_dir, data)
+    with h5py.File(shards_dir / "val-00000.h5", "r") as src, h5py.File(data / "val-00000.h5", "w") as dst:
+        dst.create_dataset("tokens", data=src["tokens"][:], compression="gzip", chunks=(4096,))
+        dst.attrs.update(dict(src.attrs))
+    with pytest.warns(UserWarning, match=r"val-00000\.h5: tokens are gzip-compressed; random windows will be slow"):
+        cfg = make_cfg("trainer.max_steps=2", "optim.warmup_steps=1")
+        set_key(cfg, "data.dir", str(data))
+        _, objects = train(cfg)
+    assert objects["trainer"].global_step == 2
+
+
+def test_cli_subprocess_reports_one_line(tmp_path):
+    """The real `python train.py`: Hydra's own error for an unknown preset is one line, exit 2."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "model=huge", "trainer.max_stepz=1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: Could not find 'model/huge'; available: large, medium, small, tiny (see conf/)"
+    ]
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -1,0 +1,91 @@
+"""Exact resume: k steps + resume + k steps equals 2k uninterrupted steps, bitwise, on CPU."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from steadylm.checkpointing import latest_checkpoint, safe_load
+from steadylm.train import train
+
+K = 8
+# Dropout makes the loss depend on the RNG stream, so a resume that lost the RNG state shows up;
+# validation every 4 steps runs right after the step-8 checkpoint, as it would in a real run.
+RESUME = [
+    "model.dropout=0.1",
+    f"optim.total_steps={2 * K}",
+    "optim.warmup_steps=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=4",
+    "trainer.limit_val_batches=2",
+    "callbacks.checkpoint.every_n_train_steps=4",
+]
+
+
+def step_losses(run: Path) -> dict[int, float]:
+    """train/loss by step from every event file in the run's TensorBoard folder."""
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("train/loss")}
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return safe_load(ckpt)["state_dict"]
+
+
+def test_k_plus_resume_plus_k_equals_2k_bitwise(make_cfg, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(make_cfg(*RESUME, f"trainer.max_steps={2 * K}", out=full))
+    train(make_cfg(*RESUME, f"trainer.max_steps={K}", out=split))
+    first_half = step_losses(split)
+    ckpt = split / "checkpoints" / "last.ckpt"
+    state = safe_load(ckpt)
+    assert state["global_step"] == K
+    assert state["ShardDataModule"] == {"train_sampler": {"epoch": 0, "batches_done": K}}
+    assert "RNGState" in state["callbacks"] and "lr_schedulers" in state and "optimizer_states" in state
+    assert state["steadylm"]["config"]["model"]["dropout"] == 0.1 and state["steadylm"]["tokenizer"] == "bytes"
+
+    metrics, objects = train(make_cfg(*RESUME, f"trainer.max_steps={2 * K}", "resume=auto", out=split))
+    assert objects["trainer"].global_step == 2 * K
+
+    expected, got = step_losses(full), step_losses(split)
+    assert len(expected) == 2 * K and set(got) == set(expected)
+    assert {s: got[s] for s in first_half} == first_half  # the first half was not rewritten
+    assert got == expected  # float32 equality: bitwise, every step before and after the resume
+    assert len(list((split / "tensorboard").glob("events.out.tfevents.*"))) == 2  # appended to the same run
+    a, b = weights(full / "checkpoints" / "last.ckpt"), weights(split / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_without_rng_state_diverges(make_cfg, tmp_path):
+    """The control for the bitwise test: drop the RNG callback and dropout draws differ after resume."""
+    split = tmp_path / "split"
+    train(make_cfg(*RESUME, f"trainer.max_steps={K}", out=split))
+    before = step_losses(split)
+    shutil.copytree(split, tmp_path / "copy")
+    overrides = (*RESUME, f"trainer.max_steps={K + 2}")
+    train(make_cfg(*overrides, "resume=auto", out=split))
+    train(make_cfg(*overrides, "resume=auto", "~callbacks.rng_state", out=tmp_path / "copy"))
+    with_rng, without = step_losses(split), step_losses(tmp_path / "copy")
+    assert {s: with_rng[s] for s in before} == before == {s: without[s] for s in before}
+    assert with_rng[K] != without[K]  # TensorBoard steps are 0-based: K is the first resumed step
+
+
+def test_resume_auto_in_an_empty_run_dir_starts_fresh(make_cfg, tmp_path):
+    _, objects = train(make_cfg("trainer.max_steps=3", "optim.warmup_steps=1", "resume=auto"))
+    assert objects["trainer"].global_step == 3
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints") is None  # 3 < every_n_train_steps
+
+
+def test_latest_checkpoint_skips_partial_and_temp_files(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    good = folder / "step0000010.ckpt"
+    torch.save({"state_dict": {}}, good)
+    (folder / ".last.ckpt.123.tmp").write_bytes(good.read_bytes()[:50])  # a save killed mid-write
+    broken = folder / "last.ckpt"
+    broken.write_bytes(good.read_bytes()[:-40])  # truncated by something other than us
+    assert latest_checkpoint(folder) == good
