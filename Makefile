@@ -47,6 +47,9 @@ doctor: $(VENV)/.installed ## preflight checks with the same overrides as train.
 diagnose: $(VENV)/.installed ## report of a run directory: make diagnose RUN=logs/train/runs/...
 	$(PY) -m steadylm.diagnose $(RUN)
 
+generate: $(VENV)/.installed ## sample from a run's last checkpoint: make generate RUN=logs/demo ARGS='prompt="def "'
+	$(PY) -m steadylm.generate ckpt=$(RUN)/checkpoints/last.ckpt $(ARGS)
+
 tensorboard: $(VENV)/.installed ## serve a run (or sweep) dir on 127.0.0.1: make tensorboard RUN=logs/demo
 	$(VENV)/bin/tensorboard --logdir $(RUN) --host 127.0.0.1
 
@@ -56,4 +59,4 @@ bench: $(VENV)/.installed ## side-by-side speed ratios (Lightning+suite vs raw l
 clean: ## remove logs and caches (keeps data/ and .venv)
 	rm -rf logs outputs multirun .pytest_cache
 
-.PHONY: help install data demo test test-slow doctor diagnose tensorboard bench clean
+.PHONY: help install data demo test test-slow doctor diagnose generate tensorboard bench clean
