@@ -32,3 +32,60 @@ def plot_lr_schedule(lrs: Sequence[float], warmup_steps: int, path: Path) -> Pat
         ax.legend()
     ax.set(xlabel="optimizer step", ylabel="learning rate", title="LR schedule")
     return _save(fig, path)
+
+
+Mark = tuple[int, str, str]  # (step, label, color): an event or the onset, drawn as a vertical line
+
+
+def _marks(ax, marks: Sequence[Mark]) -> None:
+    labelled = set()
+    for step, label, color in marks:
+        ax.axvline(step, color=color, ls="--", lw=1, alpha=0.8, label=None if label in labelled else label)
+        labelled.add(label)
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"{what}: not logged in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_series(series: dict, path: Path, *, title: str, ylabel: str, marks: Sequence[Mark] = (), logy: bool = False) -> Path:
+    """Line plot of {label: (steps, values)} with event marks; a placeholder when nothing was logged."""
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    series = {k: v for k, v in series.items() if len(v[0])}
+    if not series:
+        _empty(ax, title)
+        return _save(fig, path)
+    for label, (steps, values) in series.items():
+        ax.plot(steps, values, label=label, lw=1.2)
+    if logy:
+        ax.set_yscale("log")
+    _marks(ax, marks)
+    ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+def plot_heatmap(rows: Sequence[tuple[str, Sequence[int], Sequence[float]]], path: Path, *, title: str,
+                 marks: Sequence[Mark] = ()) -> Path:
+    """Rows (one per block) of log10 values over steps; columns are the union of logged steps."""
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(rows), 3) + 1.5))
+    steps = sorted({int(s) for _, st, _ in rows for s in st})
+    if not steps:
+        _empty(ax, title)
+        return _save(fig, path)
+    col = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(rows), len(steps)), np.nan)
+    for r, (_, st, vals) in enumerate(rows):
+        for s, v in zip(st, vals):
+            grid[r, col[int(s)]] = np.log10(v) if v > 0 and np.isfinite(v) else np.nan
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
+                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+    fig.colorbar(im, ax=ax, label="log10")
+    ax.set_yticks(range(len(rows)), [label for label, _, _ in rows])
+    _marks(ax, marks)
+    ax.set(xlabel="optimizer step", title=title)
+    return _save(fig, path)

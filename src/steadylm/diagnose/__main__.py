@@ -1,0 +1,3 @@
+from steadylm.diagnose.cli import main
+
+main()

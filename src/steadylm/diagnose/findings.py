@@ -1,0 +1,222 @@
+"""From a run's log to its diagnosis: the onset step of a divergence and the most likely cause.
+
+Stability events are first-hand evidence (the callback saw the non-finite module, the spike, the
+skipped fp16 steps), so each event kind maps to a cause directly. The curves are the fallback, and
+also catch what no event describes: a loss that leaves its best value for good, with the grad norm,
+the LR and the run's clipping/warmup settings at that step telling the likely reason. When several
+explanations exist the earliest onset wins, because what comes after is usually its consequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from steadylm.diagnose.runlog import RunLog
+
+NONFINITE = ("nonfinite_loss", "nonfinite_grad")
+SPIKES = ("loss_spike", "grad_spike")
+LOOKBACK = 50  # steps of grad-norm history compared at the onset
+EVENT_SLACK = 3  # a curve onset must precede an event by more than this to be the better explanation
+
+
+@dataclass
+class Finding:
+    onset: int
+    cause: str  # short name, e.g. "non-finite forward"
+    summary: str  # what happened, with numbers
+    fix: str
+    rank: int = 0  # 0: first-hand event, 1: inferred from the curves, 2: a symptom alarm
+
+
+@dataclass
+class Diagnosis:
+    findings: list[Finding] = field(default_factory=list)  # primary first
+    facts: list[str] = field(default_factory=list)  # context lines for the report
+
+    @property
+    def primary(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    @property
+    def onset(self) -> int | None:
+        return self.primary.onset if self.primary else None
+
+
+def _actions(events: list[dict]) -> str:
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.get("action", "log")] = counts.get(e.get("action", "log"), 0) + 1
+    done = {"skip": "skipped", "rollback": "rolled back", "stop": "stopped the run", "log": "logged"}
+    return ", ".join(f"{done.get(a, a)} x{n}" if a in ("skip", "log") else done.get(a, a) for a, n in counts.items())
+
+
+def _nonfinite(events: list[dict]) -> Finding | None:
+    hits = [e for e in events if e["kind"] in NONFINITE]
+    if not hits:
+        return None
+    first = hits[0]
+    module = first.get("detail", {}).get("module") or "an unnamed module"
+    acted = _actions(hits)
+    if first["kind"] == "nonfinite_loss":
+        return Finding(first["step"], "non-finite forward",
+                       f"first non-finite output in {module} at step {first['step']} ({acted})",
+                       f"a weight or activation in {module} became NaN/inf: read stability/forensics/, "
+                       "re-run from the last good checkpoint with debug=anomaly")
+    return Finding(first["step"], "non-finite gradient",
+                   f"first non-finite gradient in {module} at step {first['step']} with a finite loss ({acted})",
+                   f"the backward pass through {module} overflowed: check its inputs and scale, prefer bf16-mixed "
+                   "over fp16, run with debug=anomaly to name the op")
+
+
+def _fp16(events: list[dict]) -> Finding | None:
+    hits = [e for e in events if e["kind"] == "fp16_skip_streak"]
+    if not hits:
+        return None
+    first, d = hits[0], hits[0].get("detail", {})
+    n = int(d.get("consecutive", 1))
+    return Finding(first["step"] - n + 1, "fp16 loss-scale overflow",
+                   f"{n} consecutive fp16 steps skipped (gradients overflowed) ending at step {first['step']}, "
+                   f"loss scale {d.get('loss_scale', float('nan')):g}",
+                   "use trainer.precision=bf16-mixed; with fp16, start the scaler lower and keep clipping on")
+
+
+def _recovered(log: RunLog, step: int) -> bool:
+    """Did train/loss come back to its pre-spike level within a few logged points?"""
+    steps, loss = log.series("train/loss")
+    before = loss[(steps < step) & np.isfinite(loss)]
+    after = loss[steps > step][:5]
+    if len(before) == 0 or len(after) == 0:
+        return True
+    return bool(np.isfinite(after).all() and np.median(after) <= np.min(before[-10:]) + 0.5)
+
+
+def _spike(log: RunLog, events: list[dict]) -> Finding | None:
+    hits = [e for e in events if e["kind"] in SPIKES]
+    if not hits:
+        return None
+    s = hits[0]["step"]
+    d = hits[0].get("detail", {})
+    what = "loss" if hits[0]["kind"] == "loss_spike" else "grad norm"
+    value = f"{what} {d.get('value', float('nan')):.3g} > {d.get('threshold', float('nan')):.3g}"
+    big_update = [e for e in events if e["kind"] == "update_ratio" and s - EVENT_SLACK <= e["step"] <= s]
+    if big_update or not _recovered(log, s):
+        ratio = f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step {big_update[0]['step']}, " if big_update else ""
+        return Finding(s - 1 if not big_update else big_update[0]["step"], "oversized update (LR spike)",
+                       f"{ratio}then {value} at step {s} and the loss did not recover: one update moved the weights too far "
+                       f"({_actions(hits)})",
+                       "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+                       "lower optim.lr; callbacks.spike.action=rollback undoes such a step")
+    windows = d.get("batch")
+    on = f" on data window(s) {windows}" if windows else ""
+    return Finding(s, "bad data batch", f"{value} at step {s}{on}, {_actions(hits)}; the loss recovered at once",
+                   "inspect those windows in the shards; callbacks.spike.action=skip (or rollback) keeps them out of the weights")
+
+
+def _alarms(events: list[dict]) -> list[Finding]:
+    """Update-ratio and attention-logit alarms: symptoms (rank 2), the cause only when nothing else explains them."""
+    found = []
+    logits = [e for e in events if e["kind"] == "attn_logit"]
+    if logits:
+        d = logits[0].get("detail", {})
+        found.append(Finding(logits[0]["step"], "attention logit growth",
+                             f"max attention logit {d.get('value', float('nan')):.3g} in blocks.{d.get('block')} at step "
+                             f"{logits[0]['step']} (alarm {d.get('threshold', float('nan')):g})",
+                             "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr", 2))
+    ratios = [e for e in events if e["kind"] == "update_ratio"]
+    if ratios:
+        d = ratios[0].get("detail", {})
+        found.append(Finding(ratios[0]["step"], "oversized updates",
+                             f"update/param ratio {d.get('value', float('nan')):.3g} at step {ratios[0]['step']} "
+                             f"(alarm {d.get('threshold', float('nan')):g})", "lower optim.lr or lengthen optim.warmup_steps", 2))
+    return sorted(found, key=lambda f: f.onset)
+
+
+def loss_onset(log: RunLog) -> int | None:
+    """First logged step where train/loss is non-finite or leaves its best value for good."""
+    steps, loss = log.series("train/loss")
+    best = math.inf
+    for i, (s, v) in enumerate(zip(steps, loss)):
+        if not math.isfinite(v):
+            return int(s)
+        margin = max(1.0, 0.2 * best) if math.isfinite(best) else math.inf
+        ahead = loss[i : i + 5]
+        if v > best + margin and not (np.isfinite(ahead) & (ahead <= best + margin / 2)).any():
+            return int(s)
+        best = min(best, v)
+    return None
+
+
+def _value_at(log: RunLog, tag: str, step: int) -> float | None:
+    steps, values = log.series(tag)
+    if len(steps) == 0:
+        return None
+    i = int(np.searchsorted(steps, step, side="right")) - 1
+    return float(values[max(i, 0)])
+
+
+def _grad_rise(log: RunLog, onset: int) -> tuple[float, float, int] | None:
+    """(max grad norm over the LOOKBACK steps up to onset, its rise over the quiet median before, span)."""
+    steps, g = log.series("optim/grad_norm")
+    ok = np.isfinite(g)
+    recent = g[ok & (steps > onset - LOOKBACK) & (steps <= onset)]
+    quiet = g[ok & (steps <= onset - LOOKBACK)]
+    if len(recent) == 0:
+        return None
+    base = float(np.median(quiet)) if len(quiet) else float(np.min(recent))
+    return float(recent.max()), float(recent.max()) / max(base, 1e-12), min(LOOKBACK, onset - int(steps[0]))
+
+
+def _curves(log: RunLog) -> Finding | None:
+    onset = loss_onset(log)
+    if onset is None:
+        return None
+    lr = _value_at(log, "optim/lr", onset)
+    peak = float(np.nanmax(log.series("optim/lr")[1])) if len(log.series("optim/lr")[1]) else None
+    at = f"at LR {lr:.3g}" + (" (peak)" if lr and peak and lr >= 0.8 * peak else "") if lr is not None else "at unknown LR"
+    rise = _grad_rise(log, onset)
+    grad = f"grad norm rose {rise[1]:.0f}x to {rise[0]:.3g} over {rise[2]} steps " if rise else ""
+    clip, warmup = log.setting("trainer.gradient_clip_val"), log.setting("optim.warmup_steps")
+    no_clip = log.config is not None and not clip
+    no_warmup = log.config is not None and not warmup
+    if no_clip and no_warmup:
+        return Finding(onset, "no clipping, no warmup",
+                       f"{grad}{at} with no clipping and no warmup; the loss diverged at step {onset}",
+                       "enable clipping (trainer.gradient_clip_val=1.0) and warmup (optim.warmup_steps ~ 1-5% of steps)", 1)
+    if no_clip:
+        return Finding(onset, "no clipping", f"{grad}{at} with no clipping; the loss diverged at step {onset}",
+                       "enable clipping (trainer.gradient_clip_val=1.0) or lower optim.lr", 1)
+    clipped = f" with clipping at {clip:g}" if clip else ""
+    return Finding(onset, "learning rate too high", f"the loss diverged at step {onset} {at}{clipped}; {grad}".rstrip("; "),
+                   "lower optim.lr (e.g. 3x), or add model.qk_norm=true / optim.z_loss=1e-4", 1)
+
+
+def analyse(log: RunLog) -> Diagnosis:
+    events = log.events
+    firsthand = sorted((f for f in (_nonfinite(events), _fp16(events), _spike(log, events)) if f), key=lambda f: f.onset)
+    curve = _curves(log)
+    if curve and (not firsthand or curve.onset < firsthand[0].onset - EVENT_SLACK):
+        ordered = [curve, *firsthand]
+    else:
+        ordered = firsthand + ([curve] if curve else [])
+    return Diagnosis(findings=ordered + _alarms(events), facts=_facts(log))
+
+
+def _facts(log: RunLog) -> list[str]:
+    facts = []
+    steps, loss = log.series("train/loss")
+    if len(steps):
+        finite = loss[np.isfinite(loss)]
+        best = f", best {finite.min():.3f}" if len(finite) else ""
+        facts.append(f"train/loss logged for steps {steps[0]}..{steps[-1]}: first {loss[0]:.3f}, last {loss[-1]:.3f}{best}")
+    vsteps, vloss = log.series("val/loss")
+    if len(vsteps):
+        facts.append(f"val/loss at {len(vsteps)} evaluations, last {vloss[-1]:.3f} at step {vsteps[-1]}")
+    if log.config is not None:
+        facts.append(f"config: optim.lr={log.setting('optim.lr')}, optim.warmup_steps={log.setting('optim.warmup_steps')}, "
+                     f"trainer.gradient_clip_val={log.setting('trainer.gradient_clip_val')}, "
+                     f"trainer.precision={log.setting('trainer.precision')}")
+    facts.append(f"{len(log.events)} stability event(s)" + (": " + ", ".join(sorted({e['kind'] for e in log.events})) if log.events else ""))
+    return facts + log.notes
