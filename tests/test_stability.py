@@ -208,3 +208,41 @@ def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(sh
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [
         (3, "nonfinite_loss", "skip"), (5, "nonfinite_grad", "skip"),
     ]
+
+
+def test_debug_anomaly_raises_naming_the_first_non_finite_module(make_cfg):
+    from steadylm.stability import NonFiniteError
+
+    cfg = make_cfg(*FAST, "debug=anomaly", faults({"kind": "nan_weight", "step": 2, "param": "blocks.1.mlp.fc.weight"}))
+    with pytest.raises(NonFiniteError, match=r"non-finite output in module blocks\.1\.mlp\.fc at step 2"):
+        fit(cfg)
+
+
+@pytest.mark.slow
+def test_a_healthy_default_run_of_300_steps_raises_no_alarm(make_cfg, tmp_path):
+    objs = fit(make_cfg("trainer.max_steps=300", "trainer.val_check_interval=300", "optim.warmup_steps=30",
+                        "trainer.log_every_n_steps=10", "callbacks.checkpoint.every_n_train_steps=100"))
+    assert read_events(tmp_path / "run") == []
+    assert objs["module"].skipped_steps == 0
+    assert objs["trainer"].callback_metrics["train/loss"].item() < 3.0
+
+
+def lr_sensitivity(make_cfg, tmp_path, init: str) -> tuple[float, dict[float, float]]:
+    """Wortsman et al. 2023: E over log-spaced LRs of min(L(lr), L_init) - min_lr L(lr)."""
+    final, l_init = {}, math.log(320)
+    for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1):
+        objs = fit(make_cfg("trainer.max_steps=120", "trainer.val_check_interval=120", "optim.warmup_steps=20",
+                            f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"model.init={init}", "~callbacks.spike",
+                            out=tmp_path / f"{init}-{lr}"))
+        loss = objs["trainer"].callback_metrics["val/loss"].item()
+        final[lr] = loss if math.isfinite(loss) else l_init
+    best = min(final.values())
+    return sum(min(v, l_init) - best for v in final.values()) / len(final), final
+
+
+@pytest.mark.slow
+def test_lr_sensitivity_of_the_default_recipe_is_at_most_half_a_nat(make_cfg, tmp_path):
+    gpt2, curve = lr_sensitivity(make_cfg, tmp_path, "gpt2")
+    xavier, xcurve = lr_sensitivity(make_cfg, tmp_path, "xavier")
+    print(f"LR sensitivity: gpt2 init {gpt2:.3f} {curve}; xavier init {xavier:.3f} {xcurve}")
+    assert gpt2 <= 0.5
