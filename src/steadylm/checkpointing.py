@@ -212,7 +212,11 @@ class SaveOnException(L.Callback):
         if not self._training or trainer.world_size > 1:
             return
         self._training = False
-        trainer.save_checkpoint(self.path)
+        try:
+            trainer.save_checkpoint(self.path)
+        except Exception as err:  # never mask the exception that ended training
+            log.error("%s: could not save on %s (%s)", self.path, type(exception).__name__, err)
+            return
         log.warning("%s: saved on %s at step %d; resume with resume=auto", self.path, type(exception).__name__, trainer.global_step)
 
 
