@@ -169,39 +169,67 @@ def _grad_rise(log: RunLog, onset: int) -> tuple[float, float, int] | None:
     return float(recent.max()), float(recent.max()) / max(base, 1e-12), min(LOOKBACK, onset - int(steps[0]))
 
 
-def _curves(log: RunLog) -> Finding | None:
-    onset = loss_onset(log)
-    if onset is None:
+def _curves(log: RunLog, alarms: list[Finding]) -> Finding | None:
+    """A loss that diverged, or alarms that say it is about to; the run's settings pick the likely reason."""
+    diverged = loss_onset(log)
+    if diverged is None and not alarms:
         return None
+    onset = min(s for s in (diverged, alarms[0].onset if alarms else None) if s is not None)
     lr = _value_at(log, "optim/lr", onset)
-    peak = float(np.nanmax(log.series("optim/lr")[1])) if len(log.series("optim/lr")[1]) else None
-    at = f"at LR {lr:.3g}" + (" (peak)" if lr and peak and lr >= 0.8 * peak else "") if lr is not None else "at unknown LR"
+    lrs = log.series("optim/lr")[1]
+    peak = float(np.nanmax(lrs)) if len(lrs) else None
+    at = (f"at LR {lr:.3g}" + (" (peak)" if peak and lr >= 0.8 * peak else "")) if lr is not None else "at an unlogged LR"
     rise = _grad_rise(log, onset)
-    grad = f"grad norm rose {rise[1]:.0f}x to {rise[0]:.3g} over {rise[2]} steps " if rise else ""
+    grew = rise and rise[1] >= 2 and rise[2] > 0
+    parts = [f"grad norm rose {rise[1]:.0f}x to {rise[0]:.3g} over {rise[2]} steps {at}" if grew
+             else f"grad norm {rise[0]:.3g} {at}" if rise else at]
+    parts += [a.summary for a in alarms]
+    parts.append(f"the loss diverged at step {diverged}" if diverged is not None else "the loss had not diverged yet")
+    evidence = "; ".join(parts)
     clip, warmup = log.setting("trainer.gradient_clip_val"), log.setting("optim.warmup_steps")
-    no_clip = log.config is not None and not clip
-    no_warmup = log.config is not None and not warmup
-    if no_clip and no_warmup:
-        return Finding(onset, "no clipping, no warmup",
-                       f"{grad}{at} with no clipping and no warmup; the loss diverged at step {onset}",
+    known = log.config is not None
+    if known and not clip and not warmup:
+        return Finding(onset, "no clipping, no warmup", f"{evidence}; no clipping and no warmup",
                        "enable clipping (trainer.gradient_clip_val=1.0) and warmup (optim.warmup_steps ~ 1-5% of steps)", 1)
-    if no_clip:
-        return Finding(onset, "no clipping", f"{grad}{at} with no clipping; the loss diverged at step {onset}",
+    if known and not clip:
+        return Finding(onset, "no clipping", f"{evidence}; no clipping",
                        "enable clipping (trainer.gradient_clip_val=1.0) or lower optim.lr", 1)
-    clipped = f" with clipping at {clip:g}" if clip else ""
-    return Finding(onset, "learning rate too high", f"the loss diverged at step {onset} {at}{clipped}; {grad}".rstrip("; "),
+    if any(a.cause == "attention logit growth" for a in alarms):
+        return Finding(onset, "attention logit growth", evidence,
+                       "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr", 1)
+    return Finding(onset, "learning rate too high", evidence,
                    "lower optim.lr (e.g. 3x), or add model.qk_norm=true / optim.z_loss=1e-4", 1)
+
+
+def _lone_update(log: RunLog, events: list[dict]) -> Finding | None:
+    """An update-ratio alarm after quiet measurements: one step moved the weights too far (an LR spike)."""
+    ratios = [e for e in events if e["kind"] == "update_ratio"]
+    if not ratios:
+        return None
+    first = ratios[0]
+    steps, values = log.series("stability/update_ratio")
+    threshold = first.get("detail", {}).get("threshold", 1.0)
+    quiet = values[(steps < first["step"]) & np.isfinite(values)]
+    if len(quiet) == 0 or (quiet > threshold).any():
+        return None  # alarms from the first measurement on: the whole recipe is too hot, not one step
+    return Finding(first["step"], "oversized update (LR spike)",
+                   f"update/param ratio {first['detail'].get('value', float('nan')):.3g} at step {first['step']} after "
+                   f"{len(quiet)} quiet measurement(s) (max {quiet.max():.2g}): one update moved the weights too far",
+                   "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+                   "callbacks.spike.action=rollback undoes such a step")
 
 
 def analyse(log: RunLog) -> Diagnosis:
     events = log.events
-    firsthand = sorted((f for f in (_nonfinite(events), _fp16(events), _spike(log, events)) if f), key=lambda f: f.onset)
-    curve = _curves(log)
+    found = (_nonfinite(events), _fp16(events), _spike(log, events), _lone_update(log, events))
+    firsthand = sorted((f for f in found if f), key=lambda f: f.onset)
+    alarms = _alarms(events)
+    curve = _curves(log, [a for a in alarms if not firsthand or a.onset < firsthand[0].onset - EVENT_SLACK])
     if curve and (not firsthand or curve.onset < firsthand[0].onset - EVENT_SLACK):
         ordered = [curve, *firsthand]
     else:
         ordered = firsthand + ([curve] if curve else [])
-    return Diagnosis(findings=ordered + _alarms(events), facts=_facts(log))
+    return Diagnosis(findings=ordered, facts=_facts(log))
 
 
 def _facts(log: RunLog) -> list[str]:
