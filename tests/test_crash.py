@@ -114,6 +114,7 @@ def test_sigkill_mid_run_then_resume_auto_finishes(shards_dir, tmp_path):
     done = subprocess.run(_cli(*args, "resume=auto"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resume=auto: continuing from" in done.stdout + done.stderr
+    assert "dataloader is not resumable" not in done.stderr  # it is, through the datamodule's state
     final = safe_load(run / "checkpoints" / "last.ckpt")
     assert final["global_step"] == 300
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one TensorBoard run, appended

@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import random
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from steadylm.errors import SteadyError
 
 log = logging.getLogger("steadylm")
+
+# Lightning warns on any mid-epoch resume unless the DataLoader itself is stateful; ours resumes
+# through `ShardDataModule.state_dict()` (the sampler skips the batches already trained on).
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 TMP_PREFIX = "."  # temp files are hidden and end in .tmp, so no `*.ckpt` glob ever matches one
 TMP_SUFFIX = ".tmp"
