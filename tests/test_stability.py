@@ -220,7 +220,8 @@ def test_debug_anomaly_raises_naming_the_first_non_finite_module(make_cfg):
 
 @pytest.mark.slow
 def test_a_healthy_default_run_of_300_steps_raises_no_alarm(make_cfg, tmp_path):
-    objs = fit(make_cfg("trainer.max_steps=300", "trainer.val_check_interval=300", "optim.warmup_steps=30",
+    tiny = ["model.n_head=4", "model.d_model=128", "model.context_length=128", "data.batch_size=16"]  # model=tiny as is
+    objs = fit(make_cfg(*tiny, "trainer.max_steps=300", "trainer.val_check_interval=300", "optim.warmup_steps=30",
                         "trainer.log_every_n_steps=10", "callbacks.checkpoint.every_n_train_steps=100"))
     assert read_events(tmp_path / "run") == []
     assert objs["module"].skipped_steps == 0

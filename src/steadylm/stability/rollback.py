@@ -23,10 +23,12 @@ def checkpoint_dir(trainer) -> Path:
 
 
 def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None:
-    files = sorted(checkpoint_dir(trainer).glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     best: tuple[Path, dict] | None = None
-    for path in files:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    for path in sorted(p for p in checkpoint_dir(trainer).glob("*.ckpt") if p.is_file()):
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # a half-written or foreign file is simply not a candidate
+            continue
         step = int(ckpt.get("global_step", -1))
         if step > at_or_before or (best is not None and step <= best[1]["global_step"]):
             continue
