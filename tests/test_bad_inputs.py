@@ -205,6 +205,7 @@ def test_compressed_shard_warns_and_trains(make_cfg, shards_dir, tmp_path):
     assert objects["trainer"].global_step == 2
 
 
+@pytest.mark.slow  # ~5 s of interpreter start-up alone; the cases above run the same `main` in-process
 def test_cli_subprocess_reports_one_line(tmp_path):
     """The real `python train.py`: Hydra's own error for an unknown preset is one line, exit 2."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
