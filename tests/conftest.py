@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
-from omegaconf import DictConfig
+# One BLAS/OpenMP thread per process: DDP tests run several processes on 2 cores, and oversubscribed
+# torch thread pools made a 12-step tiny run ~20x slower. Subprocesses inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from steadylm.config import compose
-from steadylm.data.prepare import prepare
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from steadylm.config import compose  # noqa: E402
+from steadylm.data.prepare import prepare  # noqa: E402
+
+torch.set_num_threads(1)
 
 # Small enough for seconds per run, large enough that loss visibly falls.
 TINY_OVERRIDES = [
