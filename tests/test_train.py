@@ -129,3 +129,16 @@ def test_config_mistake_is_one_message_and_exit_2(shards_dir, tmp_path):
     assert proc.returncode == 2
     assert "error: data.context_length=16 differs from model.context_length=512" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_run_the_guard_stops_exits_non_zero_naming_the_cause(shards_dir, tmp_path):
+    out = tmp_path / "stopped"
+    proc = run_cli(
+        "trainer=cpu", "experiment=divergence/nan_weight", "callbacks.guard.action=stop", "trainer.max_steps=30",
+        "trainer.enable_progress_bar=false", f"data.dir={shards_dir}", f"hydra.run.dir={out}", cwd=tmp_path,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: training diverged (stopped on nonfinite_loss at step 27, first in blocks.1.mlp.fc)")
+    assert "steadylm.diagnose" in last
+    assert (out / "checkpoints" / "step0000020.ckpt").exists()  # the last good weights are kept

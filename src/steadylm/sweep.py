@@ -43,17 +43,20 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
     """Why a job diverged, or None when it did not."""
     if error is not None:
         return f"train() raised {type(error).__name__}: {error}"
+    event = stop_event(run_dir)
+    if event is not None:
+        module = (event.get("detail") or {}).get("module")
+        return f"stopped on {event.get('kind')} at step {event.get('step')}" + (f", first in {module}" if module else "")
     for key in ("train/loss", "val/loss"):
         if key in metrics and not math.isfinite(metrics[key]):
             return f"non-finite {key}"
-    event = stop_event(run_dir)
-    if event is not None:
-        return f"stopped on {event.get('kind')} at step {event.get('step')}"
     return None
 
 
-def finish_job(cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None) -> float | None:
-    """Record the job's outcome (rank 0) and return the metric a sweeper optimises (NaN when diverged)."""
+def finish_job(
+    cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None
+) -> tuple[float | None, str | None]:
+    """Record the job's outcome (rank 0); return the metric a sweeper optimises (NaN when diverged) and why it diverged."""
     run_dir = Path(cfg.paths.output_dir)
     reason = divergence(metrics, run_dir, error)
     if is_rank_zero_process():
@@ -71,8 +74,8 @@ def finish_job(cfg: DictConfig, metrics: dict[str, float], error: BaseException 
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
     metric = cfg.get("optimized_metric")
     if not metric:
-        return None
-    return float("nan") if reason else metrics.get(metric)
+        return None, reason
+    return (float("nan") if reason else metrics.get(metric)), reason
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:

@@ -106,8 +106,14 @@ def _app(cfg: DictConfig) -> float | None:
             raise
         # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
         log.exception("job failed: %s", cfg.paths.output_dir)
-        return finish_job(cfg, {}, err)
-    return finish_job(cfg, metrics)
+        return finish_job(cfg, {}, err)[0]
+    value, diverged = finish_job(cfg, metrics)
+    if diverged and not in_multirun():
+        run = cfg.paths.output_dir
+        print(f"error: training diverged ({diverged}); see {run}/stability/events.jsonl "
+              f"or `python -m steadylm.diagnose {run}`", file=sys.stderr)
+        sys.exit(3)
+    return value
 
 
 def main() -> None:
