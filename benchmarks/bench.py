@@ -60,7 +60,7 @@ def lightning_block(cfg, module, datamodule, steps: int) -> list[float]:
 
 def raw_block(module, opt, sched, loader_iter: Iterator, steps: int, *, autocast=False, forward=None) -> list[float]:
     """The plain PyTorch loop nanoGPT users would write: same model, data, optimizer and clipping."""
-    forward = forward or module.net
+    forward = module.net if forward is None else forward
     times, t0 = [], time.perf_counter()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     for _ in range(steps + 1):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
+from steadylm.logging_steps import will_log
 from steadylm.model import GPT, GPTConfig
 from steadylm.schedule import lr_at
 
@@ -85,7 +86,7 @@ class LMModule(L.LightningModule):
         self.log("val/loss", loss, on_epoch=True, sync_dist=True, prog_bar=True)
 
     def on_train_batch_start(self, batch, batch_idx):
-        if batch_idx % max(1, self.trainer.log_every_n_steps) == 0:
+        if will_log(self.trainer):
             self.log("optim/lr", self.lr_schedulers().get_last_lr()[0], on_step=True)
 
     def configure_optimizers(self):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import emit
 from steadylm.stability.probe import ProbeUser, probe_for
 
@@ -51,7 +52,8 @@ class GradParamStats(ProbeUser, L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         m = probe_for(trainer).measure(trainer, pl_module)
-        pl_module.log("optim/grad_norm", m.grad_norm, on_step=True, on_epoch=False)
+        if will_log(trainer):
+            pl_module.log("optim/grad_norm", m.grad_norm, on_step=True, on_epoch=False)
         if self._armed_step != trainer.global_step:
             return
         blocks = self._blocks(pl_module)
@@ -63,7 +65,8 @@ class GradParamStats(ProbeUser, L.Callback):
         return torch.nn.utils.get_total_norm(tensors).float() if tensors else torch.zeros(())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        pl_module.log("optim/skipped_steps", float(getattr(pl_module, "skipped_steps", 0)), on_step=True, on_epoch=False)
+        if will_log(trainer):
+            pl_module.log("optim/skipped_steps", float(getattr(pl_module, "skipped_steps", 0)), on_step=True, on_epoch=False)
         if self._armed_step < 0 or trainer.global_step <= self._armed_step:
             return  # not armed, or still accumulating micro-batches of the armed step
         step, self._armed_step = self._armed_step, -1
@@ -104,7 +107,7 @@ class GradParamStats(ProbeUser, L.Callback):
                 f"stability/update_ratio/block_{i}": ratio[i], f"stability/max_attn_logit/block_{i}": logit[i],
                 f"stability/act_rms/block_{i}": act[i],
             })
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        write_metrics(trainer, metrics)
         worst = max([total_ratio, *ratio])
         if worst > self.update_ratio_alarm:
             emit(trainer, step, "update_ratio", "log", {
