@@ -89,6 +89,12 @@ def test_fp16_mixed_refused_on_cpu_and_total_steps_mismatch_warns(make_cfg, tmp_
     assert sched.status == WARN and "optim.total_steps=10 but trainer.max_steps=30" in sched.evidence
 
 
+def test_unpadded_vocab_warns_with_the_padded_size(make_cfg):
+    row = rows_by_name(config_checks(make_cfg("model.vocab_size=300")))["config: vocab padding"]
+    assert row.status == WARN and row.fix == "set model.vocab_size=320"
+    assert rows_by_name(config_checks(make_cfg()))["config: vocab padding"].status == OK
+
+
 @pytest.fixture
 def shard_copy(shards_dir, tmp_path) -> Path:
     out = tmp_path / "shards"

@@ -96,12 +96,24 @@ def check_schedule(cfg: DictConfig, png: Path) -> list[Check]:
     return [Check(name, OK, evidence)]
 
 
+def check_vocab_padding(cfg: DictConfig) -> list[Check]:
+    """A vocab that is a multiple of 64 keeps the embedding/LM-head matmuls on fast tensor-core tiles."""
+    name = "config: vocab padding"
+    v = int(cfg.model.vocab_size)
+    if v % 64:
+        padded = -(-v // 64) * 64
+        return [Check(name, WARN, f"model.vocab_size={v} is not a multiple of 64 (slower LM head on GPUs)",
+                      f"set model.vocab_size={padded}")]
+    return [Check(name, OK, f"model.vocab_size={v} = 64 x {v // 64}")]
+
+
 def config_checks(cfg: DictConfig) -> list[Check]:
     rows: list[Check] = []
     for name, fn in (
         ("config: context length, LR range, warmup", check_startup),
         ("config: gradient clipping", check_clipping),
         ("config: precision", check_precision),
+        ("config: vocab padding", check_vocab_padding),
     ):
         rows += guarded(name, lambda fn=fn: fn(cfg))
     return rows
