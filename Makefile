@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Without an NVIDIA driver, pin the CPU-tested torch; with one, let pip pick the user's CUDA build.
-TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==2.13.0)
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.6,torch==2.13.0)
 RUN ?=
 ARGS ?=
 

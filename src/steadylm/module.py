@@ -53,6 +53,8 @@ class LMModule(L.LightningModule):
         self.tokenizer_name = tokenizer
         # Optimizer steps skipped by the stability guard: the LR schedule counts only applied steps.
         self.skipped_steps = 0
+        # This step's total grad norm, when the stability probe has already computed it (before clipping).
+        self.pre_clip_grad_norm: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.forward_fn(idx)
@@ -102,6 +104,14 @@ class LMModule(L.LightningModule):
         opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=fused)
         sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Norm clipping with the probe's pre-clip norm: the same result, one pass over the gradients fewer."""
+        norm, self.pre_clip_grad_norm = self.pre_clip_grad_norm, None
+        if norm is None or not gradient_clip_val or gradient_clip_algorithm != "norm":
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def lr_factor(self, step: int) -> float:
         o = self.optim_cfg

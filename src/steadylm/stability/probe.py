@@ -65,8 +65,11 @@ class StepProbe:
         scaler = loss_scaler(trainer)
         if scaler is not None and scaler.is_enabled():
             loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        # In the optimizer's parameter order, as Lightning's clipping sums them: the norm is bitwise the same.
+        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params or pl_module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=device)
+        pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
         packed = torch.stack([loss, norm, (~loss.isfinite()).float(), (~norm.isfinite()).float()])
         world = trainer.world_size
         if world > 1:
