@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import statistics
@@ -88,11 +89,21 @@ def ratio(a: list[float], b: list[float]) -> float:
 
 
 def interleave(rounds: int, runners: dict[str, Callable[[], list[float]]]) -> dict[str, list[float]]:
-    """Round-robin the runners so drift in machine load hits every side equally."""
+    """Round-robin the runners, rotating who goes first, so drift in machine load hits every side equally.
+
+    The garbage collector is paused inside each block (as `timeit` does): a collection triggered by one
+    variant's allocations would otherwise land in whichever block happens to be running.
+    """
     samples: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
     for r in range(rounds):
-        for name, run in runners.items():
-            samples[name] += run()
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            gc.collect()
+            gc.disable()
+            try:
+                samples[name] += runners[name]()
+            finally:
+                gc.enable()
         print(f"  round {r + 1}/{rounds} done", file=sys.stderr)
     return samples
 
