@@ -45,9 +45,11 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for row in ("Lightning + suite / raw loop", "suite on / suite off", "data loader / training", "bf16 autocast", "FLOPs/token"):
+    for row in ("Lightning + suite / raw loop", "suite on / suite off", "suite hook time", "data loader / training",
+                "bf16 autocast", "FLOPs/token"):
         assert row in proc.stdout
     results = json.loads(out.read_text())
-    for key in ("lightning_suite_over_raw", "suite_on_over_off", "loader_over_training_tokens_per_sec", "bf16_over_fp32_cpu"):
+    for key in ("lightning_suite_over_raw", "suite_on_over_off", "suite_hook_share_of_step",
+                "loader_over_training_tokens_per_sec", "bf16_over_fp32_cpu"):
         assert results[key] > 0
     assert results["flops_per_token"] > 6 * results["params"]
