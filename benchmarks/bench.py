@@ -37,19 +37,29 @@ WARMUP = 3  # steps dropped from each timed block: allocator and autotuning sett
 
 
 class StepTimer(L.Callback):
-    """Wall time between consecutive batch starts: data, forward, backward, clip, step and every hook."""
+    """Time between consecutive batch starts: data, forward, backward, clip, step and every hook."""
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
+        self.starts: list[tuple[float, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
+        self.starts.append(now())
 
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:])][WARMUP:]
+    def step_times(self) -> list[tuple[float, float]]:
+        return intervals(self.starts)[WARMUP:]
 
 
-def lightning_block(cfg, module, datamodule, steps: int) -> list[float]:
+def now() -> tuple[float, float]:
+    """(wall, process CPU) seconds. CPU time is what this process did, so a busy neighbour on a shared
+    machine moves it far less than wall time; both are reported."""
+    return time.perf_counter(), time.process_time()
+
+
+def intervals(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps, stamps[1:])]
+
+
+def lightning_block(cfg, module, datamodule, steps: int) -> list[tuple[float, float]]:
     """One `trainer.fit` of `steps` steps on the shared module and data; set-up is not timed."""
     set_key(cfg, "trainer.max_steps", steps + 1)
     trainer = build_trainer(cfg)
@@ -59,10 +69,10 @@ def lightning_block(cfg, module, datamodule, steps: int) -> list[float]:
     return timer.step_times()
 
 
-def raw_block(module, opt, sched, loader_iter: Iterator, steps: int, *, autocast=False, forward=None) -> list[float]:
+def raw_block(module, opt, sched, loader_iter: Iterator, steps: int, *, autocast=False, forward=None) -> list[tuple]:
     """The plain PyTorch loop nanoGPT users would write: same model, data, optimizer and clipping."""
     forward = module.net if forward is None else forward
-    times, t0 = [], time.perf_counter()
+    stamps = [now()]
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     for _ in range(steps + 1):
         x, y = next(loader_iter)
@@ -73,10 +83,8 @@ def raw_block(module, opt, sched, loader_iter: Iterator, steps: int, *, autocast
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        t0 = t1
-    return times[WARMUP:]
+        stamps.append(now())
+    return intervals(stamps)[WARMUP:]
 
 
 def endless(loader) -> Iterator:
@@ -84,17 +92,22 @@ def endless(loader) -> Iterator:
         yield from loader
 
 
-def ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(a) / statistics.median(b)
+def median(samples: list[tuple[float, float]], clock: int = 0) -> float:
+    return statistics.median(x[clock] for x in samples)
 
 
-def interleave(rounds: int, runners: dict[str, Callable[[], list[float]]]) -> dict[str, list[float]]:
+def ratio(a: list[tuple[float, float]], b: list[tuple[float, float]], clock: int = 0) -> float:
+    """Ratio of medians; clock 0 = wall time, 1 = process CPU time."""
+    return median(a, clock) / median(b, clock)
+
+
+def interleave(rounds: int, runners: dict[str, Callable[[], list[tuple]]]) -> dict[str, list[tuple]]:
     """Round-robin the runners, rotating who goes first, so drift in machine load hits every side equally.
 
     The garbage collector is paused inside each block (as `timeit` does): a collection triggered by one
     variant's allocations would otherwise land in whichever block happens to be running.
     """
-    samples: dict[str, list[float]] = {name: [] for name in runners}
+    samples: dict[str, list[tuple]] = {name: [] for name in runners}
     names = list(runners)
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trainer.max_steps=100000", *args.overrides,
     ]
     suite_cfg = compose([*common, "callbacks=default", "~callbacks.checkpoint"])
-    bare_cfg = compose([*common, "callbacks=none"])
+    bare_cfg = compose([*common, "callbacks=minimal", "~callbacks.checkpoint"])
     objects = build(suite_cfg)
     module, datamodule = objects["module"], objects["datamodule"]
     opt_cfg = module.configure_optimizers()
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = endless(datamodule.train_dataloader())
     steps = args.steps
 
-    def raw(**kw) -> Callable[[], list[float]]:
+    def raw(**kw) -> Callable[[], list[tuple]]:
         return lambda: raw_block(module, opt, sched, batches, steps, **kw)
 
     print(f"timing {args.rounds} interleaved rounds of {steps} steps each …", file=sys.stderr)
@@ -186,11 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
     t = interleave(args.rounds, runners)
 
     tokens_per_step = datamodule.batch_size * datamodule.context_length
-    train_tps = tokens_per_step / statistics.median(t["suite"])
+    train_tps = tokens_per_step / median(t["suite"])
     fpt = module.net.flops_per_token()
     results = {
         "lightning_suite_over_raw": ratio(t["suite"], t["raw"]),
         "suite_on_over_off": ratio(t["suite"], t["bare"]),
+        "lightning_suite_over_raw_cpu": ratio(t["suite"], t["raw"], clock=1),
+        "suite_on_over_off_cpu": ratio(t["suite"], t["bare"], clock=1),
         "suite_hook_share_of_step": suite_hook_share(suite_cfg, bare_cfg, module, datamodule, 3 * steps),
         "loader_over_training_tokens_per_sec": loader_tokens_per_sec(datamodule, 20 if args.quick else 200) / train_tps,
         "bf16_over_fp32_cpu": ratio(t["raw_bf16"], t["raw"]),
@@ -210,6 +225,8 @@ def report(r: dict) -> None:
     rows = [
         ("step time: Lightning + suite / raw loop", r["lightning_suite_over_raw"], "<= 1.02"),
         ("step time: suite on / suite off", r["suite_on_over_off"], "<= 1.02"),
+        ("CPU time: Lightning + suite / raw loop", r["lightning_suite_over_raw_cpu"], "<= 1.02"),
+        ("CPU time: suite on / suite off", r["suite_on_over_off_cpu"], "<= 1.02"),
         ("suite hook time / step time (profiler)", r["suite_hook_share_of_step"], "<= 0.02"),
         ("tokens/s: data loader / training", r["loader_over_training_tokens_per_sec"], ">= 50"),
         ("step time: bf16 autocast / fp32 (CPU)", r["bf16_over_fp32_cpu"], "< 1 where the CPU has bf16"),
