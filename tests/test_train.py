@@ -142,3 +142,10 @@ def test_a_run_the_guard_stops_exits_non_zero_naming_the_cause(shards_dir, tmp_p
     assert last.startswith("error: training diverged (stopped on nonfinite_loss at step 27, first in blocks.1.mlp.fc)")
     assert "steadylm.diagnose" in last
     assert (out / "checkpoints" / "step0000020.ckpt").exists()  # the last good weights are kept
+
+
+def test_checkpoint_stores_each_weight_once():
+    module = LMModule(model=dict(n_layer=1, n_head=2, d_model=32, context_length=8, vocab_size=64), optim=dict(lr=1e-3))
+    keys = list(module.state_dict())
+    assert keys and all(k.startswith("net.") for k in keys)
+    assert len(keys) == len(dict(module.net.state_dict()))

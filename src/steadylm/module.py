@@ -47,7 +47,9 @@ class LMModule(L.LightningModule):
         self.optim_cfg = optim
         self.z_loss = float(optim.get("z_loss", 0.0))
         self.net = GPT(GPTConfig(**model))
-        self.forward_fn = torch.compile(self.net) if compile else self.net
+        if compile:
+            # In place, so the state_dict keys stay `net.*` (a wrapper attribute would store every weight twice).
+            self.net.compile()
         # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
         self.run_config = run_config
         self.tokenizer_name = tokenizer
@@ -57,7 +59,7 @@ class LMModule(L.LightningModule):
         self.pre_clip_grad_norm: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.forward_fn(idx)
+        return self.net(idx)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy over non-padding tokens, plus z-loss; returns (loss, z_term)."""
