@@ -264,14 +264,16 @@ class RNGState(L.Callback):
     """Carry the global RNGs through checkpoints, for a bitwise-identical resume.
 
     The restored state is applied at the first training batch after the restore, because building
-    the resumed DataLoader iterator draws from the torch generator. Validation (which builds its own
-    iterator) hands the generators back as they were after the last training step, so it never shifts
-    the training stream and a resume right after a validation matches the uninterrupted run.
+    the resumed DataLoader iterator draws from the torch generator. Validation builds its own iterator,
+    which draws one seed from the torch CPU generator; that generator is handed back as it was after
+    the last training step, so validation never shifts the training stream and a resume right after a
+    validation matches the uninterrupted run. Only that generator is kept per step (~3 µs; all of
+    them, numpy's especially, cost ~0.13 ms a step).
     """
 
     def __init__(self) -> None:
         self._pending: dict | None = None
-        self._after_step: dict | None = None
+        self._after_step: torch.Tensor | None = None
 
     def state_dict(self) -> dict:
         return _collect_rng()
@@ -285,9 +287,9 @@ class RNGState(L.Callback):
             self._pending = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._after_step = _collect_rng()  # a few KB copied on the host; no device sync
+        self._after_step = torch.get_rng_state()  # 5 KB copied on the host; no device sync
 
     def on_validation_end(self, trainer, pl_module):
         if self._after_step is not None:
-            _restore_rng(self._after_step)
+            torch.set_rng_state(self._after_step)
             self._after_step = None

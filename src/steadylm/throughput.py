@@ -11,6 +11,8 @@ import time
 import lightning as L
 import torch
 
+from steadylm.logging_steps import write_metrics
+
 # Dense bf16 peak FLOP/s per device. Lightning's table has no H200; H100 and H200 SXM share a peak.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "4090": 165.2e12}
 
@@ -37,11 +39,11 @@ class Throughput(L.Callback):
         now = time.perf_counter()
         if self._t0 is not None and now > self._t0:
             tps = self._tokens * trainer.world_size / (now - self._t0)
-            pl_module.log("perf/tokens_per_sec", tps, on_step=True)
+            metrics = {"perf/tokens_per_sec": tps}
             peak = self.peak_flops or self._device_peak(pl_module.device)
             if peak:
-                per_device = tps / trainer.world_size
-                pl_module.log("perf/mfu", per_device * pl_module.net.flops_per_token() / peak, on_step=True)
+                metrics["perf/mfu"] = tps / trainer.world_size * pl_module.net.flops_per_token() / peak
+            write_metrics(trainer, metrics)
         self._t0, self._tokens = now, 0
 
     @staticmethod

@@ -61,12 +61,22 @@ class CausalSelfAttention(nn.Module):
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
-    def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Largest pre-softmax logit a query gives a visible key: its growth precedes attention collapse."""
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+    def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, rows: int = 256) -> torch.Tensor:
+        """Largest pre-softmax logit a query gives a visible key: its growth precedes attention collapse.
+
+        Taken on the batch's first sequence, `rows` queries at a time: logit growth is a property of
+        the weights, so one sequence shows it, and the explicit QK^T stays at heads x rows x T floats
+        (a whole batch at T=2048 would be gigabytes on the logging step).
+        """
+        q, k = q[0].float(), k[0].float()
         T = q.shape[-2]
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        return logits.float().masked_fill(future, float("-inf")).amax()
+        best = q.new_full((), float("-inf"))
+        for start in range(0, T, rows):
+            stop = min(start + rows, T)
+            logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)) / math.sqrt(self.head_dim)
+            future = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu(start + 1)
+            best = torch.maximum(best, logits.masked_fill(future, float("-inf")).amax())
+        return best
 
 
 class MLP(nn.Module):

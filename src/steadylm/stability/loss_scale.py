@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import lightning as L
 
+from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import emit
 from steadylm.stability.probe import ProbeUser, loss_scaler, probe_for
 
@@ -26,8 +27,8 @@ class LossScaleMonitor(ProbeUser, L.Callback):
             return
         probe = probe_for(trainer)
         m = probe.measure(trainer, pl_module)
-        if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
-            pl_module.log("optim/loss_scale", scaler.get_scale(), on_step=True, on_epoch=False)
+        if will_log(trainer):
+            write_metrics(trainer, {"optim/loss_scale": scaler.get_scale()})
         if not m.grad_nonfinite:
             self.consecutive = 0
             return

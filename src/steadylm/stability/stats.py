@@ -28,6 +28,7 @@ class GradParamStats(ProbeUser, L.Callback):
         self._hooks: list = []
         self._act: dict[int, torch.Tensor] = {}
         self._before: dict[str, torch.Tensor] = {}
+        self._grad_norm: float | None = None  # this logging step's pre-clip norm, until batch end
 
     @staticmethod
     def _blocks(pl_module) -> list[torch.nn.Module]:
@@ -53,7 +54,7 @@ class GradParamStats(ProbeUser, L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         m = probe_for(trainer).measure(trainer, pl_module)
         if will_log(trainer):
-            pl_module.log("optim/grad_norm", m.grad_norm, on_step=True, on_epoch=False)
+            self._grad_norm = m.grad_norm  # written at batch end, beside the skip count this step settled
         if self._armed_step != trainer.global_step:
             return
         blocks = self._blocks(pl_module)
@@ -65,8 +66,10 @@ class GradParamStats(ProbeUser, L.Callback):
         return torch.nn.utils.get_total_norm(tensors).float() if tensors else torch.zeros(())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if will_log(trainer):
-            pl_module.log("optim/skipped_steps", float(getattr(pl_module, "skipped_steps", 0)), on_step=True, on_epoch=False)
+        if self._grad_norm is not None:
+            skipped = float(getattr(pl_module, "skipped_steps", 0))
+            write_metrics(trainer, {"optim/grad_norm": self._grad_norm, "optim/skipped_steps": skipped})
+            self._grad_norm = None
         if self._armed_step < 0 or trainer.global_step <= self._armed_step:
             return  # not armed, or still accumulating micro-batches of the armed step
         step, self._armed_step = self._armed_step, -1
