@@ -65,7 +65,7 @@ def raw_step(module, opt, sched, batch, *, autocast=False, forward=None) -> None
     x, y = batch
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
-        loss, _ = module.loss((forward or module.net)(x), y)
+        loss, _ = module.loss((module.net if forward is None else forward)(x), y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
     opt.step()
@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
         "trainer=cpu", f"data.dir={data_dir}", f"paths.output_dir={work / 'run'}", "logger=none",
         "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0", "trainer.enable_model_summary=false",
         "trainer.val_check_interval=1000000", "optim.warmup_steps=1", "trainer.max_steps=100000",
+        # Two AdamWs (Lightning's and the raw loop's) share the weights: a low LR keeps them finite and
+        # quiet, so every timed step takes the healthy path. Timing does not depend on the LR.
+        "optim.lr=1e-4", "optim.min_lr=1e-5",
         "callbacks=default", "~callbacks.checkpoint", *args.overrides,
     ])
     objects = build(cfg)

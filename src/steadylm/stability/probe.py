@@ -1,7 +1,7 @@
-"""The one shared per-optimizer-step measurement: loss, pre-clip grad norm, non-finite flags.
+"""The one shared per-optimizer-step measurement: loss and pre-clip grad norm, and whether each is finite.
 
 Taken in `on_before_optimizer_step` (after backward and every accumulated micro-batch, after the fp16
-unscale, before clipping and the update), packed into ONE tensor, all-reduced ONCE across ranks and
+unscale, before clipping and the update), packed into ONE 2-number tensor, all-reduced ONCE across ranks and
 copied to the host ONCE. The guard, the spike detector, the stats and the fp16 monitor all read this
 same reduced value, so every rank takes the same decision and none waits alone in a collective.
 The probe hangs off the Trainer so each callback works alone and the first one to ask pays the cost.
@@ -70,14 +70,15 @@ class StepProbe:
         grads = [p.grad for p in params or pl_module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=device)
         pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
-        packed = torch.stack([loss, norm, (~loss.isfinite()).float(), (~norm.isfinite()).float()])
+        packed = torch.stack([loss, norm])
         world = trainer.world_size
         if world > 1:
+            # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
             packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        loss_v, norm_v, loss_bad, grad_bad = packed.tolist()
+        loss_v, norm_v = packed.tolist()
         self._measured = Measurement(
-            step=step, loss=loss_v / world, grad_norm=norm_v / world, loss_nonfinite=loss_bad > 0,
-            grad_nonfinite=grad_bad > 0 or not math.isfinite(norm_v),
+            step=step, loss=loss_v / world, grad_norm=norm_v / world, loss_nonfinite=not math.isfinite(loss_v),
+            grad_nonfinite=not math.isfinite(norm_v),
         )
         return self._measured
 
