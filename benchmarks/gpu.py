@@ -1,7 +1,9 @@
 """GPU throughput and MFU of `model=small` (GPT-2 124M) in bf16 with torch.compile, on one GPU.
 
 Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak table in
-`steadylm.throughput` and which SDPA kernel the attention can use. Goal on one H200: MFU >= 45%.
+`steadylm.throughput`, which SDPA kernel the attention can use, and how many synchronizing CUDA calls
+each step makes (`torch.cuda.set_sync_debug_mode`): the stability probe's one host read on every step,
+more on logging steps. Goal on one H200: MFU >= 45%.
 
 Usage: python benchmarks/gpu.py [--steps 60] [--batch 16] [--no-compile] [overrides...]
 """
@@ -12,15 +14,46 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
+import lightning as L
 import torch
-from bench import StepTimer
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
 from steadylm.throughput import peak_flops
 from steadylm.train import build
+
+
+class StepTimer(L.Callback):
+    """Wall time between batch starts, and the synchronizing CUDA calls made inside each step."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.syncs: list[int] = []
+        self._caught: list | None = None
+        self._ctx = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._close()
+        self.starts.append(time.perf_counter())
+        self._ctx = warnings.catch_warnings(record=True)
+        self._caught = self._ctx.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, trainer, pl_module):
+        self._close()
+
+    def _close(self) -> None:
+        if self._ctx is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self.syncs.append(sum("synchroniz" in str(w.message) for w in self._caught))
+        self._ctx.__exit__(None, None, None)
+        self._ctx = None
 
 
 def flash_attention_usable(head_dim: int, seq: int) -> bool:
@@ -60,7 +93,9 @@ def main() -> None:
     objects["trainer"].callbacks.append(timer)
     objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
 
-    times = timer.step_times()[10:]  # compile and autotune happen in the first steps
+    starts = timer.starts
+    times = [b - a for a, b in zip(starts, starts[1:])][10:]  # compile and autotune happen in the first steps
+    syncs = timer.syncs[10:]
     tokens = cfg.data.batch_size * cfg.model.context_length
     tps = tokens / statistics.median(times)
     net = objects["module"].net
@@ -72,6 +107,8 @@ def main() -> None:
     achieved = tps * net.flops_per_token()
     mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.throughput.PEAK_FLOPS)"
     print(f"model FLOP/s: {achieved / 1e12:.1f} TFLOP/s; MFU: {mfu}")
+    print(f"synchronizing CUDA calls per step: median {statistics.median(syncs)}, max {max(syncs)} "
+          f"(every {cfg.trainer.log_every_n_steps}th step logs)")
 
 
 if __name__ == "__main__":
