@@ -1,11 +1,11 @@
 """`GradParamStats`: the numbers that show a run drifting toward divergence before it gets there.
 
-Every step (from the probe's one reduced host copy, no extra sync): `optim/grad_norm` (pre-clip, which
-Lightning's clipping computes and throws away) and `optim/skipped_steps`. Every `every_n_steps` steps,
-chosen to coincide with Lightning's logging steps: per-block grad norm, param norm and update/param
-ratio ‖Δθ‖/‖θ‖ (params snapshotted before the update on those steps only), max attention logit per
-layer (the O(T²) tracking is switched on for that step only) and activation RMS per block (forward
-hooks on that step only). All of a logging step's tensors are stacked and copied to the host once.
+On Lightning's logging steps (from the probe's one reduced host copy, no extra sync): `optim/grad_norm`
+(pre-clip, which Lightning's clipping computes and throws away) and `optim/skipped_steps`. Every
+`every_n_steps` steps, chosen to coincide with the logging steps: per-block grad norm, param norm and
+update/param ratio ‖Δθ‖/‖θ‖ (params snapshotted before the update on those steps only), max attention
+logit per layer (tracking switched on for that step only, on one sequence) and activation RMS per block
+(forward hooks on that step only). All of a logging step's tensors are stacked and copied to the host once.
 Alarms (`update_ratio`, `attn_logit`) go to the events log; they never change training.
 """
 
