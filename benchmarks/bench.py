@@ -147,6 +147,8 @@ for _hook in Gate.HOOKS:
 def endless(loader) -> Iterator:
     while True:
         yield from loader
+
+
 def median(blocks: Blocks, clock: int = 0) -> float:
     return statistics.median(x[clock] for block in blocks for x in block)
 
