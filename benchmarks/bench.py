@@ -60,24 +60,25 @@ def since(start: Sample) -> Sample:
     return t[0] - start[0], t[1] - start[1]
 
 
-def raw_step(module, opt, sched, batch, *, autocast=False, forward=None) -> None:
+def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, forward=None) -> None:
     """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, AdamW, LR, zero."""
     x, y = batch
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         loss, _ = module.loss((module.net if forward is None else forward)(x), y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
 
 
-def raw_block(module, opt, sched, batches: Iterator, steps: int, **kw) -> list[Sample]:
+def raw_block(module, opt, sched, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
     samples = []
     for _ in range(steps + WARMUP):
         start = now()
-        raw_step(module, opt, sched, next(batches), **kw)
+        raw_step(module, opt, sched, next(batches), clip, **kw)
         samples.append(since(start))
     return samples[WARMUP:]
 
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.no_compile = 1, 2 * CHUNK, True
+    if args.rounds < 1 or args.steps < CHUNK:
+        ap.error(f"--rounds must be >= 1 and --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
     logging.getLogger("lightning").setLevel(logging.WARNING)
 
     work = Path(tempfile.mkdtemp(prefix="steadylm-bench-"))
@@ -286,24 +289,25 @@ def main(argv: list[str] | None = None) -> dict:
     opt_cfg = module.configure_optimizers()  # the raw loop's own AdamW, built by the same recipe
     opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     batches = endless(datamodule.train_dataloader())
+    clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
 
     print(f"overhead: {args.rounds} runs of {args.steps} steps, each paired with a raw step …", file=sys.stderr)
     runs = []
     for r in range(args.rounds):
-        runs.append(paired_run(cfg, module, datamodule, lambda: raw_step(module, opt, sched, next(batches)), args.steps, r))
+        runs.append(paired_run(cfg, module, datamodule, lambda: raw_step(module, opt, sched, next(batches), clip), args.steps, r))
         print(f"  run {r + 1}/{args.rounds} done", file=sys.stderr)
     t = overhead_samples(runs)
 
     print("kernels: bf16 / compile …", file=sys.stderr)
     block = max(2, args.steps // 4)
     kernels = {
-        "fp32": lambda: raw_block(module, opt, sched, batches, block),
-        "bf16": lambda: raw_block(module, opt, sched, batches, block, autocast=True),
+        "fp32": lambda: raw_block(module, opt, sched, batches, block, clip),
+        "bf16": lambda: raw_block(module, opt, sched, batches, block, clip, autocast=True),
     }
     if not args.no_compile:
         compiled = torch.compile(module.net)
-        raw_block(module, opt, sched, batches, 1, forward=compiled)  # compile outside the timed blocks
-        kernels["compiled"] = lambda: raw_block(module, opt, sched, batches, block, forward=compiled)
+        raw_block(module, opt, sched, batches, 1, clip, forward=compiled)  # compile outside the timed blocks
+        kernels["compiled"] = lambda: raw_block(module, opt, sched, batches, block, clip, forward=compiled)
     k = interleave(2, kernels)
 
     tokens_per_step = datamodule.batch_size * datamodule.context_length

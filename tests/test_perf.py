@@ -71,3 +71,10 @@ def test_gpu_script_imports_and_refuses_without_a_gpu():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py")], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1 and "no CUDA GPU visible" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_benchmark_refuses_too_few_rounds_or_steps():
+    for args in (["--rounds", "0"], ["--steps", "3"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "--rounds must be >= 1 and --steps >= 10" in proc.stderr, proc.stderr[-2000:]
