@@ -32,7 +32,7 @@ def faults(*specs: dict) -> str:
 
 
 class Snapshot(L.Callback):
-    """Copies weights and AdamW state just before and just after optimizer step `step`."""
+    """Copies weights and AdamW state just before and just after optimizer step `step`; the LR each update used."""
 
     def __init__(self, step: int):
         self.step, self.before, self.after, self.lrs = step, None, None, []
@@ -45,8 +45,10 @@ class Snapshot(L.Callback):
             "adam": {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(pl_module.parameters())},
         }
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])  # after the suite's callbacks: a late skip count is in
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         if trainer.global_step == self.step:
             self.before = self._state(trainer, pl_module)
 
@@ -64,9 +66,11 @@ def fit(cfg, *extra_callbacks, precision_plugin=None):
     return objs
 
 
-def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_untouched(make_cfg, tmp_path):
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "same-step"])
+def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_untouched(make_cfg, tmp_path, defer):
     snap = Snapshot(step=6)
-    cfg = make_cfg(*FAST, faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}))
+    cfg = make_cfg(*FAST, f"callbacks.guard.defer={defer}",
+                   faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}))
     objs = fit(cfg, snap)
     events = read_events(tmp_path / "run")
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [(6, "nonfinite_grad", "skip")]
@@ -101,11 +105,14 @@ def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(ma
     assert math.isfinite(objs["trainer"].callback_metrics["train/loss"].item())
 
 
-def test_nan_weight_with_stop_halts_every_rank_and_writes_forensics(make_cfg, tmp_path):
-    cfg = make_cfg(*FAST, "callbacks.guard.max_consecutive=2", "callbacks.guard.action=stop",
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "same-step"])
+def test_nan_weight_with_stop_halts_every_rank_and_writes_forensics(make_cfg, tmp_path, defer):
+    cfg = make_cfg(*FAST, "callbacks.guard.max_consecutive=2", "callbacks.guard.action=stop", f"callbacks.guard.defer={defer}",
                    faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}))
     objs = fit(cfg)
-    assert objs["trainer"].global_step == 7  # stopped right after the second skip
+    # Stopped right after the second skip; deferred, the host learns of it while step 7 runs, and drops that too.
+    assert objs["trainer"].global_step == (8 if defer else 7)
+    assert objs["module"].skipped_steps == (3 if defer else 2)
     events = read_events(tmp_path / "run")
     assert [(e["step"], e["kind"]) for e in events] == [(5, "nonfinite_loss"), (6, "nonfinite_loss"), (6, "stop")]
     assert events[-1]["detail"]["module"] == "blocks.1.mlp.fc"

@@ -16,17 +16,11 @@ import torch
 from steadylm.stability.events import stability_dir
 
 
-def _module_of(param_name: str) -> str:
-    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
-
-
-def first_nonfinite_grad(net: torch.nn.Module) -> str | None:
-    """The module owning the first parameter (registration order) whose current `.grad` is non-finite."""
-    named = [(n, p.grad) for n, p in net.named_parameters() if p.grad is not None]
-    if not named:
+def module_of(param_name: str | None) -> str | None:
+    """`blocks.0.attn.qkv.weight` -> `blocks.0.attn.qkv`."""
+    if param_name is None:
         return None
-    bad = torch.stack([~g.isfinite().all() for _, g in named]).tolist()
-    return next((_module_of(n) for (n, _), b in zip(named, bad) if b), None)
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
 def window_indices(trainer, batch_idx: int) -> list[int]:
@@ -88,7 +82,7 @@ def locate(pl_module, batches: list) -> dict:
             h.remove()
     for n, p in net.named_parameters():
         if not p.isfinite().all():
-            layers.setdefault(_module_of(n), {})["param_nonfinite"] = True
+            layers.setdefault(module_of(n), {})["param_nonfinite"] = True
     first = lambda key: order[key][0] if order[key] else None  # noqa: E731
     return {"forward": first("forward"), "backward": first("backward"), "layers": layers}
 

@@ -1,8 +1,10 @@
 """`NonFiniteGuard`: a non-finite loss or gradient on any rank skips the optimizer step on all ranks.
 
-The decision comes from the probe's all-reduced flag, before clipping and the update. A skip sets
-every `.grad` to None, so AdamW leaves weights, moments, step count and weight decay untouched (zeroing
-grads would not: AdamW would still decay and move), and the LR schedule does not advance. After
+The decision comes from the probe's all-reduced flag, before clipping and the update. A skip leaves
+weights, moments, step count and weight decay untouched (on the device through fused AdamW's `found_inf`
+when deferred, else by setting every `.grad` to None; zeroing grads would not do: AdamW would still decay
+and move), and the LR schedule does not advance. Deferred, the counting, events, rollback and stop come
+one step after the bad step (see `probe`); the events still name the bad step. After
 `max_consecutive` skips in a row it rolls back to the last good checkpoint, or stops every rank
 together; either way the first non-finite module is named (re-run of the bad batch with hooks), and a
 stop writes a forensic bundle. It must never raise on one rank: a raise while the others wait in a
@@ -17,7 +19,7 @@ import lightning as L
 
 from steadylm.errors import ConfigError
 from steadylm.stability.events import emit
-from steadylm.stability.forensics import culprit, first_nonfinite_grad, locate, window_indices, write_bundle
+from steadylm.stability.forensics import culprit, locate, module_of, window_indices, write_bundle
 from steadylm.stability.probe import ProbeUser, loss_scaler, probe_for
 from steadylm.stability.rollback import rollback
 
@@ -25,7 +27,7 @@ ACTIONS = ("rollback", "stop")
 
 
 class NonFiniteGuard(ProbeUser, L.Callback):
-    def __init__(self, max_consecutive: int = 3, action: str = "rollback", max_rollbacks: int = 3) -> None:
+    def __init__(self, max_consecutive: int = 3, action: str = "rollback", max_rollbacks: int = 3, defer: bool = True) -> None:
         if action not in ACTIONS:
             raise ConfigError(f"callbacks.guard.action={action!r} is not one of {', '.join(ACTIONS)}")
         if max_consecutive < 1:
@@ -33,51 +35,49 @@ class NonFiniteGuard(ProbeUser, L.Callback):
         self.max_consecutive = int(max_consecutive)
         self.action = action
         self.max_rollbacks = int(max_rollbacks)
+        self.defer = bool(defer)  # False: read every step's value on the host at the step itself (one sync per step)
         self.consecutive = 0
         self.streak_start = -1
         self.rollbacks = 0
         self.module: str | None = None  # first non-finite module of the current streak
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        probe = probe_for(trainer)
-        m = probe.measure(trainer, pl_module)
+    def observe(self, trainer, pl_module, optimizer, m):
         scaler_owns_it = loss_scaler(trainer) is not None and not m.loss_nonfinite
         if not m.nonfinite or scaler_owns_it:
             self.consecutive = 0
             return
-        step = trainer.global_step
+        probe = probe_for(trainer)
+        probe.skip(trainer, pl_module, m)  # deferred: the device skipped it already; this counts it
         if self.consecutive == 0:
-            self.streak_start = step
-            self.module = culprit(locate(pl_module, probe.batches), first_nonfinite_grad(pl_module.net))
+            self.streak_start = m.step
+            self.module = culprit(locate(pl_module, m.batches), module_of(m.bad_param))
         self.consecutive += 1
         kind = "nonfinite_loss" if m.loss_nonfinite else "nonfinite_grad"
         detail = {"module": self.module, "value": m.loss if m.loss_nonfinite else m.grad_norm,
-                  "consecutive": self.consecutive, "batch": [window_indices(trainer, i) for i in probe.batch_idx]}
+                  "consecutive": self.consecutive, "batch": [window_indices(trainer, i) for i in m.batch_idx]}
         if self.consecutive < self.max_consecutive:
-            probe.skip(trainer, pl_module)
-            emit(trainer, step, kind, "skip", detail)
+            emit(trainer, m.step, kind, "skip", detail)
             return
-        if self.action == "rollback" and self.rollbacks < self.max_rollbacks:
+        if self.action == "rollback" and optimizer is not None and self.rollbacks < self.max_rollbacks:
             restored = rollback(trainer, pl_module, optimizer, self.streak_start)
             if restored is not None:
                 self.rollbacks += 1
                 self.consecutive = 0
-                emit(trainer, step, kind, "rollback", detail)
-                emit(trainer, step, "rollback", "rollback", {**restored, "module": self.module, "from_step": self.streak_start})
+                emit(trainer, m.step, kind, "rollback", detail)
+                emit(trainer, m.step, "rollback", "rollback", {**restored, "module": self.module, "from_step": self.streak_start})
                 return
-        self._stop(trainer, pl_module, probe, kind, detail)
+        self._stop(trainer, pl_module, probe, m, kind, detail)
 
-    def _stop(self, trainer, pl_module, probe, kind: str, detail: dict) -> None:
-        step = trainer.global_step
-        report = locate(pl_module, probe.batches)
-        module = culprit(report, first_nonfinite_grad(pl_module.net)) or self.module
-        probe.skip(trainer, pl_module)
-        bundle = {"step": step, "streak_start": self.streak_start, "kind": kind, "module": module,
+    def _stop(self, trainer, pl_module, probe, m, kind: str, detail: dict) -> None:
+        report = locate(pl_module, m.batches)
+        module = culprit(report, module_of(m.bad_param)) or self.module
+        probe.abandon(trainer, pl_module)  # deferred: nor the step under way, if any
+        bundle = {"step": m.step, "streak_start": self.streak_start, "kind": kind, "module": module,
                   "first_module": self.module, "batch": detail["batch"], "rank": trainer.global_rank, **report}
-        path = write_bundle(trainer, step, bundle)
-        emit(trainer, step, kind, "stop", detail)
-        emit(trainer, step, "stop", "stop", {"module": self.module or module, "consecutive": self.consecutive,
-                                            "forensics": str(path) if path else None})
+        path = write_bundle(trainer, m.step, bundle)
+        emit(trainer, m.step, kind, "stop", detail)
+        emit(trainer, m.step, "stop", "stop", {"module": self.module or module, "consecutive": self.consecutive,
+                                              "forensics": str(path) if path else None})
         trainer.should_stop = True  # same reduced flag on every rank: all stop at this step
 
     def state_dict(self) -> dict:

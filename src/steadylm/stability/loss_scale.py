@@ -4,7 +4,7 @@ The GradScaler skips every step whose unscaled gradients overflow and halves the
 scale keeps collapsing is a silent stall: the loss curve goes flat while the step counter advances.
 This counts each scaler skip in `optim/skipped_steps` (so the LR schedule does not advance on it),
 logs `optim/loss_scale`, and raises an `fp16_skip_streak` event when `streak` skips run back to back.
-Inactive (no cost) without a scaler: bf16 and fp32 do not need one.
+Does nothing without a scaler: bf16 and fp32 do not need one.
 """
 
 from __future__ import annotations
@@ -21,21 +21,19 @@ class LossScaleMonitor(ProbeUser, L.Callback):
         self.streak = int(streak)
         self.consecutive = 0
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def observe(self, trainer, pl_module, optimizer, m):
         scaler = loss_scaler(trainer)
         if scaler is None:
             return
-        probe = probe_for(trainer)
-        m = probe.measure(trainer, pl_module)
         if will_log(trainer):
             write_metrics(trainer, {"optim/loss_scale": scaler.get_scale()})
         if not m.grad_nonfinite:
             self.consecutive = 0
             return
-        probe.skip(trainer, pl_module, null_grads=False)  # the scaler itself skips the update
+        probe_for(trainer).skip(trainer, pl_module, m, null_grads=False)  # the scaler itself skips the update
         self.consecutive += 1
         if self.consecutive == self.streak:
-            emit(trainer, trainer.global_step, "fp16_skip_streak", "log", {
+            emit(trainer, m.step, "fp16_skip_streak", "log", {
                 "consecutive": self.consecutive, "loss_scale": scaler.get_scale(),
                 "skipped_steps": pl_module.skipped_steps,
             })

@@ -6,14 +6,23 @@ copied to the host ONCE. The guard, the spike detector, the stats and the fp16 m
 same reduced value, so every rank takes the same decision and none waits alone in a collective.
 The probe hangs off the Trainer so each callback works alone and the first one to ask pays the cost.
 It must never do per-tensor `.item()` calls or a second collective per step.
+
+Deferred (the default with a fused optimizer): reading a value on the host makes the CPU wait for the GPU,
+so the GPU idles while Lightning's Python runs between steps. Instead the copy is started without waiting,
+and read one step later, when it has long arrived. A non-finite step is still skipped at the step itself,
+on the device: the fused AdamW kernel reads the reduced flag as `found_inf` (as GradScaler uses it) and
+leaves weights, moments and step count alone. Only what follows from the host value (counting, events,
+rollback, stop) happens one step late. Synchronous (read at the step itself) where the decision cannot
+be made on the device: fp16's scaler, a non-fused optimizer, or a callback whose `defer` is False.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 
 @dataclass(frozen=True)
@@ -23,10 +32,17 @@ class Measurement:
     grad_norm: float  # pre-clip global L2 norm of the (already DDP-averaged) gradients
     loss_nonfinite: bool  # on any rank, in any micro-batch
     grad_nonfinite: bool
+    batch_idx: tuple[int, ...] = ()  # the step's micro-batches, as the epoch's batch indices
+    batches: list = field(default_factory=list, compare=False, repr=False)  # references, for the forensic re-run
+    bad_param: str | None = field(default=None, compare=False)  # first parameter whose gradient was non-finite
 
     @property
     def nonfinite(self) -> bool:
         return self.loss_nonfinite or self.grad_nonfinite
+
+    def state(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "grad_norm": self.grad_norm, "loss_nonfinite": self.loss_nonfinite,
+                "grad_nonfinite": self.grad_nonfinite, "batch_idx": list(self.batch_idx)}
 
 
 def loss_scaler(trainer):
@@ -34,20 +50,76 @@ def loss_scaler(trainer):
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
+def can_defer(trainer) -> bool:
+    """The device can skip a non-finite step by itself: fused AdamW, no fp16 scaler, no callback that objects."""
+    fused = all(opt.defaults.get("fused") for opt in trainer.optimizers)
+    return fused and loss_scaler(trainer) is None and all(getattr(cb, "defer", True) for cb in trainer.callbacks)
+
+
+class InFlight:
+    """One step's reduced [loss, norm] on its way to the host, and the per-parameter norms (kept on the device)."""
+
+    def __init__(self, step: int, packed: torch.Tensor, norms: torch.Tensor | None, params: list, net, world: int,
+                 batches: list, batch_idx: list[int]) -> None:
+        self.step, self.norms, self.params, self.net, self.world = step, norms, params, net, world
+        self.batches, self.batch_idx = batches, tuple(batch_idx)
+        self.event = None
+        if packed.device.type == "cuda":
+            self.host = packed.to("cpu", non_blocking=True)  # pinned, asynchronous; the event marks its arrival
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed.cpu()
+        self._read: Measurement | None = None
+
+    def read(self) -> Measurement:
+        if self._read is None:
+            if self.event is not None:
+                self.event.synchronize()
+            loss, norm = self.host.tolist()
+            self._read = Measurement(
+                step=self.step, loss=loss / self.world, grad_norm=norm / self.world, loss_nonfinite=not math.isfinite(loss),
+                grad_nonfinite=not math.isfinite(norm), batch_idx=self.batch_idx, batches=self.batches,
+                bad_param=self._first_bad() if not math.isfinite(norm) else None,
+            )
+        return self._read
+
+    def _first_bad(self) -> str | None:
+        if self.norms is None:
+            return None
+        bad = (~self.norms.isfinite()).nonzero()  # the failure path: a host sync here is fine
+        if not len(bad):
+            return None
+        names = {id(p): n for n, p in self.net.named_parameters()}
+        return names.get(id(self.params[int(bad[0])]))
+
+
+class Arrived(InFlight):
+    """A measurement already on the host (restored from a checkpoint)."""
+
+    def __init__(self, m: Measurement) -> None:
+        self.step, self._read = m.step, m
+
+
 class StepProbe:
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
         self.batches: list = []  # this step's micro-batches (references; for the forensic re-run)
         self.batch_idx: list[int] = []
-        self._measured: Measurement | None = None
-        self._skipped_step = -1
+        self.deferred: bool | None = None  # decided at the first step
+        self._step = -1  # the optimizer step whose measurement has been taken
+        self._taken = False  # this step's measurement is taken: the next micro-batch starts a new step
+        self._due: Measurement | None = None
+        self._current: InFlight | None = None
+        self._pending: InFlight | None = None  # deferred: this step's, read at the next one
+        self._counted: set[int] = set()  # steps already in `skipped_steps`
 
     # Several callbacks forward the same hook call; identity checks make each one count once.
     def on_batch_start(self, batch, batch_idx: int) -> None:
         if self.batches and self.batches[-1] is batch:
             return
-        if self._measured is not None:
-            self.losses, self.batches, self.batch_idx, self._measured = [], [], [], None
+        if self._taken:
+            self.losses, self.batches, self.batch_idx, self._taken = [], [], [], False
         self.batches.append(batch)
         self.batch_idx.append(batch_idx)
 
@@ -55,48 +127,137 @@ class StepProbe:
         if not any(loss is seen for seen in self.losses):
             self.losses.append(loss)
 
-    def measure(self, trainer, pl_module) -> Measurement:
+    def due(self, trainer, pl_module) -> Measurement | None:
+        """The measurement to act on now: this step's, or (deferred) the previous step's; None when there is none."""
         step = trainer.global_step
-        if self._measured is not None and self._measured.step == step:
-            return self._measured
+        if self._step == step:
+            return self._due
+        if self.deferred is None:
+            self.deferred = can_defer(trainer)
+        self._step, self._taken = step, True
+        self._counted = {s for s in self._counted if s >= step - 1}
+        self._current = self._launch(trainer, pl_module, step)
+        if self.deferred:
+            self._due = self._pending.read() if self._pending is not None else None
+            self._pending = self._current
+        else:
+            self._due = self._current.read()
+        return self._due
+
+    def current(self, trainer, pl_module) -> Measurement | None:
+        """This step's measurement now (deferred: a host sync; for logging steps). None if the step was abandoned."""
+        self.due(trainer, pl_module)
+        return self._current.read() if self._current is not None else None
+
+    def _launch(self, trainer, pl_module, step: int) -> InFlight:
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
         loss = torch.stack([l.detach().float() for l in self.losses]).sum() if self.losses else torch.zeros((), device=device)
         scaler = loss_scaler(trainer)
         if scaler is not None and scaler.is_enabled():
             loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
-        # In the optimizer's parameter order, as Lightning's clipping sums them: the norm is bitwise the same.
-        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        grads = [p.grad for p in params or pl_module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=device)
+        # In the optimizer's parameter order, as Lightning's clipping sums them.
+        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]] or list(pl_module.parameters())
+        with_grad = [p for p in params if p.grad is not None]
+        norms = torch.stack(torch._foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
+        norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
         pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
         packed = torch.stack([loss, norm])
         world = trainer.world_size
-        if world > 1:
+        if world > 1 and torch.distributed.is_initialized():
+            # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
             # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
-            packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        loss_v, norm_v = packed.tolist()
-        self._measured = Measurement(
-            step=step, loss=loss_v / world, grad_norm=norm_v / world, loss_nonfinite=not math.isfinite(loss_v),
-            grad_nonfinite=not math.isfinite(norm_v),
-        )
-        return self._measured
+            torch.distributed.all_reduce(packed)
+        if self.deferred:
+            found_inf = (~packed.isfinite().all()).float()
+            for opt in trainer.optimizers:
+                opt.found_inf = found_inf  # fused AdamW skips the whole update on the device when it is 1
+        net = getattr(pl_module, "net", pl_module)
+        return InFlight(step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx)
 
-    def skip(self, trainer, pl_module, null_grads: bool = True, total: int | None = None) -> None:
-        """Skip this optimizer step: no grads -> AdamW leaves weights, moments, step count and decay alone.
+    def skip(self, trainer, pl_module, m: Measurement, null_grads: bool = True) -> None:
+        """Count step `m.step` as skipped (once), in `pl_module.skipped_steps`, which the LR schedule subtracts.
 
-        Counts the step once in `pl_module.skipped_steps` (optimizer steps whose update is not in the
-        weights), which the LR schedule subtracts so a skipped step does not advance it; a rollback
-        passes the new `total` instead.
+        Decided at the step itself: no grads -> AdamW leaves weights, moments, step count and decay alone
+        (`null_grads=False` when the fp16 scaler skips it). Decided one step late: the device already skipped
+        it, and the schedule has advanced past it, so this step's LR is set back by one.
         """
-        if null_grads:
-            for p in pl_module.parameters():
-                p.grad = None
-        if total is not None:
-            pl_module.skipped_steps = total
-        elif self._skipped_step != trainer.global_step:
+        if m.step not in self._counted:
+            self._counted.add(m.step)
             pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
-        self._skipped_step = trainer.global_step
+        if m.step == trainer.global_step:
+            if null_grads:
+                self._null_grads(pl_module)
+        else:
+            reapply_schedule(trainer)
+
+    def in_step(self, trainer) -> bool:
+        """An optimizer step is under way: measured, its update not yet applied."""
+        return self._step == trainer.global_step
+
+    def abandon(self, trainer, pl_module, applied: int | None = None) -> None:
+        """Nothing more of the step under way (if any) reaches the weights (rollback, stop).
+
+        `applied`: the optimizer steps now in the weights (after a rollback); the rest count as skipped.
+        """
+        in_step = self.in_step(trainer)
+        if in_step:
+            self._null_grads(pl_module)
+            if self._pending is self._current:
+                self._pending = None
+            self._current = None
+            if trainer.global_step not in self._counted:
+                self._counted.add(trainer.global_step)
+                pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
+        if applied is not None:
+            pl_module.skipped_steps = trainer.global_step + in_step - applied
+
+    @staticmethod
+    def _null_grads(pl_module) -> None:
+        for p in pl_module.parameters():
+            p.grad = None
+
+    def settle(self, trainer, pl_module, optimizer=None) -> None:
+        """Act on the measurement still in flight now (deferred): before a checkpoint is written, and at the end.
+
+        Every probe user observes it; `optimizer` None (training over) means no rollback.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            m = pending.read()
+            for cb in trainer.callbacks:
+                if isinstance(cb, ProbeUser):
+                    cb.observe(trainer, pl_module, optimizer, m)
+
+    def finish(self, trainer, pl_module) -> None:
+        self.settle(trainer, pl_module)
+        for opt in trainer.optimizers:
+            opt.__dict__.pop("found_inf", None)
+
+    def state_dict(self) -> dict:
+        """The measurement not yet acted on travels in the checkpoint: a resumed run acts on it as this one would."""
+        return {"pending": self._pending.read().state() if self._pending is not None else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pending = (state or {}).get("pending")
+        if pending:
+            self._pending = Arrived(Measurement(**{**pending, "batch_idx": tuple(pending["batch_idx"])}))
+
+
+def reapply_schedule(trainer) -> None:
+    """Recompute this step's LR from the (changed) skipped count: the schedule lambdas read it."""
+    for config in trainer.lr_scheduler_configs:
+        s = config.scheduler
+        if isinstance(s, LambdaLR):
+            for group, base, fn in zip(s.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+                group["lr"] = base * fn(s.last_epoch)
+            s._last_lr = [group["lr"] for group in s.optimizer.param_groups]
+
+
+def checkpoint_due(trainer) -> bool:
+    """A ModelCheckpoint saves at this batch end (Lightning's `every_n_train_steps` rule, a private attribute)."""
+    step = trainer.global_step
+    return any(getattr(cb, "_every_n_train_steps", 0) and step % cb._every_n_train_steps == 0 for cb in trainer.checkpoint_callbacks)
 
 
 def probe_for(trainer) -> StepProbe:
@@ -106,11 +267,41 @@ def probe_for(trainer) -> StepProbe:
     return probe
 
 
+CHECKPOINT_KEY = "steadylm_probe"
+
+
 class ProbeUser:
-    """Mixin for callbacks that read the measurement: feeds the probe this step's batches and losses."""
+    """Mixin for callbacks that read the measurement: feeds the probe, and hands each measurement to `observe`.
+
+    Every user takes the measurement every step, so the device flag is always this step's.
+    """
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         probe_for(trainer).on_batch_start(batch, batch_idx)
 
     def on_before_backward(self, trainer, pl_module, loss):
         probe_for(trainer).on_before_backward(loss)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        m = probe_for(trainer).due(trainer, pl_module)
+        if m is not None:
+            self.observe(trainer, pl_module, optimizer, m)
+
+    def observe(self, trainer, pl_module, optimizer, m: Measurement) -> None:
+        """Act on `m`: this step's, or an earlier one's when deferred (`probe.in_step` tells whether a step
+        is under way). `optimizer` is None after training."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # A checkpoint must hold weights and counts the guard has seen: a rollback in a streak needs the
+        # last good file, which a save of NaN weights would replace. On save steps only: a read each.
+        if probe_for(trainer).deferred and checkpoint_due(trainer):
+            probe_for(trainer).settle(trainer, pl_module, trainer.optimizers[0])
+
+    def on_train_end(self, trainer, pl_module):
+        probe_for(trainer).finish(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint[CHECKPOINT_KEY] = probe_for(trainer).state_dict()
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        probe_for(trainer).load_state_dict(checkpoint.get(CHECKPOINT_KEY))

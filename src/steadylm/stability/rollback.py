@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from steadylm.stability.probe import probe_for
+from steadylm.stability.probe import CHECKPOINT_KEY, probe_for
 
 
 def checkpoint_dir(trainer) -> Path:
@@ -38,7 +38,7 @@ def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None
 
 
 def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
-    """Restore in place and skip this step; returns {"checkpoint", "to_step"}, or None without a good checkpoint.
+    """Restore in place and abandon the step in progress; returns {"checkpoint", "to_step"}, or None without a good checkpoint.
 
     The steps between the checkpoint and now are no longer in the weights, so they join the skipped
     count: the LR schedule (which subtracts it) resumes where the checkpoint left off.
@@ -50,5 +50,8 @@ def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
     pl_module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
     applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
-    probe_for(trainer).skip(trainer, pl_module, total=trainer.global_step + 1 - applied)
+    pending = (ckpt.get(CHECKPOINT_KEY) or {}).get("pending")
+    if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
+        applied -= 1  # its last step was skipped on the device, and not yet counted when it was saved
+    probe_for(trainer).abandon(trainer, pl_module, applied=applied)
     return {"checkpoint": path.name, "to_step": int(ckpt["global_step"])}

@@ -2,7 +2,8 @@
 
 Defaults follow OLMo-core (6 sigma over 128 steps, armed after 64). It reads the probe's all-reduced
 host values, so every rank computes the same window and takes the same action with no extra
-collective. Spikes and non-finite values (the guard's business) never enter the window, so one bad
+collective. With `action: log` it reads them one step late (the probe's deferred mode, no host sync);
+`skip` and `rollback` must act before the step's update, so they read each step's value at once. Spikes and non-finite values (the guard's business) never enter the window, so one bad
 step cannot raise the bar for the next. The window is part of `state_dict`: it survives resume.
 """
 
@@ -64,13 +65,12 @@ class SpikeDetector(ProbeUser, L.Callback):
             raise ConfigError(f"callbacks.spike.warmup={warmup} must be between 1 and callbacks.spike.window={window}")
         self.sigma, self.window, self.warmup, self.action = float(sigma), int(window), int(warmup), action
         self.signals = tuple(signals)
+        self.defer = action == "log"  # skip and rollback must act before this step's update: read it at once
         self.max_rollbacks = int(max_rollbacks)
         self.rollbacks = 0
         self.stats = {s: RollingStats(self.window) for s in self.signals}
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        probe = probe_for(trainer)
-        m = probe.measure(trainer, pl_module)
+    def observe(self, trainer, pl_module, optimizer, m):
         if m.nonfinite:
             return
         spikes = {}
@@ -81,22 +81,21 @@ class SpikeDetector(ProbeUser, L.Callback):
             else:
                 stats.add(value)
         if spikes:
-            self._act(trainer, pl_module, optimizer, probe, spikes)
+            self._act(trainer, pl_module, optimizer, m, spikes)
 
-    def _act(self, trainer, pl_module, optimizer, probe, spikes: dict) -> None:
-        step = trainer.global_step
-        batch = [window_indices(trainer, i) for i in probe.batch_idx]
+    def _act(self, trainer, pl_module, optimizer, m, spikes: dict) -> None:
+        batch = [window_indices(trainer, i) for i in m.batch_idx]
         restored = None
         if self.action == "rollback" and self.rollbacks < self.max_rollbacks:
-            restored = rollback(trainer, pl_module, optimizer, step)
+            restored = rollback(trainer, pl_module, optimizer, m.step)
             self.rollbacks += restored is not None
         if self.action != "log" and not restored:
-            probe.skip(trainer, pl_module)
+            probe_for(trainer).skip(trainer, pl_module, m)
         action = "rollback" if restored else ("skip" if self.action != "log" else "log")
         for signal, detail in spikes.items():
-            emit(trainer, step, SIGNALS[signal], action, {**detail, "sigma": self.sigma, "batch": batch})
+            emit(trainer, m.step, SIGNALS[signal], action, {**detail, "sigma": self.sigma, "batch": batch})
         if restored:
-            emit(trainer, step, "rollback", "rollback", {**restored, "cause": "spike"})
+            emit(trainer, m.step, "rollback", "rollback", {**restored, "cause": "spike"})
 
     def state_dict(self) -> dict:
         return {"values": {s: list(st.values) for s, st in self.stats.items()}, "rollbacks": self.rollbacks}

@@ -1,6 +1,6 @@
 """`GradParamStats`: the numbers that show a run drifting toward divergence before it gets there.
 
-On Lightning's logging steps (from the probe's one reduced host copy, no extra sync): `optim/grad_norm`
+On Lightning's logging steps (from the probe's one reduced host copy, read on these steps only): `optim/grad_norm`
 (pre-clip, which Lightning's clipping computes and throws away) and `optim/skipped_steps`. Every
 `every_n_steps` steps, chosen to coincide with the logging steps: per-block grad norm, param norm and
 update/param ratio ‖Δθ‖/‖θ‖ (params snapshotted before the update on those steps only), max attention
@@ -52,9 +52,10 @@ class GradParamStats(ProbeUser, L.Callback):
         return hook
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        m = probe_for(trainer).measure(trainer, pl_module)
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if will_log(trainer):
-            self._grad_norm = m.grad_norm  # written at batch end, beside the skip count this step settled
+            m = probe_for(trainer).current(trainer, pl_module)  # deferred: the logging step's one host read
+            self._grad_norm = m.grad_norm if m is not None else None  # written at batch end, beside the skip count
         if self._armed_step != trainer.global_step:
             return
         blocks = self._blocks(pl_module)
@@ -66,6 +67,7 @@ class GradParamStats(ProbeUser, L.Callback):
         return torch.nn.utils.get_total_norm(tensors).float() if tensors else torch.zeros(())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._grad_norm is not None:
             skipped = float(getattr(pl_module, "skipped_steps", 0))
             write_metrics(trainer, {"optim/grad_norm": self._grad_norm, "optim/skipped_steps": skipped})
