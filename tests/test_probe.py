@@ -1,0 +1,87 @@
+"""The probe's deferred read: when the host reads each step's value, and what still happens at the step itself."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from steadylm.stability import read_events
+from steadylm.stability.probe import Arrived, InFlight, Measurement, StepProbe, probe_for
+from tests.test_stability import FAST, faults, fit
+
+LOGGED_AND_SAVED = {3, 7, 11}  # FAST: log and checkpoint every 4 steps, i.e. at the end of steps 3, 7, 11
+
+
+class Clock(L.Callback):
+    """The optimizer step the Trainer is working on, for a patched `InFlight.read` to compare against."""
+
+    step = -1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        Clock.step = trainer.global_step
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """(measured step, step under way) for every first host read of a measurement."""
+    seen: list[tuple[int, int]] = []
+    original = InFlight.read
+
+    def read(self):
+        if self._read is None:
+            seen.append((self.step, Clock.step))
+        return original(self)
+
+    monkeypatch.setattr(InFlight, "read", read)
+    return seen
+
+
+@pytest.mark.parametrize("override, deferred", [
+    ("callbacks.guard.max_consecutive=3", True),  # the default suite
+    ("callbacks.guard.defer=false", False),
+    ("callbacks.spike.action=skip", False),  # a spike skip must be decided before the update
+])
+def test_the_host_reads_a_step_late_except_on_logging_and_checkpoint_steps(make_cfg, reads, override, deferred):
+    objs = fit(make_cfg(*FAST, override), Clock())
+    assert probe_for(objs["trainer"]).deferred is deferred
+    assert sorted(s for s, _ in reads) == list(range(12))  # every step measured and read exactly once
+    same_step = {s for s, at in reads if s == at}
+    if deferred:
+        assert same_step == LOGGED_AND_SAVED  # there the host waits on purpose: logging and a consistent checkpoint
+        assert all(at == s + 1 for s, at in reads if s not in same_step)
+    else:
+        assert same_step == set(range(12))
+
+
+def test_a_nonfinite_last_step_is_reported_when_training_ends(make_cfg, tmp_path):
+    # 11 steps: the last one (10) ends on no logging or checkpoint step, so only the end of training reads it.
+    cfg = make_cfg(*FAST, "trainer.max_steps=11", faults({"kind": "inf_grad", "step": 10, "param": "wte.weight"}))
+    objs = fit(cfg)
+    events = read_events(tmp_path / "run")
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(10, "nonfinite_grad", "skip")]
+    assert events[0]["detail"]["module"] == "wte"  # named from the gradients kept on the device
+    assert objs["module"].skipped_steps == 1
+    opt = objs["trainer"].optimizers[0]
+    assert not hasattr(opt, "found_inf")  # the device flag does not outlive the fit
+    assert all(p.isfinite().all() for p in objs["module"].parameters())
+
+
+def test_a_measurement_not_yet_acted_on_travels_in_the_checkpoint():
+    m = Measurement(step=7, loss=2.5, grad_norm=float("inf"), loss_nonfinite=False, grad_nonfinite=True, batch_idx=(3,))
+    probe = StepProbe()
+    probe._pending = Arrived(m)
+    state = probe.state_dict()
+    restored = StepProbe()
+    restored.load_state_dict(torch.load(_roundtrip(state), weights_only=True))
+    assert restored._pending.read() == m
+    assert StepProbe().state_dict() == {"pending": None}
+
+
+def _roundtrip(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
