@@ -85,3 +85,20 @@ def _roundtrip(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+def test_a_rollback_decided_a_step_late_also_drops_the_step_under_way(make_cfg, tmp_path, reads):
+    # Steps 5 and 6 see NaN weights; step 6's value is read while step 7 runs (no checkpoint at the end of 6).
+    cfg = make_cfg(*FAST, "callbacks.guard.max_consecutive=2",
+                   faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}))
+    objs = fit(cfg, Clock())
+    assert (6, 7) in reads
+    events = read_events(tmp_path / "run")
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [
+        (5, "nonfinite_loss", "skip"), (6, "nonfinite_loss", "rollback"), (6, "rollback", "rollback"),
+    ]
+    assert events[-1]["detail"]["to_step"] == 4 and events[-1]["detail"]["module"] == "blocks.1.mlp.fc"
+    module = objs["module"]
+    assert module.skipped_steps == 8 - 4  # steps 4..7 are not in the weights: 7 was under way, and dropped
+    assert all(p.isfinite().all() for p in module.parameters())
+    assert objs["trainer"].global_step == 12 and 7 not in {s for s, _ in reads}  # step 7 was never measured
