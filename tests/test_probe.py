@@ -102,3 +102,30 @@ def test_a_rollback_decided_a_step_late_also_drops_the_step_under_way(make_cfg, 
     assert module.skipped_steps == 8 - 4  # steps 4..7 are not in the weights: 7 was under way, and dropped
     assert all(p.isfinite().all() for p in module.parameters())
     assert objs["trainer"].global_step == 12 and 7 not in {s for s, _ in reads}  # step 7 was never measured
+
+
+def test_a_bad_step_not_yet_read_when_training_dies_is_counted_after_resume(make_cfg, tmp_path, monkeypatch):
+    from steadylm.checkpointing import safe_load
+    from steadylm.module import LMModule
+    from steadylm.train import train
+
+    real_step = LMModule.training_step
+
+    def fails_at_step_6(self, batch, batch_idx):
+        if self.trainer.global_step == 6:
+            raise RuntimeError("simulated crash")
+        return real_step(self, batch, batch_idx)
+
+    args = ["trainer.max_steps=8", "callbacks.checkpoint.every_n_train_steps=4",
+            faults({"kind": "inf_grad", "step": 5, "param": "wte.weight"})]
+    monkeypatch.setattr(LMModule, "training_step", fails_at_step_6)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(make_cfg(*args))
+    monkeypatch.undo()
+    saved = safe_load(tmp_path / "run" / "checkpoints" / "exception.ckpt")
+    assert saved["steadylm"]["skipped_steps"] == 0  # step 5 was skipped on the device, not yet read on the host
+    assert saved["steadylm_probe"]["pending"]["step"] == 5 and saved["steadylm_probe"]["pending"]["grad_nonfinite"]
+
+    _, objects = train(make_cfg(*args, "resume=auto"))
+    assert objects["trainer"].global_step == 8 and objects["module"].skipped_steps == 1
+    assert [(e["step"], e["kind"]) for e in read_events(tmp_path / "run")] == [(5, "nonfinite_grad")]

@@ -153,6 +153,7 @@ class StepProbe:
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
         loss = torch.stack([l.detach().float() for l in self.losses]).sum() if self.losses else torch.zeros((), device=device)
+        self.losses = []  # they hold the autograd graph; every micro-batch of this step has been seen
         scaler = loss_scaler(trainer)
         if scaler is not None and scaler.is_enabled():
             loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
