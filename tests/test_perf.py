@@ -73,6 +73,16 @@ def test_gpu_script_imports_and_refuses_without_a_gpu():
     assert proc.returncode == 1 and "no CUDA GPU visible" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_gpu_script_times_a_fit_and_counts_per_step(make_cfg, monkeypatch):
+    """Its fit path on the CPU (no syncs to count there): one time per step after the settling steps."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu
+
+    _, times, syncs = gpu.fit_and_time(make_cfg("trainer.max_steps=14", "trainer.limit_val_batches=0"))
+    assert len(times) == 14 - 1 - gpu.SETTLE and all(t > 0 for t in times)
+    assert syncs == [0] * 14
+
+
 def test_benchmark_refuses_too_few_rounds_or_steps():
     for args in (["--rounds", "0"], ["--steps", "3"]):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args], capture_output=True,
