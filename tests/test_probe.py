@@ -129,3 +129,14 @@ def test_a_bad_step_not_yet_read_when_training_dies_is_counted_after_resume(make
     _, objects = train(make_cfg(*args, "resume=auto"))
     assert objects["trainer"].global_step == 8 and objects["module"].skipped_steps == 1
     assert [(e["step"], e["kind"]) for e in read_events(tmp_path / "run")] == [(5, "nonfinite_grad")]
+
+
+def test_reduced_values_become_the_mean_loss_and_the_global_grad_norm():
+    # Two ranks. Replicated (DDP): both hold the whole gradient, norm 5, so the sum is 10.
+    ddp = InFlight(3, torch.tensor([2.0 + 4.0, 10.0]), None, [], None, 2, [], [0]).read()
+    assert (ddp.loss, ddp.grad_norm) == (3.0, 5.0)
+    # Sharded (FSDP): rank slices of norm 3 and 4 send their squares; the global norm is 5, not their mean.
+    fsdp = InFlight(3, torch.tensor([2.0 + 4.0, 9.0 + 16.0]), None, [], None, 2, [], [0], sharded=True).read()
+    assert (fsdp.loss, fsdp.grad_norm) == (3.0, 5.0)
+    bad = InFlight(3, torch.tensor([6.0, float("inf")]), None, [], None, 2, [], [0], sharded=True).read()
+    assert bad.grad_nonfinite and not bad.loss_nonfinite

@@ -22,7 +22,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.optim.lr_scheduler import LambdaLR
+
+SHARDED = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)  # strategies whose ranks hold gradient slices
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,9 @@ class InFlight:
     """One step's reduced [loss, norm] on its way to the host, and the per-parameter norms (kept on the device)."""
 
     def __init__(self, step: int, packed: torch.Tensor, norms: torch.Tensor | None, params: list, net, world: int,
-                 batches: list, batch_idx: list[int]) -> None:
+                 batches: list, batch_idx: list[int], sharded: bool = False) -> None:
         self.step, self.norms, self.params, self.net, self.world = step, norms, params, net, world
+        self.sharded = sharded  # packed holds the summed squares of each rank's shard norm
         self.batches, self.batch_idx = batches, tuple(batch_idx)
         self.event = None
         if packed.device.type == "cuda":
@@ -77,8 +81,9 @@ class InFlight:
             if self.event is not None:
                 self.event.synchronize()
             loss, norm = self.host.tolist()
+            norm = math.sqrt(norm) if self.sharded else norm / self.world
             self._read = Measurement(
-                step=self.step, loss=loss / self.world, grad_norm=norm / self.world, loss_nonfinite=not math.isfinite(loss),
+                step=self.step, loss=loss / self.world, grad_norm=norm, loss_nonfinite=not math.isfinite(loss),
                 grad_nonfinite=not math.isfinite(norm), batch_idx=self.batch_idx, batches=self.batches,
                 bad_param=self._first_bad() if not math.isfinite(norm) else None,
             )
@@ -163,8 +168,11 @@ class StepProbe:
         norms = torch.stack(torch._foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
         pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
-        packed = torch.stack([loss, norm])
         world = trainer.world_size
+        # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
+        # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
+        sharded = world > 1 and isinstance(trainer.strategy, SHARDED)
+        packed = torch.stack([loss, norm.square() if sharded else norm])
         if world > 1 and torch.distributed.is_initialized():
             # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
             # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
@@ -174,7 +182,7 @@ class StepProbe:
             for opt in trainer.optimizers:
                 opt.found_inf = found_inf  # fused AdamW skips the whole update on the device when it is 1
         net = getattr(pl_module, "net", pl_module)
-        return InFlight(step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx)
+        return InFlight(step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx, sharded)
 
     def skip(self, trainer, pl_module, m: Measurement, null_grads: bool = True) -> None:
         """Count step `m.step` as skipped (once), in `pl_module.skipped_steps`, which the LR schedule subtracts.
