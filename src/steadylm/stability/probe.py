@@ -22,10 +22,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 from torch.optim.lr_scheduler import LambdaLR
-
-SHARDED = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)  # strategies whose ranks hold gradient slices
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ class StepProbe:
         world = trainer.world_size
         # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
         # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
-        sharded = world > 1 and isinstance(trainer.strategy, SHARDED)
+        sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
         packed = torch.stack([loss, norm.square() if sharded else norm])
         if world > 1 and torch.distributed.is_initialized():
             # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
