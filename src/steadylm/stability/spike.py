@@ -3,8 +3,9 @@
 Defaults follow OLMo-core (6 sigma over 128 steps, armed after 64). It reads the probe's all-reduced
 host values, so every rank computes the same window and takes the same action with no extra
 collective. With `action: log` it reads them one step late (the probe's deferred mode, no host sync);
-`skip` and `rollback` must act before the step's update, so they read each step's value at once. Spikes and non-finite values (the guard's business) never enter the window, so one bad
-step cannot raise the bar for the next. The window is part of `state_dict`: it survives resume.
+`skip` and `rollback` must act before the step's update, so they read each step's value at once.
+Spikes and non-finite values (the guard's business) never enter the window, so one bad step cannot
+raise the bar for the next. The window is part of `state_dict`: it survives resume.
 """
 
 from __future__ import annotations
