@@ -59,8 +59,10 @@ def test_multirun_with_a_relaunching_strategy_is_refused_before_training(make_cf
 
 
 def test_progress_bar_is_tqdm_not_rich(make_cfg):
-    trainer = build(make_cfg("trainer.enable_progress_bar=true"))["trainer"]
+    trainer = build(make_cfg("trainer.enable_progress_bar=true", "trainer.log_every_n_steps=7"))["trainer"]
     assert type(trainer.progress_bar_callback) is TQDMProgressBar  # plain lines in SLURM logs
+    assert trainer.progress_bar_callback.refresh_rate == 7  # redrawn when the loss it shows changes, not every step
+    assert build(make_cfg("trainer.enable_progress_bar=false"))["trainer"].progress_bar_callback is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs CUDA (it refuses accelerator=cpu)")

@@ -14,6 +14,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
@@ -71,9 +72,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
+    callbacks = instantiate_named(cfg.get("callbacks"))
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        # Lightning's bar redraws every step (~0.7 ms of Python on a CPU); the loss it shows changes only on
+        # logging steps, so it redraws on those.
+        callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     return instantiate(
         cfg.trainer,
-        callbacks=instantiate_named(cfg.get("callbacks")),
+        callbacks=callbacks,
         logger=instantiate_named(cfg.get("logger")) or False,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
