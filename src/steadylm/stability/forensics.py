@@ -9,6 +9,7 @@ order, plus per-layer statistics. It runs only on the failure path; its host syn
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,7 +74,9 @@ def locate(pl_module, batches: list) -> dict:
         handles.append(m.register_full_backward_hook(bwd_hook(name)))
     params = [p for p in net.parameters() if p.requires_grad]
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), warnings.catch_warnings():
+            # The embedding's input is token ids, which need no grad; torch warns about that on every re-run.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             for x, y in batches:
                 loss, _ = pl_module.loss(net(x), y)
                 torch.autograd.grad(loss, params, allow_unused=True)
