@@ -8,7 +8,7 @@ import torch
 
 from steadylm.stability import read_events
 from steadylm.stability.probe import Arrived, InFlight, Measurement, StepProbe, probe_for
-from tests.test_stability import FAST, faults, fit
+from tests.test_stability import FAST, Snapshot, faults, fit
 
 LOGGED_AND_SAVED = {3, 7, 11}  # FAST: log and checkpoint every 4 steps, i.e. at the end of steps 3, 7, 11
 
@@ -140,3 +140,18 @@ def test_reduced_values_become_the_mean_loss_and_the_global_grad_norm():
     assert (fsdp.loss, fsdp.grad_norm) == (3.0, 5.0)
     bad = InFlight(3, torch.tensor([6.0, float("inf")]), None, [], None, 2, [], [0], sharded=True).read()
     assert bad.grad_nonfinite and not bad.loss_nonfinite
+
+
+def test_accumulated_micro_batches_are_one_measurement_read_a_step_late(make_cfg, tmp_path, reads):
+    snap = Snapshot(step=6)
+    cfg = make_cfg(*FAST, "trainer.accumulate_grad_batches=2",
+                   faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}))
+    objs = fit(cfg, Clock(), snap)
+    assert sorted(s for s, _ in reads) == list(range(12))  # one measurement per optimizer step, not per micro-batch
+    assert {s for s, at in reads if s == at} == LOGGED_AND_SAVED
+    events = read_events(tmp_path / "run")
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(6, "nonfinite_grad", "skip")]
+    assert len(events[0]["detail"]["batch"]) == 2  # both micro-batches' windows
+    for name, p in snap.before["params"].items():
+        assert torch.equal(p, snap.after["params"][name]), name
+    assert objs["module"].skipped_steps == 1 and objs["trainer"].global_step == 12
