@@ -27,7 +27,11 @@ class GradParamStats(ProbeUser, L.Callback):
         self._armed_step = -1
         self._hooks: list = []
         self._act: dict[int, torch.Tensor] = {}
-        self._before: dict[str, torch.Tensor] = {}
+        self._params: list[torch.nn.Parameter] = []  # the armed step's parameters, and a copy from before its update
+        self._before: list[torch.Tensor] = []
+        self._owner: torch.Tensor | None = None  # block index of each parameter (n_blocks for the rest)
+        self._owner_key: tuple = ()
+        self._grad_norms: torch.Tensor | None = None
         self._grad_norm: float | None = None  # this logging step's pre-clip norm, until batch end
 
     @staticmethod
@@ -59,12 +63,28 @@ class GradParamStats(ProbeUser, L.Callback):
         if self._armed_step != trainer.global_step:
             return
         blocks = self._blocks(pl_module)
-        self._grad_norms = [self._norm([p.grad for p in b.parameters() if p.grad is not None]) for b in blocks]
-        self._before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self._params = [p for p in pl_module.parameters() if p.requires_grad]
+        key = tuple(map(id, self._params))
+        if self._owner is None or self._owner_key != key:  # built once: a host-to-device copy
+            owner_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+            self._owner = torch.tensor([owner_of.get(id(p), len(blocks)) for p in self._params], device=pl_module.device)
+            self._owner_key = key
+        grads = [p.grad for p in self._params]
+        if all(g is not None for g in grads):
+            norms = self._norms(grads)
+        else:  # a parameter without a gradient this step counts as 0
+            norms = torch.stack([g.norm().float() if g is not None else torch.zeros((), device=pl_module.device) for g in grads])
+        self._grad_norms = self._per_block(norms, len(blocks))
+        self._before = torch._foreach_mul([p.detach() for p in self._params], 1.0)  # one copy kernel, not one per tensor
 
     @staticmethod
-    def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.nn.utils.get_total_norm(tensors).float() if tensors else torch.zeros(())
+    def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Per-tensor L2 norms in one fused call (the per-block sums below are then one scatter, not a loop)."""
+        return torch.stack(torch._foreach_norm(tensors)).float()
+
+    def _per_block(self, norms: torch.Tensor, n: int) -> torch.Tensor:
+        squares = torch.zeros(n + 1, device=norms.device).index_add_(0, self._owner, norms.square())
+        return squares[:n].sqrt()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -81,23 +101,21 @@ class GradParamStats(ProbeUser, L.Callback):
         if not self._before:
             return  # the step ended without an optimizer step
         blocks = self._blocks(pl_module)
-        named = dict(pl_module.named_parameters())
-        ids = [{id(p) for p in b.parameters()} for b in blocks]
-        block_params = [[n for n, p in named.items() if id(p) in own] for own in ids]
-        delta = {n: named[n].detach() - self._before[n] for n in named}
+        n = len(blocks)
+        delta = torch._foreach_sub([p.detach() for p in self._params], self._before)
+        param, moved = self._norms(self._before), self._norms(delta)
         # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
-        param_norms = [self._norm([self._before[n] for n in ns]) for ns in block_params]
-        delta_norms = [self._norm([delta[n] for n in ns]) for ns in block_params]
-        total_param = self._norm(list(self._before.values()))
-        total_delta = self._norm(list(delta.values()))
+        param_norms, delta_norms = self._per_block(param, n), self._per_block(moved, n)
+        totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
         logits = [b.attn.max_logit if b.attn.max_logit is not None else torch.zeros(()) for b in blocks]
-        acts = [self._act.get(i, torch.zeros(())) for i in range(len(blocks))]
+        acts = [self._act.get(i, torch.zeros(())) for i in range(n)]
         for b in blocks:
             b.attn.track_max_logit, b.attn.max_logit = False, None
-        self._before, self._act = {}, {}
-        rows = [self._grad_norms, param_norms, delta_norms, logits, acts]
-        flat = [t.to(total_param.device).float() for row in rows for t in row] + [total_delta, total_param]
-        values = torch.stack(flat).tolist() if flat else []  # the one host copy of a logging step
+        self._params, self._before, self._act = [], [], {}
+        device = totals.device
+        rows = [self._grad_norms, param_norms, delta_norms, *(torch.stack([t.to(device).float() for t in r]).view(-1)
+                                                              for r in (logits, acts) if r), totals]
+        values = torch.cat(rows).tolist()  # the one host copy of a logging step
         self._log(trainer, pl_module, step, values, len(blocks))
 
     def _log(self, trainer, pl_module, step: int, values: list[float], n: int) -> None:
