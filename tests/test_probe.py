@@ -155,3 +155,9 @@ def test_accumulated_micro_batches_are_one_measurement_read_a_step_late(make_cfg
     for name, p in snap.before["params"].items():
         assert torch.equal(p, snap.after["params"][name]), name
     assert objs["module"].skipped_steps == 1 and objs["trainer"].global_step == 12
+
+
+def test_the_host_reads_the_step_before_each_checkpoint_is_written(make_cfg, reads):
+    # Logging every 6 steps (5, 11), checkpoints every 4 (after steps 3, 7, 11): both make the host wait.
+    fit(make_cfg(*FAST, "trainer.log_every_n_steps=6", "callbacks.stats.every_n_steps=6"), Clock())
+    assert {s for s, at in reads if s == at} == {3, 5, 7, 11}
