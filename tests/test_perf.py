@@ -88,3 +88,46 @@ def test_benchmark_refuses_too_few_rounds_or_steps():
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args], capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "--rounds must be >= 1 and --steps >= 10" in proc.stderr, proc.stderr[-2000:]
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+# Where steadylm may read a tensor on an ordinary step: host-side values only (on a GPU none of these waits).
+HOST_SIDE = {("sampler.py", "__iter__"),  # the epoch permutation, a CPU tensor
+             ("probe.py", "__init__"), ("probe.py", "read")}  # the probe's copy, read a step after it was sent
+
+
+def test_no_steadylm_code_reads_a_tensor_on_the_host_on_ordinary_steps(make_cfg, monkeypatch):
+    """On a GPU each such read would make the CPU wait for the device; this finds them on the CPU."""
+    import lightning as L
+    import torch
+
+    from steadylm.train import build
+
+    sites: list[tuple[int, str, str]] = []
+    step = [-1]
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            code = sys._getframe(1).f_code
+            if step[0] >= 0 and "steadylm" in code.co_filename:
+                sites.append((step[0], Path(code.co_filename).name, code.co_name))
+            return original(self, *args, **kwargs)
+
+        return read
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            step[0] = trainer.global_step
+
+    objs = build(make_cfg("trainer.max_steps=12", "trainer.log_every_n_steps=4", "callbacks.checkpoint.every_n_train_steps=4",
+                          "trainer.limit_val_batches=0", "optim.warmup_steps=2"))
+    objs["trainer"].callbacks.insert(0, Clock())
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    objs["trainer"].fit(objs["module"], datamodule=objs["datamodule"])
+    monkeypatch.undo()
+    ordinary = [(s, f, fn) for s, f, fn in sites if (s + 1) % 4]  # logging and checkpoint steps end at 3, 7, 11
+    assert {(f, fn) for _, f, fn in ordinary} <= HOST_SIDE, ordinary
+    assert {(f, fn) for s, f, fn in sites if (s + 1) % 4 == 0} - HOST_SIDE  # the check sees reads where they happen
