@@ -189,9 +189,7 @@ class StepProbe:
         (`null_grads=False` when the fp16 scaler skips it). Decided one step late: the device already skipped
         it, and the schedule has advanced past it, so this step's LR is set back by one.
         """
-        if m.step not in self._counted:
-            self._counted.add(m.step)
-            pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
+        self._count(pl_module, m.step)
         if m.step == trainer.global_step:
             if null_grads:
                 self._null_grads(pl_module)
@@ -213,11 +211,15 @@ class StepProbe:
             if self._pending is self._current:
                 self._pending = None
             self._current = None
-            if trainer.global_step not in self._counted:
-                self._counted.add(trainer.global_step)
-                pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
+            self._count(pl_module, trainer.global_step)
         if applied is not None:
             pl_module.skipped_steps = trainer.global_step + in_step - applied
+
+    def _count(self, pl_module, step: int) -> None:
+        """One more skipped step, unless `step` is counted already (several callbacks may skip the same one)."""
+        if step not in self._counted:
+            self._counted.add(step)
+            pl_module.skipped_steps = getattr(pl_module, "skipped_steps", 0) + 1
 
     @staticmethod
     def _null_grads(pl_module) -> None:
