@@ -13,6 +13,7 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from omegaconf import DictConfig
@@ -51,7 +52,12 @@ def instantiate_named(group: DictConfig | None) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
     if not group:
         return []
-    return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+    try:
+        return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+    except InstantiationException as err:
+        if isinstance(err.__cause__, SteadyError):  # a callback refused its settings: that message, not Hydra's wrapper
+            raise err.__cause__ from None
+        raise
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:

@@ -30,12 +30,14 @@ class NonFiniteGuard(ProbeUser, L.Callback):
     def __init__(self, max_consecutive: int = 3, action: str = "rollback", max_rollbacks: int = 3, defer: bool = True) -> None:
         if action not in ACTIONS:
             raise ConfigError(f"callbacks.guard.action={action!r} is not one of {', '.join(ACTIONS)}")
+        if not isinstance(defer, bool):
+            raise ConfigError(f"callbacks.guard.defer={defer!r} must be true or false")
         if max_consecutive < 1:
             raise ConfigError(f"callbacks.guard.max_consecutive={max_consecutive} must be >= 1")
         self.max_consecutive = int(max_consecutive)
         self.action = action
         self.max_rollbacks = int(max_rollbacks)
-        self.defer = bool(defer)  # False: read every step's value on the host at the step itself (one sync per step)
+        self.defer = defer  # False: read every step's value on the host at the step itself (one sync per step)
         self.consecutive = 0
         self.streak_start = -1
         self.rollbacks = 0
