@@ -59,15 +59,20 @@ def test_save_interrupted_mid_write_keeps_previous_checkpoint(make_cfg, tmp_path
     assert safe_load(ckpts / "last.ckpt")["global_step"] == 8
 
 
-def test_exception_in_training_saves_a_checkpoint_resume_auto_uses(make_cfg, tmp_path, monkeypatch):
+def crash_training_at(monkeypatch, step: int) -> None:
+    """`training_step` raises "simulated crash" at optimizer step `step` (undo with `monkeypatch.undo()`)."""
     real_step = LMModule.training_step
 
-    def fails_at_step_6(self, batch, batch_idx):
-        if self.trainer.global_step == 6:
+    def fails(self, batch, batch_idx):
+        if self.trainer.global_step == step:
             raise RuntimeError("simulated crash")
         return real_step(self, batch, batch_idx)
 
-    monkeypatch.setattr(LMModule, "training_step", fails_at_step_6)
+    monkeypatch.setattr(LMModule, "training_step", fails)
+
+
+def test_exception_in_training_saves_a_checkpoint_resume_auto_uses(make_cfg, tmp_path, monkeypatch):
+    crash_training_at(monkeypatch, 6)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(make_cfg(*EVERY4))
     monkeypatch.undo()

@@ -106,19 +106,12 @@ def test_a_rollback_decided_a_step_late_also_drops_the_step_under_way(make_cfg, 
 
 def test_a_bad_step_not_yet_read_when_training_dies_is_counted_after_resume(make_cfg, tmp_path, monkeypatch):
     from steadylm.checkpointing import safe_load
-    from steadylm.module import LMModule
     from steadylm.train import train
-
-    real_step = LMModule.training_step
-
-    def fails_at_step_6(self, batch, batch_idx):
-        if self.trainer.global_step == 6:
-            raise RuntimeError("simulated crash")
-        return real_step(self, batch, batch_idx)
+    from tests.test_crash import crash_training_at
 
     args = ["trainer.max_steps=8", "callbacks.checkpoint.every_n_train_steps=4",
             faults({"kind": "inf_grad", "step": 5, "param": "wte.weight"})]
-    monkeypatch.setattr(LMModule, "training_step", fails_at_step_6)
+    crash_training_at(monkeypatch, 6)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(make_cfg(*args))
     monkeypatch.undo()
