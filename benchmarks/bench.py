@@ -61,8 +61,14 @@ def since(start: Sample) -> Sample:
 
 
 def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, forward=None) -> None:
-    """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, AdamW, LR, zero."""
+    """One step of the plain loop nanoGPT users write: zero, forward, loss, backward, clip, AdamW, LR.
+
+    Zeroing first, as Lightning does inside its closure: paired inside a Lightning step, the raw step
+    would otherwise find that step's gradients still allocated and accumulate into them, while every
+    Lightning backward (and every backward of a standalone loop) allocates fresh ones.
+    """
     x, y = batch
+    opt.zero_grad(set_to_none=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         loss, _ = module.loss((module.net if forward is None else forward)(x), y)
@@ -71,7 +77,6 @@ def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, f
         torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
     opt.step()
     sched.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def raw_block(module, opt, sched, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:

@@ -83,6 +83,28 @@ def test_gpu_script_times_a_fit_and_counts_per_step(make_cfg, monkeypatch):
     assert syncs == [0] * 14
 
 
+def test_benchmark_raw_step_starts_from_fresh_gradients(make_cfg, monkeypatch):
+    """Paired inside a Lightning step, the raw step finds that step's gradients still allocated. A standalone
+    loop never does: accumulating into them would time an extra add per tensor, and compute a wrong step."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+    from steadylm.train import build
+
+    objects = build(make_cfg())
+    module, batch = objects["module"], next(iter(objects["datamodule"].train_dataloader()))
+    opt_cfg = module.configure_optimizers()
+    expected_loss, _ = module.loss(module.net(batch[0]), batch[1])
+    expected = torch.autograd.grad(expected_loss, list(module.parameters()))
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 1e3)  # what the Lightning step left behind
+    bench.raw_step(module, opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"], batch, clip=None)
+    # The step's own gradients (taken before its update), not 1e3 + them.
+    for p, g in zip(module.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
+
+
 def test_benchmark_refuses_too_few_rounds_or_steps():
     for args in (["--rounds", "0"], ["--steps", "3"]):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args], capture_output=True,
