@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import cProfile
 import gc
 import json
 import logging
+import pstats
 import random
 import statistics
 import sys
@@ -61,14 +64,8 @@ def since(start: Sample) -> Sample:
 
 
 def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, forward=None) -> None:
-    """One step of the plain loop nanoGPT users write: zero, forward, loss, backward, clip, AdamW, LR.
-
-    Zeroing first, as Lightning does inside its closure: paired inside a Lightning step, the raw step
-    would otherwise find that step's gradients still allocated and accumulate into them, while every
-    Lightning backward (and every backward of a standalone loop) allocates fresh ones.
-    """
+    """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, AdamW, LR, zero."""
     x, y = batch
-    opt.zero_grad(set_to_none=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         loss, _ = module.loss((module.net if forward is None else forward)(x), y)
@@ -77,6 +74,7 @@ def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, f
         torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
     opt.step()
     sched.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def raw_block(module, opt, sched, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
@@ -252,6 +250,50 @@ def suite_hook_share(cfg, module, datamodule, steps: int) -> float:
     return in_suite / sum(d["run_training_batch"])
 
 
+def calls_per_step(run: Callable[[int], None], steps: int) -> float:
+    """Python function calls per step: cProfile's count over 2n steps minus over n, so setup cancels out.
+
+    A count, not a time: the same on every run, where this machine's noise hides hundreds of calls. It shows
+    where a fixed per-step overhead comes from (Lightning's loop, its hook dispatch, the suite's bodies).
+    """
+
+    def count(n: int) -> int:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            run(n)
+        finally:
+            profiler.disable()
+        return pstats.Stats(profiler).total_calls
+
+    return (count(2 * steps) - count(steps)) / steps
+
+
+def python_calls(cfg, module, datamodule, raw: Callable[[], None], steps: int) -> dict[str, float]:
+    """Calls per ordinary step (no logging step) of the raw loop, `callbacks=minimal` and the full suite."""
+    suite = suite_names(cfg)
+    cfg = copy.deepcopy(cfg)
+    set_key(cfg, "trainer.log_every_n_steps", 10**9)  # the stats callback follows it: ordinary steps only
+
+    def fit(with_suite: bool):
+        def run(n: int) -> None:
+            set_key(cfg, "trainer.max_steps", n)
+            trainer = build_trainer(cfg)
+            if not with_suite:
+                trainer.callbacks = [cb for cb in trainer.callbacks if type(cb).__name__ not in suite]
+            trainer.fit(module, datamodule=datamodule)
+
+        return run
+
+    def raw_steps(n: int) -> None:
+        with torch.enable_grad():
+            for _ in range(n):
+                raw()
+
+    return {"raw": calls_per_step(raw_steps, steps), "minimal": calls_per_step(fit(False), steps),
+            "suite": calls_per_step(fit(True), steps)}
+
+
 def loader_tokens_per_sec(datamodule, batches: int) -> float:
     it = endless(datamodule.train_dataloader())
     next(it)
@@ -297,9 +339,12 @@ def main(argv: list[str] | None = None) -> dict:
     clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
 
     print(f"overhead: {args.rounds} runs of {args.steps} steps, each paired with a raw step …", file=sys.stderr)
+    def raw():
+        raw_step(module, opt, sched, next(batches), clip)
+
     runs = []
     for r in range(args.rounds):
-        runs.append(paired_run(cfg, module, datamodule, lambda: raw_step(module, opt, sched, next(batches), clip), args.steps, r))
+        runs.append(paired_run(cfg, module, datamodule, raw, args.steps, r))
         print(f"  run {r + 1}/{args.rounds} done", file=sys.stderr)
     t = overhead_samples(runs)
 
@@ -331,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "overhead_ms_per_step": 1e3 * (median(t["on"]) - median(t["raw"])),
         "suite_hook_share_of_step": suite_hook_share(cfg, module, datamodule, 3 * args.steps),
+        "python_calls_per_step": python_calls(cfg, module, datamodule, raw, 5 if args.quick else 20),
         "loader_over_training_tokens_per_sec": loader_tokens_per_sec(datamodule, 20 if args.quick else 200) / train_tps,
         "bf16_over_fp32_cpu": ratio(k["bf16"], k["fp32"]),
         "compiled_over_eager": ratio(k["compiled"], k["fp32"]) if "compiled" in k else None,
@@ -367,6 +413,13 @@ def report(r: dict) -> None:
     print(f"{'step time: torch.compile / eager':40} {'skipped' if compiled is None else f'{compiled:7.3f}':>7}  {'':15}  < 1")
     print(f"\nmodel: {r['params']:,} params, {r['flops_per_token']:,} FLOPs/token (6N + 12·L·d·T)")
     print(f"raw step {r['step_ms']:.1f} ms on {r['threads']} threads; Lightning + suite adds {r['overhead_ms_per_step']:+.2f} ms")
+    c = r["python_calls_per_step"]
+    print(f"Python calls per ordinary step: raw loop {c['raw']:,.0f}, Lightning with callbacks=minimal "
+          f"{c['minimal']:,.0f}, with the suite {c['suite']:,.0f}")
+    extra = c["suite"] - c["raw"]
+    if extra > 0 and r["overhead_ms_per_step"] > 0:
+        print(f"  {extra:,.0f} calls more than the raw loop: {1e3 * r['overhead_ms_per_step'] / extra:.1f} µs each "
+              "would make up the whole overhead")
     print(f"training: {r['train_tokens_per_sec']:,.0f} tokens/s = {r['model_flops_per_sec'] / 1e9:.2f} GFLOP/s achieved")
     print(f"{r['steps_timed']} paired steps; 'unresolved' = the noise spans the target: run more --rounds")
 
