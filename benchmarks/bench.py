@@ -7,7 +7,10 @@ overhead ratios interleave at the finest grain there is, the step, inside one `t
   lightning+suite / raw loop   after every Lightning step, one plain PyTorch step (same model, data,
                                optimizer recipe, clipping) runs and is timed on its own
   suite on / suite off         the stability callbacks run on a seeded random half of the steps; on
-                               the other half the step is exactly `callbacks=minimal`'s
+                               the other half the step is `callbacks=minimal`'s, plus Lightning's
+                               dispatch to the suite's hooks (their gates return at once)
+  Python calls per step        cProfile's count of function calls on ordinary steps: raw loop,
+                               `callbacks=minimal`, full suite (dispatch included); noise-free
   loader / training tokens/s   the real DataModule over real shards vs what training consumes
   bf16 / fp32 (CPU autocast)   and compile / eager: interleaved blocks of raw steps
 
