@@ -341,10 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
     batches = endless(datamodule.train_dataloader())
     clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
 
-    print(f"overhead: {args.rounds} runs of {args.steps} steps, each paired with a raw step …", file=sys.stderr)
     def raw():
         raw_step(module, opt, sched, next(batches), clip)
 
+    print(f"overhead: {args.rounds} runs of {args.steps} steps, each paired with a raw step …", file=sys.stderr)
     runs = []
     for r in range(args.rounds):
         runs.append(paired_run(cfg, module, datamodule, raw, args.steps, r))
