@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.rounds, args.steps, args.no_compile = 1, 2 * CHUNK, True
     if args.rounds < 1 or args.steps < CHUNK:
         ap.error(f"--rounds must be >= 1 and --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
-    logging.getLogger("lightning").setLevel(logging.WARNING)
+    # Lightning's own logger sets INFO on import: its per-fit banners and tips would bury the progress lines.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
     work = Path(tempfile.mkdtemp(prefix="steadylm-bench-"))
     data_dir = work / "data"

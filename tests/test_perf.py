@@ -51,6 +51,7 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "runs of 20 steps" in proc.stderr and "GPU available" not in proc.stderr  # progress, no per-fit banners
     for row in ("Lightning + suite / raw loop", "suite on / suite off", "suite hook time", "data loader / training",
                 "bf16 autocast", "FLOPs/token", "Python calls per ordinary step"):
         assert row in proc.stdout
