@@ -22,6 +22,7 @@ from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
 from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import SteadyError
+from steadylm.hook_dispatch import skip_inherited_step_hooks
 from steadylm.module import LMModule
 from steadylm.preflight import check_environment, hydra_errors_as_messages
 from steadylm.sweep import finish_job
@@ -83,12 +84,14 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         # Lightning's bar redraws every step (~0.7 ms of Python on a CPU); the loss it shows changes only on
         # logging steps, so it redraws on those.
         callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
-    return instantiate(
+    trainer = instantiate(
         cfg.trainer,
         callbacks=callbacks,
         logger=instantiate_named(cfg.get("logger")) or False,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
+    skip_inherited_step_hooks(trainer.callbacks)  # with the ones Lightning added (progress bar, summary)
+    return trainer
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
