@@ -105,7 +105,7 @@ def test_lightnings_hook_name_skips_nn_module_setattr(make_cfg, monkeypatch):
 
 
 def test_lightning_dispatches_only_the_step_hooks_a_callback_implements(make_cfg):
-    """Each hook a callback only inherits would cost ~15 Python calls per step in Lightning's dispatch."""
+    """Each hook a callback only inherits would cost ~20 Python calls per step in Lightning's dispatch."""
     from lightning.pytorch.profilers import SimpleProfiler
 
     objects = build(make_cfg("trainer.max_steps=3", "optim.warmup_steps=1", "trainer.limit_val_batches=0"))
