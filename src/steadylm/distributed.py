@@ -15,9 +15,9 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from omegaconf import OmegaConf
 
+from steadylm.compat import relaunches_script
 from steadylm.errors import ConfigError
 from steadylm.model.gpt import Block
 
@@ -47,7 +47,7 @@ def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
     if not in_multirun():
         return
     strategy = trainer.strategy
-    relaunches = isinstance(strategy.launcher, _SubprocessScriptLauncher) and trainer.num_devices > 1
+    relaunches = relaunches_script(strategy) and trainer.num_devices > 1
     if relaunches and not strategy.cluster_environment.creates_processes_externally:
         raise ConfigError(
             f"Hydra multirun (-m) cannot start trainer.devices={trainer.num_devices} processes itself "

@@ -6,21 +6,23 @@ steps is Python time on the hot path for values nobody sees. And `self.log` cost
 norm, skips, throughput, the per-block stability stats: 60+ for a 12-layer model) goes straight to the
 loggers at the step number Lightning itself uses. Only `train/loss` and `val/loss` use `self.log`: the
 progress bar, `callback_metrics` and a sweep's objective read them.
-Both lean on two Lightning internals, kept in this one file so an upgrade has one place to look.
+Both lean on Lightning internals, reached through `steadylm.compat`.
 """
 
 from __future__ import annotations
 
 import lightning as L
 
+from steadylm import compat
+
 
 def will_log(trainer: L.Trainer) -> bool:
     """Lightning's own rule (every `log_every_n_steps` batches that stepped, and the final step)."""
-    return trainer._logger_connector.should_update_logs
+    return compat.will_log(trainer)
 
 
 def write_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Write plain floats to every logger (rank 0 only) at the step Lightning writes this batch's logs."""
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = compat.logged_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

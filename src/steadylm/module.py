@@ -7,6 +7,7 @@ silently: a float or wrongly shaped target is a data bug, and is refused with a 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
+from steadylm.compat import attached_trainer
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
 from steadylm.schedule import lr_at
@@ -39,7 +41,8 @@ def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
 
 class LMModule(L.LightningModule):
     def __init__(
-        self, model: dict, optim: dict, compile: bool = False, run_config: dict | None = None, tokenizer: str | None = None
+        self, model: dict, optim: dict, compile: bool = False, run_config: dict | None = None, tokenizer: str | None = None,
+        val_bytes_per_token: float | None = None,
     ):
         super().__init__()
         model, optim = _plain(model), _plain(optim)
@@ -53,32 +56,32 @@ class LMModule(L.LightningModule):
         # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
         self.run_config = run_config
         self.tokenizer_name = tokenizer
+        self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
         # Optimizer steps skipped by the stability guard: the LR schedule counts only applied steps.
         self.skipped_steps = 0
         # This step's total grad norm, when the stability probe has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Lightning names the running hook on the module around every hook call: ~46 times a step. nn.Module's
-        # __setattr__ first checks whether the value is a parameter, buffer or submodule (~3 µs; ~0.15 ms a
-        # step in all); a hook's name never is one.
-        if name == "_current_fx_name":
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean cross-entropy over non-padding tokens, plus z-loss; returns (loss, z_term)."""
+    @staticmethod
+    def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy over non-padding targets, their count), in fp32: the exact per-token accounting."""
         check_targets(logits, targets)
         flat = logits.float().view(-1, logits.shape[-1])
         tgt = targets.view(-1)
-        valid = tgt != IGNORE_INDEX
+        ce_sum = F.cross_entropy(flat, tgt, ignore_index=IGNORE_INDEX, reduction="sum")
+        return ce_sum, (tgt != IGNORE_INDEX).sum()
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy over non-padding tokens, plus z-loss; returns (loss, z_term)."""
+        ce_sum, count = self.token_losses(logits, targets)
         # sum / count rather than mean: an all-padding batch (end of an epoch on one rank) gives 0, not NaN.
-        n = valid.sum().clamp(min=1)
-        ce = F.cross_entropy(flat, tgt, ignore_index=IGNORE_INDEX, reduction="sum") / n
+        n = count.clamp(min=1)
+        ce = ce_sum / n
+        flat = logits.float().view(-1, logits.shape[-1])
+        valid = targets.view(-1) != IGNORE_INDEX
         z = flat.new_zeros(())
         if self.z_loss:
             # z-loss (PaLM): keeps log Z near 0 so logits cannot drift to where bf16 softmax loses precision.
@@ -97,10 +100,26 @@ class LMModule(L.LightningModule):
                 self.log("train/z_loss", z, on_step=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [summed CE, target count]
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        loss, _ = self.loss(self(x), y)
-        self.log("val/loss", loss, on_epoch=True, sync_dist=True, prog_bar=True)
+        ce_sum, count = self.token_losses(self(x), y)
+        self._val_totals += torch.stack([ce_sum.double(), count.double()])
+
+    def on_validation_epoch_end(self) -> None:
+        """`val/loss`: every non-padding target weighs the same, on any batch size, last batch or rank count.
+
+        Sums travel across ranks before the one division (a mean of per-batch or per-rank means is biased
+        by the padded last batch). `val/bpb` converts nats per token to bits per UTF-8 byte with the val
+        split's own bytes per token, so runs with different tokenizers compare.
+        """
+        ce_sum, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
+        loss = ce_sum / max(count, 1.0)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        if self.val_bytes_per_token:
+            self.log("val/bpb", loss / math.log(2) / self.val_bytes_per_token, sync_dist=False)
 
     def on_train_batch_start(self, batch, batch_idx):
         if will_log(self.trainer):
@@ -114,20 +133,36 @@ class LMModule(L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # Fused: one kernel for all tensors (on CPU too: ~5x faster than the per-tensor loop, the CPU default).
-        # fp16's GradScaler must unscale before clipping, which fused AdamW does not allow.
-        fp16 = self._trainer is not None and self._trainer.precision == "16-mixed"  # no Trainer: a plain loop
-        fused = self.device.type in ("cuda", "cpu") and not fp16
-        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=fused)
+        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
         sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def _use_fused(self) -> bool:
+        """`optim.fused`: auto = fused wherever torch has the kernel (one kernel for all tensors, ~5x faster than the
+        per-tensor loop on CPU too), except under fp16, whose GradScaler must unscale before clipping."""
+        choice = self.optim_cfg.get("fused", "auto")
+        if choice != "auto":
+            return bool(choice)
+        trainer = attached_trainer(self)  # None in a plain loop
+        fp16 = trainer is not None and trainer.precision == "16-mixed"
+        return self.device.type in ("cuda", "cpu") and not fp16
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        """Norm clipping with the probe's pre-clip norm: the same result, one pass over the gradients fewer."""
+        """Clip here, not through the precision plugin: Lightning's mixed-precision plugin refuses any clipping
+        next to a fused optimizer, even under bf16 where nothing is scaled. Under fp16 the gradients are already
+        unscaled when this runs. The pre-clip norm is the probe's when the stability suite measured it (one pass
+        over the gradients fewer), else computed here, and logged either way."""
         norm, self.pre_clip_grad_norm = self.pre_clip_grad_norm, None
-        if norm is None or not gradient_clip_val or gradient_clip_algorithm != "norm":
-            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not gradient_clip_val:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            return
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if will_log(self.trainer):
+                write_metrics(self.trainer, {"optim/grad_norm": norm.item()})
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def lr_factor(self, step: int) -> float:

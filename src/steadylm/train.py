@@ -7,6 +7,7 @@ turns a user's mistake (`SteadyError`) into one message and a non-zero exit.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -19,10 +20,10 @@ from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
+from steadylm.compat import cpu_has_bf16
 from steadylm.config import CONF_DIR, plain_config, validate_config
 from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import SteadyError
-from steadylm.hook_dispatch import skip_inherited_step_hooks
 from steadylm.module import LMModule
 from steadylm.preflight import check_environment, hydra_errors_as_messages
 from steadylm.sweep import finish_job
@@ -30,17 +31,23 @@ from steadylm.sweep import finish_job
 log = logging.getLogger("steadylm")
 
 
+AUTO_PRECISION_ENV = "STEADYLM_AUTO_PRECISION"
+
+
 def resolve_precision(precision: Any, accelerator: Any = "auto") -> Any:
     """`auto`: bf16-mixed where the hardware has bf16 units, else fp32.
 
     On a CPU without native bf16 (no AVX512-BF16/AMX) autocast emulates it and runs ~10x slower
-    (`make bench`), so it is only chosen where oneDNN reports support.
+    (`make bench`), so it is only chosen where oneDNN reports support. `STEADYLM_AUTO_PRECISION`
+    overrides the choice, so the test suite can be run once as a machine of the other kind would run it.
     """
     if precision != "auto":
         return precision
+    if os.environ.get(AUTO_PRECISION_ENV):
+        return os.environ[AUTO_PRECISION_ENV]
     if accelerator != "cpu" and torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    return "bf16-mixed" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "32-true"
+    return "bf16-mixed" if cpu_has_bf16() else "32-true"
 
 
 def enable_fast_matmul() -> None:
@@ -61,6 +68,12 @@ def instantiate_named(group: DictConfig | None) -> list[Any]:
         raise
 
 
+def val_bytes_per_token(datamodule) -> float | None:
+    """UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say."""
+    n_bytes, n_tokens = getattr(datamodule, "val_n_bytes", None), getattr(datamodule, "val_n_tokens", 0)
+    return n_bytes / n_tokens if n_bytes and n_tokens else None
+
+
 def build(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
     check_environment(cfg)
@@ -74,6 +87,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         compile=cfg.compile,
         run_config=plain_config(cfg),
         tokenizer=datamodule.tokenizer_name,
+        val_bytes_per_token=val_bytes_per_token(datamodule),
     )
     return {"cfg": cfg, "datamodule": datamodule, "module": module, "trainer": build_trainer(cfg)}
 
@@ -90,7 +104,6 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         logger=instantiate_named(cfg.get("logger")) or False,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
-    skip_inherited_step_hooks(trainer.callbacks)  # with the ones Lightning added (progress bar, summary)
     return trainer
 
 

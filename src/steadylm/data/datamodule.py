@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
+from steadylm.compat import batches_processed
 from steadylm.errors import DataError
 
 PREPARE_HINT = "run `make data` or `python -m steadylm.data.prepare data.dir={dir}`"
@@ -202,7 +203,7 @@ class ShardDataModule(L.LightningDataModule):
         if trainer is not None and getattr(trainer, "training", False):
             state = {
                 "epoch": int(trainer.current_epoch),
-                "batches_done": int(trainer.fit_loop.epoch_loop.batch_progress.current.processed),
+                "batches_done": batches_processed(trainer),
             }
         return {"train_sampler": state}
 

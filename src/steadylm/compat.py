@@ -1,0 +1,68 @@
+"""Every private attribute of Lightning or torch that steadylm touches, in one place.
+
+Each function borrows one internal, says why no public API does the job, and is exercised by
+`tests/test_compat.py`, so a Lightning or torch upgrade that moves it breaks this file and one named
+test, never a training run halfway through. `pyproject.toml` bounds `lightning` to the tested range.
+Nothing outside this module may reach a `_private` name of either library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def cpu_has_bf16() -> bool:
+    """oneDNN's own answer: the CPU has native bf16 units (AVX512-BF16/AMX); torch has no public query."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each tensor, as one 1-D fp32 tensor, in one fused kernel (no public foreach norm)."""
+    return torch.stack(torch._foreach_norm(tensors)).float()
+
+
+def will_log(trainer: Any) -> bool:
+    """Lightning writes this batch's logs (every `log_every_n_steps` batches that stepped, and the last)."""
+    return trainer._logger_connector.should_update_logs
+
+
+def logged_step(trainer: Any) -> int:
+    """The step number Lightning's own `self.log` writes this batch's metrics at."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def batches_processed(trainer: Any) -> int:
+    """Training batches the fit loop has finished this epoch (the sampler itself runs ahead by prefetch)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def attached_trainer(module: Any) -> Any | None:
+    """The Trainer a LightningModule is attached to, or None (`module.trainer` raises when there is none)."""
+    return module._trainer
+
+
+def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """What `get_last_lr()` returns, after the LRs were recomputed outside `scheduler.step()`."""
+    scheduler._last_lr = list(lrs)
+
+
+def every_n_train_steps(checkpoint_callback: Any) -> int:
+    """ModelCheckpoint's save period in training steps (0 when it saves on another rule)."""
+    return int(getattr(checkpoint_callback, "_every_n_train_steps", 0) or 0)
+
+
+def set_loss_scale(scaler: torch.amp.GradScaler, value: float) -> None:
+    """Force the fp16 loss scale, also before the first step, when `update(new_scale=)` has no scale yet."""
+    if scaler._scale is not None:
+        scaler.update(new_scale=float(value))
+    else:
+        scaler._init_scale = float(value)
+
+
+def relaunches_script(strategy: Any) -> bool:
+    """The strategy starts its extra processes by re-running the command line (Lightning's DDP launcher)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    return isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
