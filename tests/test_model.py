@@ -1,4 +1,6 @@
-"""The transformer: causality, initial loss, init schemes, FLOP formula."""
+"""The transformer (GPT-2 defaults): causality, initial loss, init schemes, FLOP formula.
+
+The Llama-family switches and their combinations: tests/test_model_switches.py."""
 
 import math
 
@@ -6,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
 
 
@@ -48,7 +51,7 @@ def test_init_schemes_differ_and_unknown_is_refused():
     assert stds["gpt2"] == pytest.approx(0.02, rel=0.05)
     assert stds["xavier"] == pytest.approx(math.sqrt(2 / (64 + 256)), rel=0.1)
     assert stds["torch_default"] != pytest.approx(stds["gpt2"], rel=0.2)
-    with pytest.raises(ValueError, match="model.init"):
+    with pytest.raises(ConfigError, match="model.init='he' is not allowed; use one of: gpt2, xavier, torch_default"):
         tiny(init="he")
 
 

@@ -12,12 +12,13 @@ import math
 
 from torch import nn
 
-INIT_SCHEMES = ("gpt2", "xavier", "torch_default")
+from steadylm.errors import ConfigError
+from steadylm.model.config import INITS as INIT_SCHEMES
 
 
 def init_weights(model: nn.Module, scheme: str, n_layer: int) -> None:
     if scheme not in INIT_SCHEMES:
-        raise ValueError(f"model.init={scheme!r} is not one of {', '.join(INIT_SCHEMES)}")
+        raise ConfigError(f"model.init={scheme!r} is not allowed; use one of: {', '.join(INIT_SCHEMES)}")
     if scheme == "torch_default":
         return
     for module in model.modules():

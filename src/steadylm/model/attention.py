@@ -1,0 +1,77 @@
+"""Causal self-attention with optional grouped-query heads, rotary positions and QK-norm.
+
+One fused `qkv` projection produces n_head query heads and n_kv_head key/value heads
+(`model.n_kv_head` < `model.n_head` is grouped-query attention: each k/v head serves
+n_head / n_kv_head query heads, which shrinks the KV cache and the k/v weights). Attention itself is
+always `F.scaled_dot_product_attention(is_causal=True)`: the flash/memory-efficient kernels where
+available, and a mask that cannot leak the future by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steadylm.model.config import GPTConfig
+from steadylm.model.norm import make_norm
+from steadylm.model.rope import apply_rope
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.is_residual_proj = True
+        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.dropout = cfg.dropout
+        # Set by the stats callback on logging steps only: the explicit QK^T it needs costs O(T^2).
+        self.track_max_logit = False
+        self.max_logit: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = {}
+        if KV != H:
+            # The flash kernel reads each k/v head once per group (enable_gqa); the other kernels need
+            # the heads repeated, which the math fallback would do anyway, at the same memory cost.
+            if x.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        if self.track_max_logit:
+            kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
+            self.max_logit = self._max_causal_logit(q.detach(), kk.detach())
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, **gqa
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, rows: int = 256) -> torch.Tensor:
+        """Largest pre-softmax logit a query gives a visible key: its growth precedes attention collapse.
+
+        Taken on the batch's first sequence, `rows` queries at a time: logit growth is a property of
+        the weights, so one sequence shows it, and the explicit QK^T stays at heads x rows x T floats
+        (a whole batch at T=2048 would be gigabytes on the logging step).
+        """
+        q, k = q[0].float(), k[0].float()
+        T = q.shape[-2]
+        best = q.new_full((), float("-inf"))
+        for start in range(0, T, rows):
+            stop = min(start + rows, T)
+            logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)) / math.sqrt(self.head_dim)
+            future = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu(start + 1)
+            best = torch.maximum(best, logits.masked_fill(future, float("-inf")).amax())
+        return best

@@ -1,0 +1,95 @@
+"""`GPTConfig`: the shape and switches of the transformer, checked when it is built.
+
+One dataclass covers both families: the GPT-2 shape (learned positions, LayerNorm, GELU MLP, biases)
+and the Llama shape (rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases).
+`__post_init__` is the config's gate: the training entry point builds a `GPTConfig` from `cfg.model`
+before anything else, so a bad value stops the run with one `ConfigError` naming the key, the value
+and what is allowed. This module must stay free of torch: it describes a model, it builds none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from steadylm.errors import ConfigError
+
+POS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+INITS = ("gpt2", "xavier", "torch_default")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    context_length: int = 128
+    vocab_size: int = 320
+    dropout: float = 0.0
+    bias: bool = True  # biases in every linear and LayerNorm (GPT-2); Llama has none
+    qk_norm: bool = False  # normalise queries and keys per head: bounds attention logits at high LR
+    init: str = "gpt2"  # gpt2 | xavier | torch_default
+    pos: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu | swiglu
+    mlp_hidden: int | None = None  # null: 4·d_model (gelu), or Llama's 8/3·d_model (swiglu), rounded up
+    mlp_multiple_of: int = 1  # the hidden size is rounded up to a multiple of this (256 in Llama)
+    n_kv_head: int | None = None  # null: = n_head; fewer = grouped-query attention (must divide n_head)
+    tie_embeddings: bool = True  # the output projection is the input embedding (one matrix)
+
+    def __post_init__(self) -> None:
+        for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
+            _positive(key, getattr(self, key))
+        for key, allowed in (("pos", POS), ("norm", NORMS), ("mlp", MLPS), ("init", INITS)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}")
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                "each head gets d_model / n_head dimensions, so choose n_head dividing d_model"
+            )
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        _positive("n_kv_head", self.n_kv_head)
+        if self.n_head % self.n_kv_head:
+            raise ConfigError(
+                f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={self.n_head}; each key/value head "
+                f"serves a whole group of query heads, so use a divisor of {self.n_head} (n_head itself = no grouping)"
+            )
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"model.pos=rope needs an even head size, got d_model/n_head = {self.head_dim}; change model.n_head"
+            )
+        if self.pos == "rope" and not self.rope_theta > 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)")
+        if self.mlp_hidden is not None:
+            _positive("mlp_hidden", self.mlp_hidden)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner width: `mlp_hidden`, else the family default, rounded up to `mlp_multiple_of`."""
+        if self.mlp_hidden is not None:
+            h = self.mlp_hidden
+        elif self.mlp == "swiglu":
+            # Two input matrices instead of one: 2/3 of 4·d keeps the parameter count of a GELU MLP (Llama).
+            h = int(2 * 4 * self.d_model / 3)
+        else:
+            h = 4 * self.d_model
+        m = self.mlp_multiple_of
+        return -(-h // m) * m
+
+
+def _positive(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"model.{key}={value!r} must be a whole number > 0")
