@@ -110,6 +110,31 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = F
         raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); resume from another file") from None
 
 
+def load_checkpoint(path: str | os.PathLike, device: str = "cpu"):
+    """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`).
+
+    The model shape comes from `hyper_parameters.model`; `ckpt["steadylm"]` carries the resolved run
+    config (`config`) and the tokenizer name (`tokenizer`). Weights-only, so a checkpoint never runs code.
+    """
+    from steadylm.model import GPT, GPTConfig  # the model is only needed here, not to resume
+
+    path = Path(path)
+    if not path.is_file():
+        raise SteadyError(f"ckpt={path}: no such checkpoint file; pass a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        model_cfg = ckpt["hyper_parameters"]["model"]
+        meta = ckpt["steadylm"]
+        state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    except (KeyError, TypeError) as e:
+        raise SteadyError(f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py") from None
+    except Exception as e:  # torch.load reports truncated/foreign files through many exception types
+        raise SteadyError(f"ckpt={path}: cannot be read as a checkpoint ({type(e).__name__}); is it truncated?") from None
+    model = GPT(GPTConfig(**model_cfg))
+    model.load_state_dict(state)
+    return model.to(device).eval(), meta
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's CheckpointIO with durable atomic saves and weights-only loads (see module doc)."""
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from steadylm import checkpointing
 from steadylm.data.tokenizer import Tokenizer, get_tokenizer
 from steadylm.errors import SteadyError
-from steadylm.model import GPT, GPTConfig
+from steadylm.model import GPT
 
 
 @dataclass
@@ -30,22 +31,9 @@ class GenerateArgs:
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
-    """Rebuild the GPT and its tokenizer from a training checkpoint."""
-    path = Path(path)
-    if not path.is_file():
-        raise SteadyError(f"ckpt={path}: no such checkpoint file; pass a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-        model_cfg = ckpt["hyper_parameters"]["model"]
-        tokenizer_name = ckpt["steadylm"]["tokenizer"]
-        state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
-    except (KeyError, TypeError) as e:
-        raise SteadyError(f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py") from None
-    except Exception as e:  # torch.load reports truncated/foreign files through many exception types
-        raise SteadyError(f"ckpt={path}: cannot be read as a checkpoint ({type(e).__name__}); is it truncated?") from None
-    model = GPT(GPTConfig(**model_cfg))
-    model.load_state_dict(state)
-    return model.to(device).eval(), get_tokenizer(tokenizer_name)
+    """Rebuild the GPT (the shared loader in `steadylm.checkpointing`) and its tokenizer from a training checkpoint."""
+    model, meta = checkpointing.load_checkpoint(path, device)
+    return model, get_tokenizer(meta["tokenizer"])
 
 
 @torch.no_grad()

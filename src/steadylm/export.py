@@ -1,0 +1,267 @@
+"""Export a training checkpoint as a Hugging Face folder: `python -m steadylm.export ckpt=PATH out=DIR`.
+
+The folder loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)`, no custom code: `config.json`, `model.safetensors`,
+`generation_config.json`, `tokenizer.json` (+ `tokenizer_config.json`).
+
+The family follows `model.pos`: learned positions -> `GPT2LMHeadModel`, rotary -> `LlamaForCausalLM`.
+A switch the chosen class cannot express is refused in one line naming it (exit 2), never approximated:
+GPT-2 has LayerNorm, a GELU MLP and one k/v head per query head; Llama has RMSNorm and SwiGLU; neither
+normalises q and k. What each class does express is mapped exactly: `bias=false` into GPT-2 as zero
+biases, untied embeddings into either as `tie_word_embeddings=false`, grouped k/v heads and biases
+(`attention_bias`, `mlp_bias`) into Llama. Our checkpoint stays the source of truth (as litgpt's does);
+this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from steadylm.checkpointing import load_checkpoint
+from steadylm.errors import ConfigError, SteadyError
+from steadylm.model import GPT, GPTConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExportArgs:
+    ckpt: str  # a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)
+    out: str  # the folder to write (created; must be empty unless overwrite=true)
+    dtype: str = "float32"  # float32 | bfloat16 | float16: the dtype of the saved weights
+    overwrite: bool = False  # write into a folder that already has files
+
+
+# --- which Hugging Face class --------------------------------------------------------------------
+
+
+def hf_family(cfg: GPTConfig) -> str:
+    """`gpt2` or `llama`; ConfigError naming the first switch the class cannot express."""
+    if cfg.qk_norm:
+        raise ConfigError(
+            "model.qk_norm=true cannot be exported: neither GPT2LMHeadModel nor LlamaForCausalLM normalises "
+            "queries and keys; a model trained with it needs steadylm's own loader (steadylm.generate)"
+        )
+    if cfg.pos == "learned":
+        need = {"norm": ("layernorm", "LayerNorm"), "mlp": ("gelu", "a GELU MLP")}
+        cls, family = "GPT2LMHeadModel", "gpt2"
+        if cfg.n_kv_head != cfg.n_head:
+            raise ConfigError(
+                f"model.n_kv_head={cfg.n_kv_head} cannot be exported as GPT2LMHeadModel (model.pos=learned picks "
+                f"GPT-2, which has one key/value head per query head); use model.n_kv_head=null, or the Llama "
+                "switches model.pos=rope model.norm=rmsnorm model.mlp=swiglu"
+            )
+    else:
+        need = {"norm": ("rmsnorm", "RMSNorm"), "mlp": ("swiglu", "a SwiGLU MLP")}
+        cls, family = "LlamaForCausalLM", "llama"
+    for key, (value, what) in need.items():
+        if getattr(cfg, key) != value:
+            raise ConfigError(
+                f"model.{key}={getattr(cfg, key)} cannot be exported as {cls} (model.pos={cfg.pos} picks it, and it "
+                f"has {what} only); train with model.{key}={value}, or "
+                + ("model.pos=rope for Llama" if family == "llama" else "model.pos=learned for GPT-2")
+                + " with its other switches"
+            )
+    return family
+
+
+def _t(w: torch.Tensor) -> torch.Tensor:
+    """GPT-2's `Conv1D` stores a linear's weight transposed (in, out)."""
+    return w.t().contiguous()
+
+
+def gpt2_state(net: GPT) -> tuple[dict, dict]:
+    """(GPT2Config kwargs, GPT2LMHeadModel state_dict). `bias=false` becomes zero biases."""
+    c = net.cfg
+    sd = net.state_dict()
+    zeros = lambda n: torch.zeros(n, dtype=sd["wte.weight"].dtype)  # noqa: E731
+    bias = lambda key, n: sd.get(key, zeros(n))  # noqa: E731
+    out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]}
+    for i in range(c.n_layer):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        out.update({
+            h + "ln_1.weight": sd[p + "ln_1.weight"], h + "ln_1.bias": bias(p + "ln_1.bias", c.d_model),
+            h + "attn.c_attn.weight": _t(sd[p + "attn.qkv.weight"]), h + "attn.c_attn.bias": bias(p + "attn.qkv.bias", 3 * c.d_model),
+            h + "attn.c_proj.weight": _t(sd[p + "attn.proj.weight"]), h + "attn.c_proj.bias": bias(p + "attn.proj.bias", c.d_model),
+            h + "ln_2.weight": sd[p + "ln_2.weight"], h + "ln_2.bias": bias(p + "ln_2.bias", c.d_model),
+            h + "mlp.c_fc.weight": _t(sd[p + "mlp.fc.weight"]), h + "mlp.c_fc.bias": bias(p + "mlp.fc.bias", c.hidden),
+            h + "mlp.c_proj.weight": _t(sd[p + "mlp.proj.weight"]), h + "mlp.c_proj.bias": bias(p + "mlp.proj.bias", c.d_model),
+        })
+    out["transformer.ln_f.weight"] = sd["ln_f.weight"]
+    out["transformer.ln_f.bias"] = bias("ln_f.bias", c.d_model)
+    out["lm_head.weight"] = sd["lm_head.weight"]
+    config = dict(
+        vocab_size=c.vocab_size, n_positions=c.context_length, n_embd=c.d_model, n_layer=c.n_layer, n_head=c.n_head,
+        n_inner=c.hidden, activation_function="gelu_new",  # = F.gelu(approximate="tanh")
+        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+    )
+    return config, out
+
+
+def llama_state(net: GPT) -> tuple[dict, dict]:
+    """(LlamaConfig kwargs, LlamaForCausalLM state_dict): the fused qkv and gate/up matrices split by rows.
+
+    Our rotary layout is Llama's ("rotate half"), so q and k need no permutation.
+    """
+    c = net.cfg
+    sd = net.state_dict()
+    H, KV, D = c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.hidden
+    out = {"model.embed_tokens.weight": sd["wte.weight"]}
+    for i in range(c.n_layer):
+        p, h = f"blocks.{i}.", f"model.layers.{i}."
+        for kind in ("weight", "bias") if c.bias else ("weight",):
+            q, k, v = sd[p + f"attn.qkv.{kind}"].split([H, KV, KV])
+            gate, up = sd[p + f"mlp.fc.{kind}"].split([D, D])
+            out.update({
+                h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k, h + f"self_attn.v_proj.{kind}": v,
+                h + f"self_attn.o_proj.{kind}": sd[p + f"attn.proj.{kind}"],
+                h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up, h + f"mlp.down_proj.{kind}": sd[p + f"mlp.proj.{kind}"],
+            })
+        out[h + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
+    out["model.norm.weight"] = sd["ln_f.weight"]
+    out["lm_head.weight"] = sd["lm_head.weight"]
+    config = dict(
+        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.hidden, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu",
+        max_position_embeddings=c.context_length, rms_norm_eps=c.norm_eps, rope_theta=float(c.rope_theta),
+        tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout,
+    )
+    return config, out
+
+
+# --- the folder ------------------------------------------------------------------------------------
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise SteadyError(
+            "export needs the transformers and safetensors packages: pip install 'steadylm[export]' "
+            "(or pip install transformers safetensors)"
+        ) from None
+    return transformers
+
+
+def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.float32):
+    """The equivalent `transformers` model (GPT2LMHeadModel or LlamaForCausalLM), weights copied."""
+    tf = _transformers()
+    family = hf_family(net.cfg)
+    kwargs, state = (gpt2_state if family == "gpt2" else llama_state)(net)
+    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
+    config = (tf.GPT2Config if family == "gpt2" else tf.LlamaConfig)(**kwargs, **ids)
+    model = (tf.GPT2LMHeadModel if family == "gpt2" else tf.LlamaForCausalLM)(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if net.cfg.tie_embeddings else set()
+    if set(missing) - tied or unexpected:  # the mapping above is complete; anything else is a bug here
+        raise RuntimeError(f"export mapping incomplete: missing {missing}, unexpected {unexpected}")
+    if net.cfg.tie_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def _tokenizer(meta: dict):
+    """The run's tokenizer: `tokenizer.json` in the run's `data.dir` when present, else by its recorded name."""
+    from steadylm.data.tokenizer import TOKENIZER_FILE, get_tokenizer, load_tokenizer
+
+    data_dir = ((meta.get("config") or {}).get("data") or {}).get("dir")
+    if data_dir and (Path(data_dir) / TOKENIZER_FILE).is_file():
+        return load_tokenizer(data_dir)
+    return get_tokenizer(meta["tokenizer"])
+
+
+def write_tokenizer(tok, out: Path, context_length: int) -> bool:
+    """`tokenizer.json` + `tokenizer_config.json` for `AutoTokenizer`; False when `tok` has no such form (tiktoken)."""
+    to_hf = getattr(tok, "to_hf", None)
+    if to_hf is None:
+        return False
+    to_hf().save(str(out / "tokenizer.json"))
+    eos = to_hf().id_to_token(tok.eos_id)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # the generic fast tokenizer: tokenizer.json is the whole spec
+        "bos_token": eos, "eos_token": eos, "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return True
+
+
+def export(args: ExportArgs) -> Path:
+    if args.dtype not in DTYPES:
+        raise SteadyError(f"dtype={args.dtype!r} is not allowed; use one of: {', '.join(DTYPES)}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise SteadyError(f"out={out} already exists and is not an empty folder; choose another, or pass overwrite=true")
+    net, meta = load_checkpoint(args.ckpt)
+    hf_family(net.cfg)  # refuse before any work or any file
+    tok = _tokenizer(meta)
+    model = to_hf_model(net, eos_id=tok.eos_id, dtype=DTYPES[args.dtype])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)  # config.json, model.safetensors, generation_config.json
+    if not write_tokenizer(tok, out, net.cfg.context_length):
+        print(f"note: tokenizer {tok.name!r} (tiktoken) has no tokenizer.json form here; its ids are the Hub's "
+              f"'openai-community/gpt2' tokenizer's for gpt2", file=sys.stderr)
+    return out
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+HELP = """usage: python -m steadylm.export ckpt=PATH out=DIR [dtype=float32] [overwrite=false]
+
+Write a Hugging Face folder (GPT2LMHeadModel or LlamaForCausalLM, safetensors, tokenizer) from a
+steadylm training checkpoint. Keys:
+  ckpt       a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)       (required)
+  out        the folder to write                                                   (required)
+  dtype      float32 | bfloat16 | float16: the saved weights' dtype                (float32)
+  overwrite  true: write into a folder that already has files                     (false)
+"""
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
+def parse_args(argv: list[str]) -> ExportArgs:
+    """`key=value` arguments, the same syntax as train.py overrides."""
+    names = [f.name for f in fields(ExportArgs)]
+    values: dict = {}
+    for arg in argv:
+        key, sep, text = arg.partition("=")
+        if not sep or key not in names:
+            raise SteadyError(f"unknown argument {arg!r}; use key=value with keys: {', '.join(names)} (--help)")
+        try:
+            values[key] = _bool(text) if key == "overwrite" else text
+        except ValueError:
+            raise SteadyError(f"{key}={text!r} is not true or false") from None
+    for key in ("ckpt", "out"):
+        if key not in values:
+            raise SteadyError(f"{key}= is required: python -m steadylm.export ckpt=<run_dir>/checkpoints/last.ckpt out=DIR")
+    return ExportArgs(**values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(HELP, end="")
+        return
+    try:
+        out = export(parse_args(argv))
+    except SteadyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""`python -m steadylm.export`: a real training checkpoint -> a Hugging Face folder whose logits and tokens equal ours."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steadylm.config import compose
+from steadylm.errors import ConfigError
+from steadylm.export import hf_family, main
+from steadylm.generate import load_checkpoint
+from steadylm.model import GPT, GPTConfig
+from steadylm.train import train
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+TEXT = "def f(x):\n    return x ** 2  # héllo, wörld — 日本語 ✓\n\n\tclass A: pass"
+SMALL = ["trainer=cpu", "model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.context_length=32",
+         "data.batch_size=4", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.val_check_interval=3",
+         "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "callbacks=minimal"]
+FAMILIES = {
+    "gpt2": ([], "GPT2LMHeadModel"),
+    "gpt2-nobias-untied": (["model.bias=false", "model.tie_embeddings=false"], "GPT2LMHeadModel"),
+    "llama": (["model=llama_tiny", "model.n_kv_head=2"], "LlamaForCausalLM"),
+    "llama-bias-untied": (["model=llama_tiny", "model.n_kv_head=1", "model.bias=true", "model.tie_embeddings=false",
+                           "model.rope_theta=500000"], "LlamaForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def trained(request, shards_dir, tmp_path_factory):
+    extra, cls = FAMILIES[request.param]
+    out = tmp_path_factory.mktemp(f"export_{request.param}")
+    train(compose([*extra, *SMALL, f"data.dir={shards_dir}", f"paths.output_dir={out / 'run'}"]))
+    ckpt = out / "run" / "checkpoints" / "last.ckpt"
+    main([f"ckpt={ckpt}", f"out={out / 'hf'}"])
+    return ckpt, out / "hf", cls
+
+
+def test_exported_folder_loads_in_transformers_and_logits_equal_ours(trained):
+    ckpt, folder, cls = trained
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(hf).__name__ == cls
+    ours, tok = load_checkpoint(ckpt)
+    x = torch.randint(0, ours.cfg.vocab_size, (3, ours.cfg.context_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), rtol=0, atol=1e-4)
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == tok.eos_id
+
+
+def test_exported_tokenizer_encodes_like_ours_and_generates(trained):
+    ckpt, folder, _ = trained
+    _, tok = load_checkpoint(ckpt)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert hf_tok.encode(TEXT, add_special_tokens=False) == tok.encode(TEXT)
+    assert hf_tok.eos_token_id == tok.eos_id
+    assert hf_tok.decode(tok.encode(TEXT)) == TEXT
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ids = hf_tok("def ", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 5)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"qk_norm": True}, "model.qk_norm=true cannot be exported"),
+    ({"norm": "rmsnorm"}, "model.norm=rmsnorm cannot be exported as GPT2LMHeadModel"),
+    ({"mlp": "swiglu"}, "model.mlp=swiglu cannot be exported as GPT2LMHeadModel"),
+    ({"n_kv_head": 2}, "model.n_kv_head=2 cannot be exported as GPT2LMHeadModel"),
+    ({"pos": "rope", "mlp": "swiglu"}, "model.norm=layernorm cannot be exported as LlamaForCausalLM"),
+    ({"pos": "rope", "norm": "rmsnorm"}, "model.mlp=gelu cannot be exported as LlamaForCausalLM"),
+])
+def test_a_switch_the_class_cannot_express_is_refused_naming_it(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        hf_family(GPTConfig(n_head=4, d_model=32, **kw))
+
+
+def test_refusal_on_the_command_line_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys):
+    cfg = dict(n_layer=1, n_head=2, d_model=16, context_length=8, vocab_size=320, qk_norm=True)
+    net = GPT(GPTConfig(**cfg))
+    ckpt = tmp_path / "qk.ckpt"
+    torch.save({"hyper_parameters": {"model": cfg}, "steadylm": {"config": {}, "tokenizer": "bytes"},
+                "state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}}, ckpt)
+    with pytest.raises(SystemExit) as info:
+        main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: model.qk_norm=true cannot be exported")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["out=x"], "error: ckpt= is required"),
+    (["ckpt=/nowhere.ckpt", "out=x"], "error: ckpt=/nowhere.ckpt: no such checkpoint file"),
+    (["ckpt=a", "out=b", "fmt=gguf"], "error: unknown argument 'fmt=gguf'"),
+])
+def test_bad_arguments_are_one_line(argv, expected, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and capsys.readouterr().err.startswith(expected)
+
+
+def test_help_lists_the_keys(capsys):
+    main(["--help"])
+    text = capsys.readouterr().out
+    assert all(k in text for k in ("ckpt", "out", "dtype", "overwrite"))
+
+
+def test_existing_folder_is_not_overwritten_unless_asked(trained, capsys):
+    ckpt, folder, _ = trained
+    with pytest.raises(SystemExit):
+        main([f"ckpt={ckpt}", f"out={folder}"])
+    assert "overwrite=true" in capsys.readouterr().err
+    main([f"ckpt={ckpt}", f"out={folder}", "overwrite=true", "dtype=bfloat16"])
+    assert json.loads((folder / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
