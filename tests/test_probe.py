@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from steadylm.stability import read_events
-from steadylm.stability.probe import Arrived, InFlight, Measurement, StepProbe, probe_for
+from steadylm.stability.probe import Arrived, InFlight, Measurement, StepProbe
+from steadylm.stability.suite import suite_of
 from tests.test_stability import FAST, Snapshot, faults, fit
 
 LOGGED_AND_SAVED = {3, 7, 11}  # FAST: log and checkpoint every 4 steps, i.e. at the end of steps 3, 7, 11
@@ -44,7 +45,7 @@ def reads(monkeypatch):
 ])
 def test_the_host_reads_a_step_late_except_on_logging_and_checkpoint_steps(make_cfg, reads, override, deferred):
     objs = fit(make_cfg(*FAST, override), Clock())
-    assert probe_for(objs["trainer"]).deferred is deferred
+    assert suite_of(objs["trainer"]).probe.deferred is deferred
     assert sorted(s for s, _ in reads) == list(range(12))  # every step measured and read exactly once
     same_step = {s for s, at in reads if s == at}
     if deferred:

@@ -16,13 +16,14 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from steadylm.stability import read_events
-from steadylm.stability.spike import RollingStats, SpikeDetector
+from steadylm.stability.spike import RobustWindow, SpikeDetector
 from steadylm.train import build
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
     "trainer.max_steps=12", "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_train_steps=4",
     "trainer.log_every_n_steps=4", "model.d_model=32", "model.context_length=32", "data.batch_size=4",
+    "callbacks.recovery.every_n_steps=4",
 ]
 
 
@@ -148,8 +149,19 @@ def test_spike_detector_state_survives_a_round_trip():
     other = SpikeDetector(window=4, warmup=2)
     other.load_state_dict(state)
     assert list(other.stats["loss"].values) == [2.0, 3.0, 4.0, 5.0]
-    assert other.stats["loss"].threshold(6.0) == pytest.approx(RollingStats(4, [2, 3, 4, 5]).threshold(6.0))
-    assert RollingStats(4, [2, 3, 4, 5]).threshold(1.0) == pytest.approx(3.5 + math.sqrt(1.25))
+    assert other.bar("loss") == pytest.approx(det.bar("loss"))
+
+
+def test_the_spike_bar_is_median_plus_sigma_robust_scales_of_log_loss_never_under_the_noise_floor():
+    w = RobustWindow(8, [0.0, 0.1, -0.1, 0.2, -0.2, 0.0, 5.0])  # one wild value moves neither median nor MAD much
+    med, scale = w.center_scale()
+    assert med == 0.0 and scale == pytest.approx(1.4826 * 0.1)
+    det = SpikeDetector(window=8, warmup=2, sigma=6.0, noise_floor=0.1)
+    det.stats["loss"] = RobustWindow(8, [math.log(2.0)] * 8)  # a flat loss: MAD 0, the floor sets the bar
+    det.sequences = 4
+    assert det.bar("loss") == pytest.approx(2.0 * math.exp(6.0 * 0.1 / 2))
+    det.sequences = 64
+    assert det.bar("loss") == pytest.approx(2.0 * math.exp(6.0 * 0.1 / 8))  # a bigger batch is less noisy
 
 
 def test_fp16_with_an_absurd_loss_scale_counts_skipped_steps_and_alarms(make_cfg, tmp_path):

@@ -1,7 +1,8 @@
 """Sweep bookkeeping: each job's outcome in `<run_dir>/result.json`, and a summary of the whole sweep.
 
 `finish_job` runs at the end of every job (rank 0 writes) and classifies it: a job *diverged* when its
-loss went non-finite, a stability callback stopped it, or its `train()` raised. `SweepSummary` is a
+loss went non-finite, a stability callback stopped it (a non-finite streak or a spike past the rollback
+budget, or a final loss far above the run's best: see `stability.recovery`), or its `train()` raised. `SweepSummary` is a
 Hydra callback (`hydra.callbacks.sweep_summary`) that, when a multirun ends, writes
 `<sweep_dir>/summary.md` (one row per job) and `summary.png` (final val loss vs LR, diverged jobs marked).
 It only reads run dirs; it must never change a job's files.
@@ -19,24 +20,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.distributed import is_rank_zero_process
+from steadylm.stability.events import stop_event
 
 RESULT_FILE = "result.json"
-EVENTS_FILE = Path("stability") / "events.jsonl"
-
-
-def stop_event(run_dir: Path) -> dict | None:
-    """The first stability event whose action stopped the run, if any."""
-    path = run_dir / EVENTS_FILE
-    if not path.is_file():
-        return None
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed process
-        if event.get("action") == "stop":
-            return event
-    return None
 
 
 def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | None) -> str | None:
@@ -45,7 +31,10 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
         return f"train() raised {type(error).__name__}: {error}"
     event = stop_event(run_dir)
     if event is not None:
-        module = (event.get("detail") or {}).get("module")
+        detail = event.get("detail") or {}
+        if detail.get("reason"):
+            return f"stopped at step {event.get('step')}: {detail['reason']}"
+        module = detail.get("module")
         return f"stopped on {event.get('kind')} at step {event.get('step')}" + (f", first in {module}" if module else "")
     for key in ("train/loss", "val/loss"):
         if key in metrics and not math.isfinite(metrics[key]):

@@ -19,6 +19,7 @@ KINDS = (
     "nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike", "update_ratio", "attn_logit",
     "fp16_skip_streak", "rollback", "stop",
 )
+STOP = "stop"  # the action of an event that ended the run (`sweep` reads it: the run diverged)
 ACTIONS = ("log", "skip", "rollback", "stop")
 
 
@@ -44,8 +45,23 @@ def emit(trainer, step: int, kind: str, action: str, detail: dict[str, Any] | No
     log.warning("stability: step %d %s -> %s %s", step, kind, action, json.dumps(detail or {}))
 
 
-def read_events(run_dir: str | Path) -> list[dict]:
+def read_events(run_dir: str | Path, notes: list[str] | None = None) -> list[dict]:
+    """Every event of a run, in file order; a line cut short by a killed process is skipped (and noted)."""
     path = Path(run_dir) / "stability" / "events.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    events = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            if notes is not None:
+                notes.append(f"{path}: line {n} is not JSON (torn write at a crash?); skipped")
+    return events
+
+
+def stop_event(run_dir: str | Path) -> dict | None:
+    """The first event whose action stopped the run, if any."""
+    return next((e for e in read_events(run_dir) if e.get("action") == STOP), None)

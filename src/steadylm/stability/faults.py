@@ -20,6 +20,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from steadylm.compat import set_loss_scale
 from steadylm.errors import ConfigError
 
 KINDS = ("nan_weight", "inf_grad", "corrupt_labels", "lr_spike", "nan_loss", "loss_scale")
@@ -62,10 +63,7 @@ class FaultInjector(L.Callback):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             if scaler is None:
                 raise ConfigError("fault loss_scale needs trainer.precision=16-mixed (a loss scaler)")
-            if scaler._scale is not None:
-                scaler.update(new_scale=float(f["value"]))
-            else:
-                scaler._init_scale = float(f["value"])  # before the first step the scale does not exist yet
+            set_loss_scale(scaler, float(f["value"]))
 
     def on_after_backward(self, trainer, pl_module):
         for f in self._due(trainer, "inf_grad"):

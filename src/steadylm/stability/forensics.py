@@ -24,16 +24,6 @@ def module_of(param_name: str | None) -> str | None:
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
-def window_indices(trainer, batch_idx: int) -> list[int]:
-    """The data windows this rank read at `batch_idx` of the epoch (from our `EpochBatchSampler`)."""
-    sampler = getattr(getattr(trainer, "datamodule", None), "_train_sampler", None)
-    if sampler is None:
-        return []
-    G = sampler.global_batch
-    chunk = sampler.permutation()[batch_idx * G : (batch_idx + 1) * G]
-    return [i for i in chunk[sampler.rank :: sampler.world_size].tolist() if i >= 0]
-
-
 def locate(pl_module, batches: list) -> dict:
     """Re-run `batches` with hooks; returns {"forward": name|None, "backward": name|None, "layers": {...}}."""
     net = pl_module.net
@@ -90,9 +80,43 @@ def locate(pl_module, batches: list) -> dict:
     return {"forward": first("forward"), "backward": first("backward"), "layers": layers}
 
 
-def culprit(report: dict, grad_module: str | None) -> str | None:
-    """Forward order first (where the NaN was born), then backward, then the raw gradients."""
-    return report.get("forward") or report.get("backward") or grad_module
+TRANSIENT = "transient: not reproduced on re-run"
+
+
+def _gather(obj) -> list:
+    """`obj` from every rank (the failure path: an object collective is fine here)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def name_culprit(trainer, pl_module, m) -> tuple[str | None, str, dict]:
+    """(module or None, the evidence, this rank's re-run report) for a non-finite measurement `m`.
+
+    Only what was observed is named: the first non-finite output when the re-run of the step's batch
+    reproduces it (forward order: where the NaN was born; then backward order), on whichever rank saw it;
+    else the module of the non-finite gradients when they all belong to one module (an observed gradient
+    fault); else no module at all. Every rank must call it (one object all-gather).
+    """
+    report = locate(pl_module, m.batches) if m.batches else {"forward": None, "backward": None, "layers": {}}
+    found = report.get("forward") or report.get("backward")
+    how = "output" if report.get("forward") else "gradient"
+    modules = sorted({module_of(p) for p in m.bad_params})
+    views = _gather((found, how, modules, bool(m.batches)))
+    for rank, (f, kind, _, _) in enumerate(views):
+        if f:
+            return f, f"re-run of the step's batch on rank {rank}: first non-finite {kind} in {f}", report
+    bad = sorted({mod for _, _, mods, _ in views for mod in mods})
+    rerun = all(kept for *_, kept in views)
+    if len(bad) == 1:
+        what = "the re-run of the step's batch was finite" if rerun else "the batch was not kept (resumed run)"
+        return bad[0], f"only {bad[0]} had a non-finite gradient; {what}", report
+    if not rerun:
+        return None, "not re-run (the batch was not kept: resumed run); no module observed", report
+    return None, TRANSIENT, report
 
 
 def write_bundle(trainer, step: int, bundle: dict) -> Path | None:

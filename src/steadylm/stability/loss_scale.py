@@ -13,7 +13,7 @@ import lightning as L
 
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import emit
-from steadylm.stability.probe import ProbeUser, loss_scaler, probe_for
+from steadylm.stability.probe import ProbeUser, loss_scaler
 
 
 class LossScaleMonitor(ProbeUser, L.Callback):
@@ -30,7 +30,7 @@ class LossScaleMonitor(ProbeUser, L.Callback):
         if not m.grad_nonfinite:
             self.consecutive = 0
             return
-        probe_for(trainer).skip(trainer, pl_module, m, null_grads=False)  # the scaler itself skips the update
+        self.suite.probe.skip(trainer, pl_module, m, null_grads=False)  # the scaler itself skips the update
         self.consecutive += 1
         if self.consecutive == self.streak:
             emit(trainer, m.step, "fp16_skip_streak", "log", {

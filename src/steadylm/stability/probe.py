@@ -4,8 +4,9 @@ Taken in `on_before_optimizer_step` (after backward and every accumulated micro-
 unscale, before clipping and the update), packed into ONE 2-number tensor, all-reduced ONCE across ranks and
 copied to the host ONCE. The guard, the spike detector, the stats and the fp16 monitor all read this
 same reduced value, so every rank takes the same decision and none waits alone in a collective.
-The probe hangs off the Trainer so each callback works alone and the first one to ask pays the cost.
-It must never do per-tensor `.item()` calls or a second collective per step.
+One `StepProbe` per fit, owned by the `StabilitySuite` (`suite.py`) that every stability callback receives;
+the first callback to ask pays the cost. It must never do per-tensor `.item()` calls or a second collective
+per step.
 
 Deferred (the default with a fused optimizer): reading a value on the host makes the CPU wait for the GPU,
 so the GPU idles while Lightning's Python runs between steps. Instead the copy is started without waiting,
@@ -25,6 +26,8 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.optim.lr_scheduler import LambdaLR
 
+from steadylm.compat import every_n_train_steps, per_tensor_norms, set_last_lr
+
 
 @dataclass(frozen=True)
 class Measurement:
@@ -35,7 +38,7 @@ class Measurement:
     grad_nonfinite: bool
     batch_idx: tuple[int, ...] = ()  # the step's micro-batches, as the epoch's batch indices
     batches: list = field(default_factory=list, compare=False, repr=False)  # references, for the forensic re-run
-    bad_param: str | None = field(default=None, compare=False)  # first parameter whose gradient was non-finite
+    bad_params: tuple[str, ...] = field(default=(), compare=False)  # parameters whose gradient was non-finite (this rank)
 
     @property
     def nonfinite(self) -> bool:
@@ -83,18 +86,16 @@ class InFlight:
             self._read = Measurement(
                 step=self.step, loss=loss / self.world, grad_norm=norm, loss_nonfinite=not math.isfinite(loss),
                 grad_nonfinite=not math.isfinite(norm), batch_idx=self.batch_idx, batches=self.batches,
-                bad_param=self._first_bad() if not math.isfinite(norm) else None,
+                bad_params=self._bad() if not math.isfinite(norm) else (),
             )
         return self._read
 
-    def _first_bad(self) -> str | None:
+    def _bad(self) -> tuple[str, ...]:
         if self.norms is None:
-            return None
-        bad = (~self.norms.isfinite()).nonzero()  # the failure path: a host sync here is fine
-        if not len(bad):
-            return None
+            return ()
+        bad = (~self.norms.isfinite()).nonzero().view(-1).tolist()  # the failure path: a host sync here is fine
         names = {id(p): n for n, p in self.net.named_parameters()}
-        return names.get(id(self.params[int(bad[0])]))
+        return tuple(names.get(id(self.params[i]), "?") for i in bad)
 
 
 class Arrived(InFlight):
@@ -116,6 +117,7 @@ class StepProbe:
         self._current: InFlight | None = None
         self._pending: InFlight | None = None  # deferred: this step's, read at the next one
         self._counted: set[int] = set()  # steps already in `skipped_steps`
+        self.finished = False  # the end of training has been acted on
 
     # Several callbacks forward the same hook call; identity checks make each one count once.
     def on_batch_start(self, batch, batch_idx: int) -> None:
@@ -163,7 +165,7 @@ class StepProbe:
         # In the optimizer's parameter order, as Lightning's clipping sums them.
         params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]] or list(pl_module.parameters())
         with_grad = [p for p in params if p.grad is not None]
-        norms = torch.stack(torch._foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
+        norms = per_tensor_norms([p.grad for p in with_grad]) if with_grad else None
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
         pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
         world = trainer.world_size
@@ -196,6 +198,11 @@ class StepProbe:
         else:
             reapply_schedule(trainer)
 
+    def skip_current(self, trainer, pl_module) -> None:
+        """Skip the step under way by a decision taken on the host before its update (no measurement needed)."""
+        self._count(pl_module, trainer.global_step)
+        self._null_grads(pl_module)
+
     def in_step(self, trainer) -> bool:
         """An optimizer step is under way: measured, its update not yet applied."""
         return self._step == trainer.global_step
@@ -226,20 +233,12 @@ class StepProbe:
         for p in pl_module.parameters():
             p.grad = None
 
-    def settle(self, trainer, pl_module, optimizer=None) -> None:
-        """Act on the measurement still in flight now (deferred): before a checkpoint is written, and at the end.
-
-        Every probe user observes it; `optimizer` None (training over) means no rollback.
-        """
+    def take_pending(self) -> Measurement | None:
+        """The measurement still in flight (deferred), read now; None when there is none."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            m = pending.read()
-            for cb in trainer.callbacks:
-                if isinstance(cb, ProbeUser):
-                    cb.observe(trainer, pl_module, optimizer, m)
+        return pending.read() if pending is not None else None
 
-    def finish(self, trainer, pl_module) -> None:
-        self.settle(trainer, pl_module)
+    def finish(self, trainer) -> None:
         for opt in trainer.optimizers:
             opt.__dict__.pop("found_inf", None)
 
@@ -260,39 +259,45 @@ def reapply_schedule(trainer) -> None:
         if isinstance(s, LambdaLR):
             for group, base, fn in zip(s.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
                 group["lr"] = base * fn(s.last_epoch)
-            s._last_lr = [group["lr"] for group in s.optimizer.param_groups]
+            set_last_lr(s, [group["lr"] for group in s.optimizer.param_groups])
 
 
 def checkpoint_due(trainer) -> bool:
-    """A ModelCheckpoint saves at this batch end (Lightning's `every_n_train_steps` rule, a private attribute)."""
+    """A ModelCheckpoint saves at this batch end (Lightning's `every_n_train_steps` rule)."""
     step = trainer.global_step
-    return any(getattr(cb, "_every_n_train_steps", 0) and step % cb._every_n_train_steps == 0 for cb in trainer.checkpoint_callbacks)
-
-
-def probe_for(trainer) -> StepProbe:
-    probe = trainer.__dict__.get("_steadylm_probe")
-    if probe is None:
-        probe = trainer.__dict__["_steadylm_probe"] = StepProbe()
-    return probe
+    return any((n := every_n_train_steps(cb)) and step % n == 0 for cb in trainer.checkpoint_callbacks)
 
 
 CHECKPOINT_KEY = "steadylm_probe"
 
 
 class ProbeUser:
-    """Mixin for callbacks that read the measurement: feeds the probe, and hands each measurement to `observe`.
+    """Mixin for the stability callbacks: each receives the fit's one `StabilitySuite` (`bind`) and hands every
+    measurement of its probe to `observe`.
 
-    Every user takes the measurement every step, so the device flag is always this step's.
+    Every user feeds the probe (identity checks make each hook call count once), so each callback works alone
+    and can be dropped from the config; the device flag is always this step's.
     """
 
+    suite = None  # the StabilitySuite, bound by `steadylm.stability.suite.attach` (at the latest in `setup`)
+
+    def bind(self, suite) -> None:
+        self.suite = suite
+
+    def setup(self, trainer, pl_module, stage):
+        if self.suite is None:
+            from steadylm.stability.suite import attach
+
+            attach(trainer.callbacks)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        probe_for(trainer).on_batch_start(batch, batch_idx)
+        self.suite.probe.on_batch_start(batch, batch_idx)
 
     def on_before_backward(self, trainer, pl_module, loss):
-        probe_for(trainer).on_before_backward(loss)
+        self.suite.probe.on_before_backward(loss)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        m = probe_for(trainer).due(trainer, pl_module)
+        m = self.suite.probe.due(trainer, pl_module)
         if m is not None:
             self.observe(trainer, pl_module, optimizer, m)
 
@@ -303,14 +308,14 @@ class ProbeUser:
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # A checkpoint must hold weights and counts the guard has seen: a rollback in a streak needs the
         # last good file, which a save of NaN weights would replace. On save steps only: a read each.
-        if probe_for(trainer).deferred and checkpoint_due(trainer):
-            probe_for(trainer).settle(trainer, pl_module, trainer.optimizers[0])
+        if self.suite.probe.deferred and checkpoint_due(trainer):
+            self.suite.settle(trainer, pl_module, trainer.optimizers[0])
 
     def on_train_end(self, trainer, pl_module):
-        probe_for(trainer).finish(trainer, pl_module)
+        self.suite.finish(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        checkpoint[CHECKPOINT_KEY] = probe_for(trainer).state_dict()
+        checkpoint[CHECKPOINT_KEY] = self.suite.probe.state_dict()
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
-        probe_for(trainer).load_state_dict(checkpoint.get(CHECKPOINT_KEY))
+        self.suite.probe.load_state_dict(checkpoint.get(CHECKPOINT_KEY))

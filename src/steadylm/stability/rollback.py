@@ -1,4 +1,5 @@
-"""Roll back to the last good checkpoint in the run dir, in place, in the middle of `fit`.
+"""Roll back to the last good checkpoint in the run dir, in place, in the middle of `fit` (`Recovery`'s fallback
+when no in-memory snapshot is there, e.g. right after a resume).
 
 Restores the weights and optimizer state from the newest checkpoint
 that was saved at or before the first bad step and holds only finite weights. The data loader is not
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from steadylm.stability.probe import CHECKPOINT_KEY, probe_for
+from steadylm.stability.probe import CHECKPOINT_KEY
 
 
 def checkpoint_dir(trainer) -> Path:
@@ -37,7 +38,7 @@ def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None
     return best
 
 
-def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
+def rollback(trainer, pl_module, optimizer, at_or_before: int, probe) -> dict | None:
     """Restore in place and abandon the step in progress; returns {"checkpoint", "to_step"}, or None without a good checkpoint.
 
     The steps between the checkpoint and now are no longer in the weights, so they join the skipped
@@ -53,5 +54,5 @@ def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
     pending = (ckpt.get(CHECKPOINT_KEY) or {}).get("pending")
     if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
         applied -= 1  # its last step was skipped on the device, and not yet counted when it was saved
-    probe_for(trainer).abandon(trainer, pl_module, applied=applied)
+    probe.abandon(trainer, pl_module, applied=applied)
     return {"checkpoint": path.name, "to_step": int(ckpt["global_step"])}

@@ -16,7 +16,8 @@ import torch
 
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import emit
-from steadylm.stability.probe import ProbeUser, probe_for
+from steadylm.compat import copy_tensors, per_tensor_norms, sub_tensors
+from steadylm.stability.probe import ProbeUser
 
 
 class GradParamStats(ProbeUser, L.Callback):
@@ -58,7 +59,7 @@ class GradParamStats(ProbeUser, L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if will_log(trainer):
-            m = probe_for(trainer).current(trainer, pl_module)  # deferred: the logging step's one host read
+            m = self.suite.probe.current(trainer, pl_module)  # deferred: the logging step's one host read
             self._grad_norm = m.grad_norm if m is not None else None  # written at batch end, beside the skip count
         if self._armed_step != trainer.global_step:
             return
@@ -75,12 +76,12 @@ class GradParamStats(ProbeUser, L.Callback):
         else:  # a parameter without a gradient this step counts as 0
             norms = torch.stack([g.norm().float() if g is not None else torch.zeros((), device=pl_module.device) for g in grads])
         self._grad_norms = self._per_block(norms, len(blocks))
-        self._before = torch._foreach_mul([p.detach() for p in self._params], 1.0)  # one copy kernel, not one per tensor
+        self._before = copy_tensors([p.detach() for p in self._params])  # one copy kernel, not one per tensor
 
     @staticmethod
     def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per-tensor L2 norms in one fused call (the per-block sums below are then one scatter, not a loop)."""
-        return torch.stack(torch._foreach_norm(tensors)).float()
+        return per_tensor_norms(tensors)
 
     def _per_block(self, norms: torch.Tensor, n: int) -> torch.Tensor:
         squares = torch.zeros(n + 1, device=norms.device).index_add_(0, self._owner, norms.square())
@@ -102,7 +103,7 @@ class GradParamStats(ProbeUser, L.Callback):
             return  # the step ended without an optimizer step
         blocks = self._blocks(pl_module)
         n = len(blocks)
-        delta = torch._foreach_sub([p.detach() for p in self._params], self._before)
+        delta = sub_tensors([p.detach() for p in self._params], self._before)
         param, moved = self._norms(self._before), self._norms(delta)
         # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
         param_norms, delta_norms = self._per_block(param, n), self._per_block(moved, n)

@@ -1,0 +1,311 @@
+"""`Recovery`: in-memory snapshots of the last good state, rollback to them, escalation, and a bounded budget.
+
+Snapshots. Every `every_n_steps` optimizer steps, at the start of the step, the state is copied to host
+memory: weights and buffers, optimizer state, scheduler state, RNG states, the data position and the
+spike detector's window. On a GPU the copy goes into pinned buffers with `non_blocking=True` on the
+training stream, so it runs on the copy engine while the step computes (stream order guarantees it reads
+the weights from before this step's update); nothing waits for it until a rollback needs it. Under FSDP
+each rank copies its own shards (`parameters()` are the local shards). A snapshot becomes *known-good*
+once its own step's measurement (the loss of exactly those weights) is finite and no detector flagged
+it; the last `keep` known-good ones are kept, their buffers reused.
+
+Rollback restores the newest known-good snapshot taken before the trouble began, without touching disk
+(a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a resume). The data is
+not rewound: the batches between the snapshot and now are skipped. Every rank takes the same decision
+from the same all-reduced values and restores its own copy, so all ranks roll back together.
+
+Escalation (each step bounded). Consecutive non-finite skips -> rollback (the guard). A second rollback
+at the same place (its onset within `same_place_steps` of the previous one) restores the older snapshot
+and skips a further `skip_steps` data window (doubling each time); a third also multiplies the LR by
+`lr_backoff`. Past `max_rollbacks` rollbacks in the run, all ranks stop together: a `stop` event, the
+broken state in `checkpoints/diverged.ckpt` and the last good one in `checkpoints/last_good.ckpt`.
+
+At the end of training, a run whose final training loss (median of the last `final_window` steps) is more
+than `final_margin` (25 %) above its best such median ends `diverged` the same way: `sweep.finish_job`
+reads the `stop` event and `train.py` exits 3.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import lightning as L
+import numpy as np
+import torch
+
+from steadylm.stability.events import emit
+from steadylm.stability.probe import Measurement, ProbeUser, reapply_schedule
+
+
+@dataclass
+class Snapshot:
+    step: int  # optimizer steps done when taken (the global step about to run)
+    applied: int  # of those, steps whose update is in the weights
+    tensors: list[torch.Tensor]  # host copies of parameters then buffers
+    optim: list[dict]  # each optimizer's state_dict, tensors on the host
+    flat_optim: list[torch.Tensor]  # the same host tensors, flat (reused by the next snapshot)
+    sched: list[dict]
+    rng: dict
+    data: dict | None
+    detectors: dict
+    event: object = None  # CUDA event recorded after the copies
+    good: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors + self.flat_optim)
+
+
+def _live_tensors(pl_module) -> list[torch.Tensor]:
+    return [p.detach() for p in pl_module.parameters()] + [b for b in pl_module.buffers()]
+
+
+def _to_host(t: torch.Tensor, reuse: list[torch.Tensor], out: list[torch.Tensor]) -> torch.Tensor:
+    i = len(out)
+    buf = reuse[i] if i < len(reuse) and reuse[i].shape == t.shape and reuse[i].dtype == t.dtype else None
+    if buf is None:
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    buf.copy_(t, non_blocking=True)
+    out.append(buf)
+    return buf
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None) -> Snapshot:
+    """Start copying the current state to host memory (asynchronous on a GPU); `reuse`'s buffers when they fit."""
+    tensors: list[torch.Tensor] = []
+    for t in _live_tensors(pl_module):
+        _to_host(t, reuse.tensors if reuse else [], tensors)
+    flat: list[torch.Tensor] = []
+    optim = [_map_tensors(opt.state_dict(), lambda t: _to_host(t, reuse.flat_optim if reuse else [], flat))
+             for opt in trainer.optimizers]
+    event = None
+    if any(t.is_cuda for t in _live_tensors(pl_module)[:1]):
+        event = torch.cuda.Event()
+        event.record()
+    datamodule = getattr(trainer, "datamodule", None)
+    skipped = int(getattr(pl_module, "skipped_steps", 0))
+    return Snapshot(
+        step=trainer.global_step, applied=trainer.global_step - skipped, tensors=tensors, optim=optim, flat_optim=flat,
+        sched=[c.scheduler.state_dict() for c in trainer.lr_scheduler_configs], rng=rng_state(),
+        data=datamodule.state_dict() if datamodule is not None and hasattr(datamodule, "state_dict") else None,
+        detectors=detectors or {}, event=event,
+    )
+
+
+def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
+    """Put the snapshot's weights, buffers and optimizer state back into the live objects (each rank its own)."""
+    snap.wait()
+    with torch.no_grad():
+        for live, host in zip(_live_tensors(pl_module), snap.tensors):
+            live.copy_(host)
+    for opt, state in zip(trainer.optimizers, snap.optim):
+        # load_state_dict keeps a tensor already on the right device as is: clone, so training never writes
+        # into the snapshot's buffers.
+        opt.load_state_dict(_map_tensors(state, lambda t: t.clone()))
+
+
+class Recovery(ProbeUser, L.Callback):
+    def __init__(
+        self, every_n_steps: int = 25, keep: int = 2, max_rollbacks: int = 5, same_place_steps: int | None = None,
+        skip_steps: int | None = None, lr_backoff: float | None = 0.5, final_window: int = 20, final_margin: float = 0.25,
+    ) -> None:
+        from steadylm.errors import ConfigError
+
+        if every_n_steps < 0 or keep < 1 or max_rollbacks < 0:
+            raise ConfigError("callbacks.recovery: every_n_steps >= 0 (0: no snapshots), keep >= 1 and max_rollbacks >= 0")
+        if lr_backoff is not None and not 0 < lr_backoff <= 1:
+            raise ConfigError(f"callbacks.recovery.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR")
+        self.every_n_steps, self.keep, self.max_rollbacks = int(every_n_steps), int(keep), int(max_rollbacks)
+        span = max(self.every_n_steps, 10)
+        self.same_place_steps = int(same_place_steps if same_place_steps is not None else 2 * span)
+        self.skip_steps = int(skip_steps if skip_steps is not None else span)
+        self.lr_backoff = lr_backoff
+        self.final_window, self.final_margin = int(final_window), float(final_margin)
+        self.good: deque[Snapshot] = deque()
+        self.candidate: Snapshot | None = None
+        self._spare: Snapshot | None = None  # buffers of a dropped snapshot, for the next one
+        self.rollbacks = 0
+        self.strikes = 0  # rollbacks in a row at the same place
+        self.last_onset: int | None = None
+        self.skip_until = -1  # steps before this one are skipped (a longer data window after a repeated rollback)
+        self.lr_scale = 1.0
+        self.recent: deque[float] = deque(maxlen=self.final_window)
+        self.best = math.inf  # best median of `final_window` finite losses
+        self.stopped = False
+
+    def bind(self, suite) -> None:
+        super().bind(suite)
+        suite.recovery = self
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        step = trainer.global_step
+        if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
+            return
+        if any(s.step == step for s in self.good):
+            return  # taken already (the accumulated micro-batches of one step)
+        reuse, self._spare = self._spare, None
+        if reuse is None and self.candidate is not None:
+            reuse = self.candidate  # never confirmed (its step's value not read yet): the newer one replaces it
+        self.candidate = capture(trainer, pl_module, reuse, self._detector_state())
+
+    def observe(self, trainer, pl_module, optimizer, m: Measurement) -> None:
+        c = self.candidate
+        if c is not None and c.step == m.step:
+            self.candidate = None
+            if not m.nonfinite and m.step not in self.suite.suspect_steps:
+                c.good = True
+                self.good.append(c)
+                if len(self.good) > self.keep:
+                    self._spare = self.good.popleft()
+            else:
+                self._spare = c
+        if not m.nonfinite:
+            self.recent.append(m.loss)
+            if len(self.recent) == self.recent.maxlen:
+                self.best = min(self.best, statistics.median(self.recent))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if trainer.global_step < self.skip_until:
+            self.suite.probe.skip_current(trainer, pl_module)  # the longer data window after a repeated rollback
+
+    def _detector_state(self) -> dict:
+        return {type(cb).__name__: cb.window_state() for cb in self.suite.users if hasattr(cb, "window_state")}
+
+    def newest_good(self, before: int | None = None, older: bool = False) -> Snapshot | None:
+        found = [s for s in self.good if before is None or s.step <= before]
+        if older and len(found) > 1:
+            return found[-2]
+        return found[-1] if found else None
+
+    # -- rollback, escalation, budget --------------------------------------------------------------------------
+    def rollback(self, trainer, pl_module, optimizer, onset: int) -> dict | None:
+        """Roll back for trouble that began at step `onset`; None when the budget is spent or nothing is there
+        to roll back to (the caller then stops). Escalates when rollbacks repeat at the same place."""
+        if optimizer is None or self.rollbacks >= self.max_rollbacks:
+            return None
+        same_place = self.last_onset is not None and abs(onset - self.last_onset) <= self.same_place_steps
+        strikes = self.strikes + 1 if same_place else 1
+        snap = self.newest_good(before=onset, older=strikes >= 2)
+        if snap is not None:
+            restore_weights_and_optimizer(trainer, pl_module, snap)
+            set_rng_state(snap.rng)
+            for cb in self.suite.users:
+                if hasattr(cb, "load_window_state") and type(cb).__name__ in snap.detectors:
+                    cb.load_window_state(snap.detectors[type(cb).__name__])
+            self.suite.probe.abandon(trainer, pl_module, applied=snap.applied)
+            restored = {"source": "memory", "to_step": snap.step}
+            # Newer snapshots hold the weights being abandoned.
+            while self.good and self.good[-1].step > snap.step:
+                self._spare = self.good.pop()
+            self.candidate = None
+        else:
+            from steadylm.stability.rollback import rollback as disk_rollback
+
+            found = disk_rollback(trainer, pl_module, optimizer, onset, self.suite.probe)
+            if found is None:
+                return None
+            restored = {"source": "disk", **found}
+        self.rollbacks += 1
+        self.strikes, self.last_onset = strikes, onset
+        restored.update(rollbacks=self.rollbacks, budget=self.max_rollbacks, strikes=strikes,
+                        skipped_data_steps=trainer.global_step + 1 - restored["to_step"])
+        if strikes >= 2 and self.skip_steps:
+            extra = self.skip_steps * 2 ** (strikes - 2)
+            self.skip_until = trainer.global_step + 1 + extra
+            restored["skip_more_steps"] = extra
+        if strikes >= 3 and self.lr_backoff is not None and self.lr_backoff < 1:
+            self.lr_scale *= self.lr_backoff
+            for c in trainer.lr_scheduler_configs:
+                c.scheduler.base_lrs = [lr * self.lr_backoff for lr in c.scheduler.base_lrs]
+            reapply_schedule(trainer)
+            restored["lr_scale"] = self.lr_scale
+        return restored
+
+    def stop(self, trainer, pl_module, step: int, kind: str, reason: str, detail: dict | None = None) -> None:
+        """Stop every rank together (all reach it from the same reduced values), keeping the last good state."""
+        self.stopped = True
+        self.suite.probe.abandon(trainer, pl_module)
+        saved = self.save_last_good(trainer, pl_module)
+        emit(trainer, step, "stop", "stop", {**(detail or {}), "kind": kind, "reason": reason, **saved})
+        trainer.should_stop = True
+
+    def save_last_good(self, trainer, pl_module) -> dict:
+        """`diverged.ckpt` (the state now) beside `last_good.ckpt` (the newest known-good snapshot); the run goes
+        on (or ends) on the good weights. Every rank calls it: saving is collective."""
+        from steadylm.stability.rollback import checkpoint_dir
+
+        folder = checkpoint_dir(trainer)
+        out = {}
+        try:
+            trainer.save_checkpoint(folder / "diverged.ckpt")
+            out["broken_checkpoint"] = str(folder / "diverged.ckpt")
+            snap = self.newest_good()
+            if snap is not None:
+                restore_weights_and_optimizer(trainer, pl_module, snap)
+                # The LR schedule of a resume from it continues where those weights left off.
+                pl_module.skipped_steps = trainer.global_step - snap.applied
+                trainer.save_checkpoint(folder / "last_good.ckpt")
+                out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
+        except Exception as err:  # the stop itself must happen even when the disk is full
+            out["checkpoint_error"] = f"{type(err).__name__}: {err}"
+        return out
+
+    def on_suite_end(self, trainer, pl_module) -> None:
+        """A run that ends far above its best loss has diverged, even with no event on the way."""
+        if self.stopped or len(self.recent) < self.recent.maxlen or not math.isfinite(self.best):
+            return
+        final = statistics.median(self.recent)
+        if final > self.best * (1 + self.final_margin):
+            reason = (f"final training loss {final:.3f} (median of the last {len(self.recent)} steps) is "
+                      f"{final / self.best - 1:.0%} above the run's best {self.best:.3f} (limit {self.final_margin:.0%})")
+            self.stop(trainer, pl_module, trainer.global_step, "final_loss", reason, {"final": final, "best": self.best})
+
+    def state_dict(self) -> dict:
+        return {"rollbacks": self.rollbacks, "strikes": self.strikes, "last_onset": self.last_onset,
+                "skip_until": self.skip_until, "lr_scale": self.lr_scale, "recent": list(self.recent),
+                "best": self.best if math.isfinite(self.best) else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollbacks, self.strikes = int(state["rollbacks"]), int(state["strikes"])
+        self.last_onset, self.skip_until = state["last_onset"], int(state["skip_until"])
+        self.lr_scale = float(state["lr_scale"])
+        self.recent = deque(state.get("recent", []), maxlen=self.final_window)
+        self.best = state["best"] if state.get("best") is not None else math.inf
+

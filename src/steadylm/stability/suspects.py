@@ -1,0 +1,143 @@
+"""The data behind a loss spike: each sample's own loss on the pre-spike weights, and where it lives on disk.
+
+`sample_losses` re-runs a step's micro-batches without gradients (on the live weights, or on a snapshot's
+host copy through `torch.func.functional_call`, which leaves the live model untouched) and returns one
+token-mean cross-entropy per sequence. `write_suspects` appends them, worst first, to
+`<run_dir>/stability/suspects.jsonl`: one row per window with `step`, `rank`, `shard` (file name),
+`start`/`end` token offsets (the window is `tokens[start:end]` of that shard), `loss` and a short decoded
+preview. `python -m steadylm.diagnose.window shard=PATH start=N end=M` prints a window's text.
+Runs only on the failure path (a spike); its host reads do not matter there. Each rank writes its own rows
+(file appends are line-sized), so the samples of every rank are ranked.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from steadylm.stability.events import stability_dir
+
+IGNORE_INDEX = -100
+PREVIEW_CHARS = 160
+
+
+@torch.no_grad()
+def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int, float]]:
+    """(micro-batch, row, mean loss over the row's valid targets) for every non-padding row of `batches`.
+
+    `weights`: a `recovery.Snapshot` whose host weights to use instead of the live ones (None: live).
+    """
+    run = pl_module
+    if weights is not None:
+        names = [n for n, _ in pl_module.named_parameters()] + [n for n, _ in pl_module.named_buffers()]
+        device = next(pl_module.parameters()).device
+        weights.wait()
+        state = {n: t.to(device) for n, t in zip(names, weights.tensors)}
+        run = lambda x: torch.func.functional_call(pl_module, state, (x,))  # noqa: E731
+    rows = []
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        for mi, (x, y) in enumerate(batches):
+            logits = run(x).float()
+            ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="none").view(y.shape)
+            valid = y != IGNORE_INDEX
+            per = (ce * valid).sum(1) / valid.sum(1).clamp(min=1)
+            for r, (v, ok) in enumerate(zip(per.tolist(), valid.any(1).tolist())):
+                if ok:
+                    rows.append((mi, r, float(v)))
+    finally:
+        pl_module.train(was_training)
+    return rows
+
+
+def batch_window_ids(trainer, batch_idx: int) -> list[int]:
+    """This rank's window ids at `batch_idx` of the epoch, one per row (-1: padding)."""
+    dm = getattr(trainer, "datamodule", None)
+    sampler = getattr(dm, "_train_sampler", None)
+    if sampler is None:
+        return []
+    if hasattr(sampler, "window_ids"):
+        return [int(i) for i in sampler.window_ids(batch_idx)]
+    G = sampler.global_batch
+    chunk = sampler.permutation()[batch_idx * G : (batch_idx + 1) * G]
+    return [int(i) for i in chunk[sampler.rank :: sampler.world_size].tolist()]
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(shard: str):
+    from steadylm.data.shards import read_shard_info
+    from steadylm.data.tokenizer import get_tokenizer, load_tokenizer
+
+    try:
+        return load_tokenizer(Path(shard).parent)
+    except Exception:
+        return get_tokenizer(read_shard_info(shard).tokenizer)
+
+
+def window_text(shard, start: int, end: int) -> str:
+    """The decoded text of `tokens[start:end]` in `shard`."""
+    from steadylm.data.shards import open_tokens
+
+    ds = open_tokens(shard)
+    try:
+        ids = ds[int(start) : int(end)].tolist()
+    finally:
+        ds.file.close()
+    return _tokenizer(str(shard)).decode(ids)
+
+
+def locate_window(trainer, window: int) -> dict:
+    """{shard, start, end} of a window id in the train split (empty when the dataset cannot say)."""
+    ds = getattr(getattr(trainer, "datamodule", None), "train_set", None)
+    if ds is None or not hasattr(ds, "locate") or window < 0:
+        return {}
+    shard_no, offset = ds.locate(window)
+    return {"shard": Path(ds.paths[shard_no]).name, "shard_path": str(ds.paths[shard_no]), "start": int(offset),
+            "end": int(offset) + int(ds.context_length) + 1}
+
+
+def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, int, float]]) -> list[dict]:
+    """One row per window, worst first."""
+    ids = [batch_window_ids(trainer, b) for b in batch_idx]
+    rows = []
+    for mi, r, loss in sorted(losses, key=lambda t: -t[2]):
+        window = ids[mi][r] if mi < len(ids) and r < len(ids[mi]) else -1
+        where = locate_window(trainer, window)
+        preview = ""
+        if where:
+            try:
+                preview = window_text(where["shard_path"], where["start"], where["end"])[:PREVIEW_CHARS]
+            except Exception as err:  # a preview is a courtesy; the location is what matters
+                preview = f"<unreadable: {type(err).__name__}>"
+        rows.append({"step": int(step), "rank": int(trainer.global_rank), "window": window,
+                     "shard": where.get("shard"), "start": where.get("start"), "end": where.get("end"),
+                     "loss": round(loss, 4), "preview": preview})
+    return rows
+
+
+def write_suspects(trainer, rows: list[dict]) -> Path:
+    path = stability_dir(trainer) / "suspects.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def read_suspects(run_dir) -> list[dict]:
+    path = Path(run_dir) / "stability" / "suspects.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    return out
