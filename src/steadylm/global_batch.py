@@ -1,0 +1,74 @@
+"""`data.global_batch_tokens`: tokens per optimizer step, the number a recipe is written in.
+
+A recipe says "0.5M tokens per step" (GPT-2, nanoGPT, llm.c); how that is reached depends on the
+machine: devices × `data.batch_size` × `model.context_length` tokens per micro-step, and gradient
+accumulation for the rest. `apply_global_batch` derives `trainer.accumulate_grad_batches` from it
+before the Trainer is built, so the same recipe gives the same optimisation on 1 GPU or 64.
+It refuses (ConfigError) a total that is not a whole number of micro-steps, and an
+`accumulate_grad_batches` set by hand to something else: it never rounds and never overrides silently.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig
+
+from steadylm.config import set_key
+from steadylm.errors import ConfigError
+
+log = logging.getLogger("steadylm")
+KEY = "trainer.accumulate_grad_batches"
+
+
+def expected_world_size(cfg: DictConfig) -> int:
+    """Processes the Trainer will start: devices × nodes, with `auto`/-1 read as Lightning reads them."""
+    t = cfg.trainer
+    devices, accelerator = t.get("devices", "auto"), str(t.get("accelerator", "auto"))
+    if isinstance(devices, str) and devices not in ("auto", "-1"):
+        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
+    if devices in ("auto", -1, "-1"):
+        import torch
+
+        on_gpu = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        devices = torch.cuda.device_count() if on_gpu else 1
+    n = len(devices) if not isinstance(devices, int) else devices
+    return max(1, int(n)) * int(t.get("num_nodes", 1) or 1)
+
+
+def _set_on_command_line(key: str) -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = HydraConfig.get().overrides.task
+    except (ImportError, ValueError):  # no Hydra run (a config built by hand)
+        return False
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def apply_global_batch(cfg: DictConfig, world_size: int) -> None:
+    """Set `trainer.accumulate_grad_batches` = global_batch_tokens / (world_size × batch × context)."""
+    total = cfg.data.get("global_batch_tokens")
+    if total is None:
+        return
+    B, T = int(cfg.data.batch_size), int(cfg.model.context_length)
+    micro = world_size * B * T
+    shown = f"devices×batch×context = {world_size}×{B}×{T} = {micro:,}"
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+        raise ConfigError(f"data.global_batch_tokens={total!r} must be a whole number of tokens > 0 (e.g. 524288), or null")
+    if total % micro:
+        lo, hi = total // micro * micro, -(-total // micro) * micro
+        raise ConfigError(
+            f"data.global_batch_tokens={total} is not a multiple of {shown}; use "
+            + (f"{lo:,} or {hi:,}" if lo else f"{hi:,}")
+            + " tokens, or a data.batch_size that divides it"
+        )
+    accum = total // micro
+    current = cfg.trainer.get("accumulate_grad_batches", 1)
+    if current != accum and (current != 1 or _set_on_command_line(KEY)):
+        raise ConfigError(
+            f"{KEY}={current} contradicts data.global_batch_tokens={total}, which needs {accum} "
+            f"({total:,} / {shown}); set only one of them"
+        )
+    set_key(cfg, KEY, accum)
+    log.info("data.global_batch_tokens=%s: %s=%d (%s per micro-step)", f"{total:,}", KEY, accum, shown)
