@@ -46,7 +46,6 @@ import torch
 
 from steadylm.config import compose, set_key
 from steadylm.data.prepare import prepare
-from steadylm.hook_dispatch import STEP_HOOKS, skip_inherited_step_hooks
 from steadylm.train import build, build_trainer
 
 WARMUP = 3  # steps dropped from each timed run: allocator, optimizer state and autotuning settle there
@@ -129,15 +128,10 @@ class PairedSteps(L.Callback):
 class Gate(L.Callback):
     """Runs one stability callback's per-step hooks only on the steps `PairedSteps` tossed "on".
 
-    A hook the inner callback does not implement (None after `skip_inherited_step_hooks`) is None here
-    too, so the gate adds no dispatch that `train.py`'s trainer does not have.
     """
 
     def __init__(self, inner: L.Callback, paired: PairedSteps) -> None:
         self.inner, self.paired = inner, paired
-        for hook in STEP_HOOKS:
-            if not callable(getattr(inner, hook)):
-                setattr(self, hook, None)
 
     @property
     def state_key(self) -> str:
@@ -152,6 +146,8 @@ def _forward(hook: str):
     return call
 
 
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_before_zero_grad", "on_train_batch_end")
 for _hook in STEP_HOOKS:
     setattr(Gate, _hook, _forward(_hook))
 
@@ -204,7 +200,6 @@ def paired_run(cfg, module, datamodule, raw: Callable[[], None], steps: int, see
     set_key(cfg, "trainer.max_steps", steps + WARMUP + 1)
     trainer = build_trainer(cfg)
     paired = PairedSteps(raw, seed)
-    skip_inherited_step_hooks([paired])  # the timer's own unused hooks would be charged to Lightning's step
     suite = suite_names(cfg)
     gated = [Gate(cb, paired) if type(cb).__name__ in suite else cb for cb in trainer.callbacks]
     trainer.callbacks = [paired, *gated]

@@ -24,7 +24,6 @@ import torch
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
-from steadylm.hook_dispatch import skip_inherited_step_hooks
 from steadylm.throughput import peak_flops
 from steadylm.train import build
 
@@ -79,7 +78,6 @@ def fit_and_time(cfg) -> tuple[dict, list[float], list[int]]:
     """One `trainer.fit`; step times and sync counts with the compile/autotune steps dropped."""
     objects = build(cfg)
     timer = StepTimer()
-    skip_inherited_step_hooks([timer])  # as `train.py` does for its own callbacks
     objects["trainer"].callbacks.append(timer)
     objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
     starts = timer.starts

@@ -128,7 +128,7 @@ def test_bad_data_and_config(case, shards_dir, tmp_path, monkeypatch, capsys):
 # --- the command line and the environment ---------------------------------------------------------
 
 CLI_CASES = {
-    "unknown_preset": (["model=huge"], r"Could not find 'model/huge'; available: large, medium, small, tiny"),
+    "unknown_preset": (["model=huge"], r"Could not find 'model/huge'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny"),
     "typo_override": (["trainer.max_stepz=3"], r"trainer\.max_stepz is not a config key; did you mean trainer\.max_steps\b.*\+trainer\.max_stepz="),
     "bad_override_syntax": (["model.n_layer=["], r"no viable alternative at input '\['"),
     "too_many_gpus": (["trainer.accelerator=gpu", "trainer.devices=64"], r"trainer\.(accelerator=gpu but no CUDA GPU is visible|devices=64 asks for 64 GPUs)"),
@@ -151,6 +151,47 @@ def test_bad_command_line_and_environment(case, shards_dir, tmp_path, monkeypatc
     code, err = run_main(monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args)
     assert_one_clear_error(code, err, pattern)
     assert_unchanged(before, tmp_path)
+
+
+# --- bad values: every key a user sets, refused in one line before anything launches -------------------
+
+VALUE_CASES = {
+    "batch_size_0": (["data.batch_size=0"], r"data\.batch_size=0 is not allowed; it must be a whole number > 0"),
+    "batch_size_text": (["data.batch_size=abc"], r"data\.batch_size='abc' is not allowed; it must be a whole number > 0"),
+    "num_workers": (["data.num_workers=-1"], r"data\.num_workers=-1 is not allowed; it must be a whole number >= 0"),
+    "n_head_does_not_divide": (["model.n_head=3"], r"model\.d_model=32 .*model\.n_head=3|model\.n_head=3.*model\.d_model=32"),
+    "n_kv_head_does_not_divide": (["model.n_kv_head=3"], r"model\.n_kv_head=3"),
+    "d_model_0": (["model.d_model=0"], r"model\.d_model=0"),
+    "n_layer_0": (["model.n_layer=0"], r"model\.n_layer=0"),
+    "precision_unknown": (["trainer.precision=fp8"], r"trainer\.precision='fp8' is not allowed; it must be one of auto, 32-true"),
+    "fp16_on_a_cpu": (["trainer.precision=16-mixed"], r"trainer\.precision=16-mixed \(fp16 with a loss scaler\) needs a CUDA GPU"),
+    "accelerator_unknown": (["trainer.accelerator=tpu9"], r"trainer\.accelerator='tpu9' is not allowed; it must be one of auto, cpu"),
+    "lr_zero": (["optim.lr=0"], r"optim\.lr=0 is not allowed; it must be a learning rate > 0"),
+    "lr_negative": (["optim.lr=-0.1"], r"optim\.lr=-0\.1 is not allowed"),
+    "min_lr_above_lr": (["optim.min_lr=1.0"], r"optim\.min_lr=1\.0 is not allowed; it must be between 0 and optim\.lr=0\.003"),
+    "warmup_not_below_max_steps": (["optim.warmup_steps=2"], r"optim\.warmup_steps=2 is not allowed; it must be .*< optim\.total_steps=2"),
+    "max_steps_0": (["trainer.max_steps=0"], r"trainer\.max_steps=0 is not allowed; it must be a whole number of optimizer steps > 0"),
+    "accumulate_0": (["trainer.accumulate_grad_batches=0"], r"trainer\.accumulate_grad_batches=0 is not allowed"),
+    "devices_0": (["trainer.devices=0"], r"trainer\.devices=0 is not allowed"),
+    "betas": (["optim.betas=[0.9,1.5]"], r"optim\.betas=\[0\.9, 1\.5\] is not allowed; it must be two numbers in \[0, 1\)"),
+    "clip_negative": (["trainer.gradient_clip_val=-1"], r"trainer\.gradient_clip_val=-1 is not allowed"),
+    "cpu_processes_by_accident": (["trainer.accelerator=auto", "trainer.devices=4"],
+                                  r"trainer\.devices=4 asks for 4 GPUs but 0 are visible on this machine; .*"
+                                  r"trainer\.accelerator=cpu to run 4 CPU processes on purpose"),
+    "does_not_fit": (["trainer.devices=4", "model.n_layer=48", "model.d_model=4096", "model.n_head=32"],
+                     r"this run does not fit: ~[\d.]+ GiB per process x 4 processes \(weights\+grads\+adamw .*\) vs "
+                     r"[\d.]+ GiB RAM available; lower data\.batch_size"),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_bad_values_are_one_line_and_exit_2(case, shards_dir, tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available() and case in ("fp16_on_a_cpu", "cpu_processes_by_accident"):
+        pytest.skip("about a machine without a GPU")
+    args, pattern = VALUE_CASES[case]
+    code, err = run_main(monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args)
+    assert_one_clear_error(code, err, pattern)
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
@@ -218,6 +259,6 @@ def test_cli_subprocess_reports_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: Could not find 'model/huge'; available: large, medium, small, tiny (see conf/)"
+        "error: Could not find 'model/huge'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny (see conf/)"
     ]
     assert not list(tmp_path.iterdir())  # nothing written

@@ -20,8 +20,9 @@ from steadylm.doctor import run_checks
 from steadylm.doctor.check import FAIL, OK, WARN, guarded
 from steadylm.doctor.config_checks import check_schedule, config_checks
 from steadylm.doctor.data_checks import data_checks
-from steadylm.doctor.model_checks import check_activations, check_backward, check_causal, memory_estimate, model_checks
+from steadylm.doctor.model_checks import check_activations, check_backward, check_causal, grad_norm_ceiling, model_checks
 from steadylm.model.gpt import CausalSelfAttention
+from steadylm.memory import count_params, plan
 from steadylm.module import LMModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +66,8 @@ def group_rows(cfg, check: str, out_dir: Path, deep: bool = False):
     [
         (["model.context_length=512", "data.context_length=16"], "config: context length, LR range, warmup",
          "data.context_length=16 differs from model.context_length=512"),
-        (["optim.min_lr=1e-2"], "config: context length, LR range, warmup", "optim.min_lr=0.01 > optim.lr=0.003"),
-        (["optim.warmup_steps=30"], "config: context length, LR range, warmup", "optim.warmup_steps=30 >= optim.total_steps=30"),
+        (["optim.min_lr=1e-2"], "config: context length, LR range, warmup", "optim.min_lr=0.01 is not allowed"),
+        (["optim.warmup_steps=30"], "config: context length, LR range, warmup", "optim.warmup_steps=30 is not allowed"),
         (["trainer.gradient_clip_val=0"], "config: gradient clipping", "trainer.gradient_clip_val=0"),
         (["trainer.precision=16-true"], "config: precision", "fp16 weights with no loss scaler"),
         (["model.vocab_size=128"], "data: fits the model", "shard vocab_size 257 exceeds model.vocab_size 128"),
@@ -139,11 +140,17 @@ def test_missing_val_split_and_short_shards(make_cfg, shard_copy, tmp_path):
 class LeakyAttention(CausalSelfAttention):
     """The bug the causal check exists for: attention without the causal mask."""
 
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+    def forward(self, *args, **kwargs):
+        causal = F.scaled_dot_product_attention
+
+        def unmasked(*a, **kw):
+            return causal(*a, **{**kw, "is_causal": False})
+
+        F.scaled_dot_product_attention = unmasked
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = causal
 
 
 def tiny_module() -> LMModule:
@@ -165,7 +172,8 @@ def test_model_fixtures_fail_their_checks():
     with torch.no_grad():
         module.net.wte.weight.mul_(1000)  # tied with lm_head: over-confident logits, huge gradients
     row = check_backward(module, x, y)[1]
-    assert row.status == FAIL and "outside [0.001, 50] at init" in row.evidence
+    assert row.status == FAIL and f"outside [0.001, {grad_norm_ceiling(64, 2):.3g}] at init" in row.evidence
+    assert "model.init is gpt2 already" in row.fix  # never advises the setting in use
 
     module = tiny_module()
     with torch.no_grad():
@@ -179,11 +187,14 @@ def test_model_fixtures_fail_their_checks():
 
 
 def test_memory_estimate_counts_adamw_states_per_param(tmp_path):
-    cfg = compose(["model=small", "trainer=cpu", "data.batch_size=8", f"paths.output_dir={tmp_path}"])
-    parts = memory_estimate(cfg, 124_000_000)
+    cfg = compose(["model=small", "trainer=cpu", "trainer.precision=32-true", "data.batch_size=8", f"paths.output_dir={tmp_path}"])
+    parts = plan(cfg, "32-true", on_gpu=False, n_params=124_000_000).parts
     assert parts["weights+grads+adamw"] == 16 * 124_000_000  # fp32 weight, grad, exp_avg, exp_avg_sq
     assert parts["logits"] == 8 * 1024 * 50304 * (4 + 8)  # 32-true on CPU: logits + fp32 loss copy + grad
     assert parts["activations"] == 8 * 1024 * 12 * 34 * 768 * 2
+    bf16 = plan(cfg, "bf16-mixed", on_gpu=False, n_params=124_000_000).parts
+    assert bf16["activations"] == parts["activations"] // 2 and bf16["logits"] == 8 * 1024 * 50304 * (2 + 8)
+    assert count_params(cfg.model) == sum(p.numel() for p in LMModule(model=cfg.model, optim=cfg.optim).net.parameters())
 
 
 def run_doctor(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -206,7 +217,7 @@ def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("optim.lrr=1", "error: Could not override 'optim.lrr'; To append to your config use +optim.lrr=1"),
-    ("model=smal", "error: In 'train': Could not find 'model/smal'; available: large, medium, small, tiny"),
+    ("model=smal", "error: In 'train': Could not find 'model/smal'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny"),
 ])
 def test_cli_hydra_mistake_is_one_line_and_exit_2(override, message, tmp_path):
     proc = run_doctor(override, cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""Every private attribute of Lightning or torch that steadylm touches, in one place.
+"""Every private attribute of Lightning, torch or OmegaConf that steadylm touches, in one place.
 
 Each function borrows one internal, says why no public API does the job, and is exercised by
 `tests/test_compat.py`, so a Lightning or torch upgrade that moves it breaks this file and one named
@@ -66,3 +66,18 @@ def relaunches_script(strategy: Any) -> bool:
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     return isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
+
+
+def copy_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each tensor in one fused kernel (`torch._foreach_mul` by 1; no public foreach copy-out)."""
+    return torch._foreach_mul(tensors, 1.0)
+
+
+def sub_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`a[i] - b[i]` for every i, in one fused kernel (`torch._foreach_sub`)."""
+    return torch._foreach_sub(a, b)
+
+
+def config_child(node: Any, key: Any) -> Any:
+    """A DictConfig/ListConfig child as its node, without resolving interpolations (OmegaConf has no public call)."""
+    return node._get_node(key)

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from steadylm.compat import config_child
 from steadylm.errors import ConfigError
 
 CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parents[2] / "conf"))
@@ -37,10 +38,10 @@ def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         for key in node.keys():
             if key == "hydra":
                 continue
-            yield from _leaves(node._get_node(key), f"{prefix}{key}.")
+            yield from _leaves(config_child(node, key), f"{prefix}{key}.")
     elif isinstance(node, ListConfig):
         for i in range(len(node)):
-            yield from _leaves(node._get_node(i), f"{prefix}{i}.")
+            yield from _leaves(config_child(node, i), f"{prefix}{i}.")
     else:
         yield prefix[:-1], node
 
@@ -54,8 +55,62 @@ def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
     return copies
 
 
+PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
+def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
+    """(key, value, ok, what is allowed) for every value a user sets that could not train."""
+    d, t, o = cfg.data, cfg.trainer, cfg.optim
+    betas = list(o.betas) if OmegaConf.is_list(o.betas) else o.betas
+    clip = t.get("gradient_clip_val")
+    rules = [
+        ("data.batch_size", d.batch_size, _int(d.batch_size) and d.batch_size > 0, "a whole number > 0"),
+        ("data.num_workers", d.num_workers, _int(d.num_workers) and d.num_workers >= 0, "a whole number >= 0"),
+        ("data.val_fraction", d.get("val_fraction", 0.01), 0 < _num(d.get("val_fraction", 0.01)) < 1, "a fraction in (0, 1)"),
+        ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
+        ("trainer.accelerator", t.accelerator, str(t.accelerator) in ACCELERATORS, f"one of {', '.join(ACCELERATORS)}"),
+        ("trainer.max_steps", t.max_steps, _int(t.max_steps) and t.max_steps > 0, "a whole number of optimizer steps > 0"),
+        ("trainer.accumulate_grad_batches", t.accumulate_grad_batches,
+         _int(t.accumulate_grad_batches) and t.accumulate_grad_batches >= 1, "a whole number >= 1"),
+        ("trainer.log_every_n_steps", t.log_every_n_steps, _int(t.log_every_n_steps) and t.log_every_n_steps >= 1,
+         "a whole number >= 1"),
+        ("trainer.gradient_clip_val", clip, clip is None or _num(clip) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
+        ("trainer.gradient_clip_algorithm", t.get("gradient_clip_algorithm"),
+         t.get("gradient_clip_algorithm") in ("norm", "value", None), "norm or value"),
+        ("trainer.devices", t.devices, _devices_ok(t.devices), "auto, -1, a whole number > 0, or a list of device ids"),
+        ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
+        ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
+        ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
+        ("optim.eps", o.eps, _num(o.eps) > 0, "a number > 0, e.g. 1e-8"),
+        ("optim.betas", betas, isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas),
+         "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        ("optim.warmup_steps", o.warmup_steps, _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps),
+         f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"),
+        ("optim.fused", o.get("fused", "auto"), o.get("fused", "auto") in ("auto", True, False), "auto, true or false"),
+    ]
+    return rules
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> float:
+    """The value as a float, or NaN (which fails every comparison) when it is not a number."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
+
+
+def _devices_ok(v: Any) -> bool:
+    if OmegaConf.is_list(v) or isinstance(v, (list, tuple)):
+        return len(v) > 0 and all(_int(i) and i >= 0 for i in v)
+    if isinstance(v, str):
+        return v == "auto" or v.strip().lstrip("-").isdigit() and _devices_ok(int(v)) or "," in v
+    return _int(v) and (v > 0 or v == -1)
+
+
 def validate_config(cfg: DictConfig) -> None:
-    """Raise ConfigError for a config that would train wrongly; the message names keys and the fix."""
+    """Raise ConfigError for a config that would train wrongly; one sentence naming the key, the value, what is allowed."""
     ctx = cfg.model.context_length
     for key, value in context_length_copies(cfg):
         if value != ctx:
@@ -64,14 +119,12 @@ def validate_config(cfg: DictConfig) -> None:
                 f"windows to a {ctx}-position model. Set the context length only with model.context_length "
                 f"(and leave {key} as the interpolation ${{model.context_length}})."
             )
-    o = cfg.optim
-    if o.min_lr > o.lr:
-        raise ConfigError(f"optim.min_lr={o.min_lr} > optim.lr={o.lr}; the cosine decay would go up.")
-    if o.warmup_steps >= o.total_steps:
-        raise ConfigError(
-            f"optim.warmup_steps={o.warmup_steps} >= optim.total_steps={o.total_steps}: the LR would never decay; "
-            "lower optim.warmup_steps or raise trainer.max_steps."
-        )
+    from steadylm.model import GPTConfig  # the model's own rules: sizes > 0, heads divide the width, switches
+
+    GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    for key, value, ok, allowed in _value_rules(cfg):
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is not allowed; it must be {allowed}")
 
 
 def plain_config(cfg: DictConfig) -> dict:

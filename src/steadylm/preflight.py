@@ -21,6 +21,8 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.errors import ConfigError
+from steadylm.memory import check_fits
+from steadylm.precision import resolve_precision
 
 GPU_ACCELERATORS = ("gpu", "cuda")
 
@@ -37,21 +39,39 @@ def requested_devices(devices) -> int | None:
     return None
 
 
+def uses_gpu(cfg: DictConfig) -> bool:
+    return str(cfg.trainer.accelerator) in ("auto", *GPU_ACCELERATORS) and torch.cuda.is_available()
+
+
 def check_devices(cfg: DictConfig) -> None:
+    """More devices than GPUs is refused, unless the user chose the CPU on purpose (`trainer.accelerator=cpu`):
+    with `auto`, Lightning would quietly start that many CPU processes instead."""
     accelerator = str(cfg.trainer.accelerator)
-    if accelerator not in GPU_ACCELERATORS:
+    if accelerator == "cpu":
         return
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     wanted = requested_devices(cfg.trainer.devices)
-    if available == 0:
+    if accelerator in GPU_ACCELERATORS and available == 0:
         raise ConfigError(
             f"trainer.accelerator={accelerator} but no CUDA GPU is visible on this machine; "
             "use trainer=cpu (or trainer.accelerator=auto)"
         )
-    if wanted is not None and wanted > available:
+    if wanted is not None and wanted > max(available, 1):
         raise ConfigError(
-            f"trainer.devices={cfg.trainer.devices} asks for {wanted} GPUs but {available} visible; "
-            f"set trainer.devices={available} or fewer (or trainer.devices=auto)"
+            f"trainer.devices={cfg.trainer.devices} asks for {wanted} GPUs but {available} "
+            f"{'is' if available == 1 else 'are'} visible on this machine; set trainer.devices={max(available, 1)} "
+            f"or fewer, or trainer.accelerator=cpu to run {wanted} CPU processes on purpose"
+        )
+
+
+def check_precision_supported(cfg: DictConfig) -> None:
+    """fp16 with a loss scaler runs on CUDA only: on a CPU Lightning would quietly train in bf16 instead."""
+    precision, accelerator = str(cfg.trainer.precision), str(cfg.trainer.accelerator)
+    on_cuda = accelerator in ("auto", *GPU_ACCELERATORS) and torch.cuda.is_available()
+    if precision in ("16-mixed", "16") and not on_cuda:
+        raise ConfigError(
+            f"trainer.precision={precision} (fp16 with a loss scaler) needs a CUDA GPU and none is in use here "
+            f"(trainer.accelerator={accelerator}); use trainer.precision=bf16-mixed or 32-true"
         )
 
 
@@ -68,6 +88,8 @@ def check_writable(folder: Path, key: str) -> None:
 
 def check_environment(cfg: DictConfig) -> None:
     check_devices(cfg)
+    check_precision_supported(cfg)
+    check_fits(cfg, str(resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)), uses_gpu(cfg))
     check_writable(Path(cfg.paths.output_dir), "paths.output_dir")
 
 

@@ -7,7 +7,6 @@ turns a user's mistake (`SteadyError`) into one message and a non-zero exit.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
@@ -20,34 +19,16 @@ from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
-from steadylm.compat import cpu_has_bf16
 from steadylm.config import CONF_DIR, plain_config, validate_config
 from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import SteadyError
+from steadylm.global_batch import apply_global_batch, expected_world_size
 from steadylm.module import LMModule
+from steadylm.precision import resolve_precision
 from steadylm.preflight import check_environment, hydra_errors_as_messages
 from steadylm.sweep import finish_job
 
 log = logging.getLogger("steadylm")
-
-
-AUTO_PRECISION_ENV = "STEADYLM_AUTO_PRECISION"
-
-
-def resolve_precision(precision: Any, accelerator: Any = "auto") -> Any:
-    """`auto`: bf16-mixed where the hardware has bf16 units, else fp32.
-
-    On a CPU without native bf16 (no AVX512-BF16/AMX) autocast emulates it and runs ~10x slower
-    (`make bench`), so it is only chosen where oneDNN reports support. `STEADYLM_AUTO_PRECISION`
-    overrides the choice, so the test suite can be run once as a machine of the other kind would run it.
-    """
-    if precision != "auto":
-        return precision
-    if os.environ.get(AUTO_PRECISION_ENV):
-        return os.environ[AUTO_PRECISION_ENV]
-    if accelerator != "cpu" and torch.cuda.is_available():
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    return "bf16-mixed" if cpu_has_bf16() else "32-true"
 
 
 def enable_fast_matmul() -> None:
@@ -76,6 +57,7 @@ def val_bytes_per_token(datamodule) -> float | None:
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
+    apply_global_batch(cfg, expected_world_size(cfg))  # data.global_batch_tokens -> accumulate_grad_batches
     check_environment(cfg)
     enable_fast_matmul()
     L.seed_everything(cfg.seed, workers=True)

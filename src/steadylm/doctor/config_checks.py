@@ -10,10 +10,9 @@ from omegaconf import DictConfig
 from steadylm.config import context_length_copies, validate_config
 from steadylm.doctor.check import FAIL, OK, WARN, Check, guarded
 from steadylm.schedule import lr_at
-from steadylm.train import resolve_precision
+from steadylm.precision import resolve_precision
+from steadylm.preflight import uses_gpu
 
-# Lightning's legacy spellings, normalised to the "<dtype>-<mode>" names.
-_LEGACY_PRECISION = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 
 def check_startup(cfg: DictConfig) -> list[Check]:
@@ -39,19 +38,14 @@ def check_clipping(cfg: DictConfig) -> list[Check]:
     return [Check(name, OK, f"global-norm clipping at {float(clip):g}")]
 
 
-def on_gpu(cfg: DictConfig) -> bool:
-    return str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-
-
 def precision_of(cfg: DictConfig) -> str:
     """The precision the Trainer will run, in Lightning's "<dtype>-<mode>" spelling."""
-    raw = str(cfg.trainer.precision)
-    return _LEGACY_PRECISION.get(raw, str(resolve_precision(raw)))
+    return resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
 
 
 def check_precision(cfg: DictConfig) -> list[Check]:
     name = "config: precision"
-    raw, p, gpu = str(cfg.trainer.precision), precision_of(cfg), on_gpu(cfg)
+    raw, p, gpu = str(cfg.trainer.precision), precision_of(cfg), uses_gpu(cfg)
     where = torch.cuda.get_device_name(0) if gpu else "CPU"
     key = f"trainer.precision={raw}" + (f" (-> {p})" if p != raw else "")
     if p == "16-true":

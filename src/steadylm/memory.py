@@ -1,0 +1,118 @@
+"""Will the run fit? One memory estimate per process, checked against what this machine has, before launch.
+
+`train.py` refuses a run that cannot fit and `doctor` prints the same numbers, so the two never disagree.
+The estimate is deliberately simple and says what it counts: fp32 weights, gradients and both AdamW moments
+(sharded across ranks under FSDP); activations after Korthikanti et al. (2022), ~34·d values per token per
+layer with a fused attention kernel (no T×T scores), at the precision's activation width; and the fp32 logits
+with their gradient, which dominate small models with large vocabularies. What is available: each GPU's
+memory (every process has its own), or the RAM that all CPU processes on this machine share.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from steadylm.errors import ConfigError
+
+ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weight, fp32 grad, two fp32 Adam moments
+HEADROOM = 0.9  # allocator fragmentation, the CUDA context, the data loader, Python itself
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parts: dict[str, int]  # bytes per process
+    processes: int  # on this machine
+    available: int | None  # bytes: per GPU, or RAM for all CPU processes together; None when unknown
+    where: str
+
+    @property
+    def per_process(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def needed(self) -> int:
+        """Against `available`: one process per GPU, or every CPU process in the same RAM."""
+        return self.per_process if self.where.startswith("GPU") else self.per_process * self.processes
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.needed <= HEADROOM * self.available
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in self.parts.items())
+        have = f"{gib(self.available)} {self.where}" if self.available is not None else f"unknown {self.where}"
+        scope = f" x {self.processes} processes" if self.needed != self.per_process else ""
+        return f"~{gib(self.per_process)} per process{scope} ({parts}) vs {have}"
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def count_params(model_cfg: DictConfig | dict) -> int:
+    """Parameters of the model the config builds, counted on the meta device (no memory allocated)."""
+    from steadylm.model import GPT, GPTConfig
+
+    fields = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(GPTConfig(**fields)).parameters())
+
+
+def activation_bytes(precision: str) -> int:
+    return 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2
+
+
+def processes_on_this_machine(cfg: DictConfig) -> int:
+    from steadylm.preflight import requested_devices
+
+    n = requested_devices(cfg.trainer.devices)
+    return n if n else 1
+
+
+def ram_available() -> int | None:
+    """MemAvailable (what new processes can get without swapping), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def plan(cfg: DictConfig, precision: str, on_gpu: bool, n_params: int | None = None) -> MemoryPlan:
+    m = cfg.model
+    n_params = count_params(m) if n_params is None else n_params
+    processes = processes_on_this_machine(cfg)
+    shards = processes if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
+    elem = activation_bytes(precision)
+    tokens = int(cfg.data.batch_size) * int(m.context_length)
+    parts = {
+        "weights+grads+adamw": n_params * ADAMW_BYTES_PER_PARAM // shards,
+        "activations": tokens * int(m.n_layer) * 34 * int(m.d_model) * elem // 2,
+        "logits": tokens * int(m.vocab_size) * (elem + 8),
+    }
+    if on_gpu:
+        available, where = torch.cuda.get_device_properties(0).total_memory, f"GPU memory on {torch.cuda.get_device_name(0)}"
+    else:
+        available, where = ram_available(), "RAM available"
+    return MemoryPlan(parts, processes, available, where)
+
+
+def check_fits(cfg: DictConfig, precision: str, on_gpu: bool, n_params: int | None = None) -> MemoryPlan:
+    """Raise ConfigError, with the estimate, what is there and what to change, when the run cannot fit."""
+    p = plan(cfg, precision, on_gpu, n_params)
+    if not p.fits:
+        raise ConfigError(
+            f"this run does not fit: {p.describe()}; lower data.batch_size (and raise trainer.accumulate_grad_batches "
+            f"to keep the batch), lower model.context_length, use fewer trainer.devices on a CPU, or a smaller model"
+        )
+    return p

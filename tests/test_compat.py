@@ -1,0 +1,90 @@
+"""Each private Lightning/torch attribute steadylm borrows, exercised against the installed versions.
+
+When an upgrade moves one, the failing test names it; `compat.py` is the one file to mend.
+"""
+
+import ast
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from steadylm import compat
+from steadylm.train import build
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "steadylm"
+
+
+def test_cpu_has_bf16_answers():
+    assert isinstance(compat.cpu_has_bf16(), bool)
+
+
+def test_per_tensor_norms_match_the_public_norm():
+    tensors = [torch.randn(3, 4), torch.randn(5)]
+    assert torch.allclose(compat.per_tensor_norms(tensors), torch.stack([t.norm() for t in tensors]))
+
+
+def test_set_last_lr_is_what_get_last_lr_returns():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    compat.set_last_lr(sched, [0.25])
+    assert sched.get_last_lr() == [0.25]
+
+
+def test_set_loss_scale_before_and_after_the_first_step():
+    scaler = torch.amp.GradScaler("cpu")
+    compat.set_loss_scale(scaler, 2.0**10)
+    assert scaler.get_scale() == 2.0**10  # before the first step: the initial scale
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    compat.set_loss_scale(scaler, 4.0)
+    assert scaler.get_scale() == 4.0
+
+
+def test_checkpoint_period_and_launcher():
+    cb = L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=7)
+    assert compat.every_n_train_steps(cb) == 7
+    assert compat.every_n_train_steps(L.pytorch.callbacks.ModelCheckpoint()) == 0
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert compat.relaunches_script(trainer.strategy)
+
+
+def test_trainer_internals_during_a_fit(make_cfg):
+    """will_log, logged_step, batches_processed and attached_trainer, read inside a real fit."""
+    seen = []
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((compat.will_log(trainer), compat.logged_step(trainer), compat.batches_processed(trainer),
+                         compat.attached_trainer(pl_module) is trainer))
+
+    objects = build(make_cfg("trainer.max_steps=4", "trainer.log_every_n_steps=2", "optim.warmup_steps=1",
+                             "trainer.limit_val_batches=0", "callbacks=minimal"))
+    assert compat.attached_trainer(objects["module"]) is None
+    objects["trainer"].callbacks.append(Spy())
+    objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+    assert [s[0] for s in seen] == [False, True, False, True]
+    assert [s[2] for s in seen] == [1, 2, 3, 4]
+    assert [s[1] for s in seen] == [0, 1, 2, 3] and all(s[3] for s in seen)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in SRC.rglob("*.py") if p.name != "compat.py"), ids=lambda p: p.name)
+def test_no_private_library_attribute_outside_compat(path):
+    """`x._name` where x is not `self`/`cls` (a library's private attribute), or `from lib import _name`."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+                found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "lightning"):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.startswith("_")]
+        if isinstance(node, ast.ImportFrom) and node.module and any(
+                part.startswith("_") and not part.startswith("__") for part in node.module.split(".")):
+            found.append(f"line {node.lineno}: from {node.module}")
+    assert not found, f"{path.relative_to(SRC)} reaches private attributes outside compat.py: {found}"
