@@ -15,3 +15,25 @@ class ConfigError(SteadyError):
 
 class DataError(SteadyError):
     """A shard or input file that cannot be used; the message names the file."""
+
+
+def one_line(err: BaseException) -> str:
+    """The user's one line for an error: ours as written, even when a DataLoader worker re-raised it.
+
+    torch re-raises a worker's exception as the same type with the worker's traceback folded into the
+    message ("Caught DataError in DataLoader worker process 0. Original Traceback ... DataError: <msg>");
+    the user needs only <msg>.
+    """
+    text = str(err).strip()
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return " ".join(text.split())
+
+
+def exit_with(err: BaseException, code: int = 2) -> None:
+    """Print `error: <one line>` on stderr and exit: how every entry point reports a user's mistake."""
+    import sys
+
+    print(f"error: {one_line(err)}", file=sys.stderr)
+    sys.exit(code)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
 from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
-from steadylm.errors import SteadyError
+from steadylm.errors import SteadyError, exit_with
 from steadylm.global_batch import apply_global_batch, expected_world_size
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
@@ -109,8 +109,7 @@ def _app(cfg: DictConfig) -> float | None:
     try:
         metrics, _ = train(cfg)
     except SteadyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(err)
     except Exception as err:
         if not in_multirun():
             raise
