@@ -201,5 +201,6 @@ def test_first_non_finite_module_is_named_in_the_llama_family(make_cfg, tmp_path
                    faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}))
     fit(cfg)
     events = read_events(tmp_path / "run")
-    assert events and all(e["detail"]["module"] == "blocks.1.mlp.fc" for e in events if "module" in e["detail"])
+    named = [e for e in events if e["detail"].get("module")]
+    assert named and all(e["detail"]["module"] == "blocks.1.mlp.fc" for e in named)
     assert events[-1]["kind"] == "stop"

@@ -35,22 +35,23 @@ class CausalSelfAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x (B, T, C); `rope`: this length's (cos, sin) tables, each (T, 1, head_dim), or None."""
         B, T, C = x.shape
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
+        q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
         q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope is not None:  # in (B, T, heads, D), before the transpose: elementwise ops on contiguous rows
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         gqa = {}
         if KV != H:
-            # The flash kernel reads each k/v head once per group (enable_gqa); the other kernels need
-            # the heads repeated, which the math fallback would do anyway, at the same memory cost.
-            if x.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-                gqa = {"enable_gqa": True}
-            else:
+            # enable_gqa lets the kernel read each k/v head once per group (CUDA flash, CPU): no copies. The
+            # CUDA memory-efficient kernel, the one fp32 gets, lacks it and would fall back to the O(T^2)
+            # math path; repeating the heads keeps it.
+            if x.is_cuda and q.dtype == torch.float32:
                 k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+            else:
+                gqa = {"enable_gqa": True}
         if self.track_max_logit:
             kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
             self.max_logit = self._max_causal_logit(q.detach(), kk.detach())

@@ -67,7 +67,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(T, device=idx.device))
         else:
-            rope = (self.rope_cos, self.rope_sin)
+            rope = (self.rope_cos[:T], self.rope_sin[:T])
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)

@@ -12,15 +12,19 @@ import torch
 
 
 def rope_tables(head_dim: int, context_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (context_length, head_dim), computed as Hugging Face's Llama computes them."""
+    """cos and signed sin, each (context_length, 1, head_dim): Hugging Face Llama's angles, with the sign
+    of "rotate half" folded into sin (its first half negated) so applying them is a roll, not a cat."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(context_length, dtype=torch.int64).float(), inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    sin[:, : head_dim // 2] *= -1
+    return angles.cos().unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) by the tables' first T rows; the result keeps x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    """Rotate x (B, T, heads, head_dim) by tables (T, 1, head_dim); the result keeps x's dtype.
+
+    x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x2, x1) = roll(x, half) with the sign in `sin`.
+    """
+    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
