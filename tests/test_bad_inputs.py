@@ -104,7 +104,7 @@ DATA_CASES = {
     "no_tokens_dataset": (lambda d: _raw(d / "train-00001.h5", None), [], r"train-00001\.h5: has no 'tokens' dataset"),
     "float_tokens": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.float32)), [], r"train-00001\.h5.*dtype float32.*unsigned"),
     "oov_ids": (lambda d: _raw(d / "train-00001.h5", np.array([1, 300, 2], np.uint16), vocab_size=257), [], r"train-00001\.h5: max_token_id 300 >= vocab_size 257"),
-    "format_version": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.uint16), format_version=2), [], r"train-00001\.h5: format_version 2 is not supported"),
+    "format_version": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.uint16), format_version=3), [], r"train-00001\.h5: format_version 3 is not supported"),
     "too_short": (_only_short_train, [], r"train-00000\.h5.*20 tokens, fewer than model\.context_length \+ 1 = 33"),
     "val_missing": (lambda d: (d / "val-00000.h5").unlink(), [], r"no val shards \(val-\*\.h5\) found; run `make data`"),
     "vocab_too_small": (lambda d: None, ["model.vocab_size=128"], r"train-00000\.h5: shard vocab_size 257 exceeds model\.vocab_size 128; set model\.vocab_size >= 257"),

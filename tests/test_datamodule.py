@@ -268,3 +268,146 @@ def test_lightning_fit_sets_epoch_and_keeps_sampler(data_dir):
     assert len(per_epoch[0]) == len(per_epoch[1]) == -(-dm.n_train_windows // 8) * 8
     assert not torch.equal(per_epoch[0], per_epoch[1])  # set_epoch reached our batch sampler
     assert dm.state_dict()["train_sampler"]["epoch"] == 1
+
+
+# --- reading at scale ---------------------------------------------------------------------------------------
+
+
+def test_feistel_permutation_is_a_bijection_for_awkward_sizes():
+    from steadylm.data.sampler import FeistelPermutation
+
+    for n in [1, 2, 3, 4, 5, 16, 17, 100, 1023, 1025, 4099]:
+        p = FeistelPermutation(n, key=n * 7)(np.arange(n))
+        assert sorted(p.tolist()) == list(range(n)), n
+    a, b = FeistelPermutation(1000, 1)(np.arange(1000)), FeistelPermutation(1000, 2)(np.arange(1000))
+    assert (a != b).mean() > 0.9  # keys give different orders
+    assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # no visible trend with position
+
+
+def test_batch_windows_is_what_iter_yields_and_permutation_agrees():
+    for W in (1, 3):
+        for r in range(W):
+            s = EpochBatchSampler(101, 4, rank=r, world_size=W, seed=5)
+            s.set_epoch(2)
+            assert list(s) == [s.batch_windows(i) for i in range(len(s))]
+            perm = s.permutation()
+            assert [perm[i * s.global_batch : (i + 1) * s.global_batch][r::W].tolist() for i in range(len(s))] == list(s)
+
+
+def test_index_over_a_billion_virtual_tokens_has_flat_memory_and_full_coverage():
+    """1e9 tokens in 1,000 virtual shards: the index is O(shards), the epoch order O(1) per rank."""
+    import tracemalloc
+    from pathlib import Path
+
+    from steadylm.data.shards import ShardInfo
+
+    infos = [ShardInfo(Path(f"train-{i:05d}.h5"), 1_000_000, 50257, 50256, "gpt2", 50256, "uint16", 3_000_000)
+             for i in range(1000)]
+    T = 1024
+    tracemalloc.start()
+    ds = TokenWindows([i.path for i in infos], T, infos=infos)
+    samplers = [EpochBatchSampler(len(ds), 8, rank=r, world_size=4, seed=1) for r in range(4)]
+    it = iter(samplers[0])
+    first = [next(it) for _ in range(100)]
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert sum(i.n_tokens for i in infos) == 10**9
+    assert len(ds) == 1000 * ((1_000_000 - 1) // T)
+    assert peak < 1_000_000, f"{peak:,} bytes traced: something holds O(windows) memory"
+    # Coverage: every window exactly once across the 4 ranks, checked in blocks of global batches.
+    s0 = samplers[0]
+    seen = np.zeros(len(ds), dtype=np.uint8)
+    G = s0.global_batch
+    for start in range(0, len(s0) * G, 1 << 16):
+        ids = s0.global_windows(np.arange(start, min(start + (1 << 16), len(s0) * G)))
+        ids = ids[ids >= 0]
+        np.add.at(seen, ids, 1)
+    assert seen.min() == 1 and seen.max() == 1
+    assert first[0] == samplers[0].batch_windows(0)
+    # locate/shard_span name the file and token range behind any window
+    name, start, end = ds.shard_span(len(ds) - 1)
+    assert name == "train-00999.h5" and end - start == T + 1 and end <= 1_000_000
+
+
+# --- every window checked as it is read ---------------------------------------------------------------------
+
+
+def _poison(path, offset, value):
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        f["tokens"][offset] = value  # the attrs still say all ids are in range: only reading finds it
+
+
+def test_window_with_an_id_beyond_the_model_vocab_is_refused_naming_file_offset_id(tmp_path):
+    paths, _ = _make_shards(tmp_path, [200, 300])
+    _poison(paths[1], 77, 256)
+    ds = TokenWindows(paths, 16, model_vocab_size=256)
+    with pytest.raises(DataError, match=r"train-00001\.h5: token id 256 at token offset 77 is >= model\.vocab_size 256"):
+        for i in range(len(ds)):
+            ds[i]
+    ds = TokenWindows(paths, 16)  # without a model vocab: the shard's own vocab_size bounds ids
+    _poison(paths[0], 5, 300)
+    with pytest.raises(DataError, match=r"train-00000\.h5: token id 300 at token offset 5 is >= the shard's vocab_size 257"):
+        ds[0]
+
+
+def test_bad_window_in_a_worker_is_one_line(tmp_path):
+    paths, _ = _make_shards(tmp_path, [400])
+    _poison(paths[0], 100, 300)
+    ds = TokenWindows(paths, 16, model_vocab_size=257)
+    loader = DataLoader(ds, batch_sampler=EpochBatchSampler(len(ds), 4, shuffle=False), num_workers=1)
+    with pytest.raises(DataError) as e:
+        list(loader)
+    assert str(e.value) == (f"{paths[0]}: token id 300 at token offset 100 is >= model.vocab_size 257; the shard is "
+                            "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`")
+
+
+def test_truncated_or_unreadable_data_mid_run_names_the_file(tmp_path):
+    import dataclasses
+
+    from steadylm.data.shards import read_shard_info
+
+    paths, _ = _make_shards(tmp_path, [300])
+    info = read_shard_info(paths[0])
+    lying = dataclasses.replace(info, n_tokens=600)  # the file lost its tail after setup read the attrs
+    ds = TokenWindows(paths, 16, infos=[lying])
+    with pytest.raises(DataError, match=r"train-00000\.h5: window at token offset 288 has 12 of 17 tokens"):
+        ds[18]
+    ds.close()
+    paths[0].write_bytes(b"garbage")
+    ds2 = TokenWindows(paths, 16, infos=[info])
+    with pytest.raises(DataError, match=r"train-00000\.h5: not a readable HDF5 file"):
+        ds2[0]
+
+
+def test_val_bytes_and_tokens(tmp_path):
+    d = tmp_path / "v"
+    _make_shards(d, [500])
+    write_shard(d / "val-00000.h5", np.arange(100) % 250, n_bytes=140, **BYTES)
+    write_shard(d / "val-00001.h5", np.arange(50) % 250, n_bytes=60, **BYTES)
+    dm = ShardDataModule(d, context_length=16)
+    assert (dm.val_n_tokens, dm.val_n_bytes) == (150, 200)
+    write_shard(d / "val-00002.h5", np.arange(30) % 250, **BYTES)  # format 1: no byte count
+    dm = ShardDataModule(d, context_length=16)
+    assert (dm.val_n_tokens, dm.val_n_bytes) == (180, None)
+
+
+def test_prepared_shards_give_val_bytes(tmp_path):
+    from steadylm.data.prepare import prepare
+
+    s = prepare(out_dir=tmp_path / "p", max_bytes=60_000, val_fraction=0.2, progress=False)
+    dm = ShardDataModule(tmp_path / "p", context_length=32)
+    assert dm.val_n_bytes == s["bytes"]["val"] and dm.val_n_tokens == s["tokens"]["val"]
+
+
+def test_bpe_shards_accepted_by_the_datamodule(tmp_path):
+    from steadylm.data.prepare import prepare
+
+    prepare(out_dir=tmp_path / "b", max_bytes=80_000, val_fraction=0.2, tokenizer="bpe", vocab_size=400,
+            num_proc=1, progress=False)
+    dm = ShardDataModule(tmp_path / "b", context_length=32, tokenizer="bpe", model_vocab_size=448, batch_size=2)
+    x, y = next(iter(dm.train_dataloader()))
+    assert dm.vocab_size == 400 and dm.eos_id == 0 and int(x.max()) < 400
+    with pytest.raises(DataError, match=r"vocab_size 400 exceeds model\.vocab_size 320"):
+        ShardDataModule(tmp_path / "b", context_length=32, tokenizer="bpe", model_vocab_size=320).setup("fit")

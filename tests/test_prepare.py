@@ -1,3 +1,5 @@
+import gzip
+import hashlib
 import json
 
 import h5py
@@ -40,8 +42,8 @@ def test_prepare_txt_and_jsonl(tmp_path, corpus):
     out = tmp_path / "out"
     summary = prepare(input=src, out_dir=out, val_fraction=0.25, shard_tokens=100, progress=False)
     tok = load_tokenizer(out)
-    assert tok.name == "bytes"
-    assert json.loads((out / "tokenizer.json").read_text())["eos_id"] == 256
+    assert tok.name == "bytes" and tok.eos_id == 256
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["type"] == "BPE"  # a Hugging Face file
     train = sorted(out.glob("train-*.h5"))
     val = sorted(out.glob("val-*.h5"))
     assert len(train) > 1 and len(val) >= 1  # shard_tokens=100 forces several train shards
@@ -49,7 +51,10 @@ def test_prepare_txt_and_jsonl(tmp_path, corpus):
     for p in train + val:
         info = read_shard_info(p, deep=True)
         assert info.tokenizer == "bytes" and info.vocab_size == 257 and info.dtype == "uint16"
-        assert info.n_tokens <= 100
+        assert info.n_tokens <= 100 and info.format_version == 2
+    # n_bytes: the UTF-8 bytes of the text behind each split's tokens
+    assert sum(read_shard_info(p).n_bytes for p in val) == sum(len(d.encode()) for i, d in enumerate(docs) if i % 4 == 0)
+    assert summary["bytes"]["train"] == sum(len(d.encode()) for i, d in enumerate(docs) if i % 4 != 0)
     # Document i goes to val when i % round(1/0.25) == 0.
     assert _docs_from_shards(val, tok) == [d for i, d in enumerate(docs) if i % 4 == 0]
     assert _docs_from_shards(train, tok) == [d for i, d in enumerate(docs) if i % 4 != 0]
@@ -109,11 +114,21 @@ def test_failed_prepare_leaves_out_dir_untouched(tmp_path, corpus):
         (lambda d: (d / "bad.jsonl").write_text('{"txt": 1}\n') and d / "bad.jsonl", r"bad\.jsonl:1: no string field 'text'"),
         (lambda d: (d / "latin.txt").write_bytes(b"caf\xe9") and d / "latin.txt", r"latin\.txt: is not UTF-8"),
         (lambda d: (d / "empty").mkdir() or d / "empty", r"empty: data\.input folder holds no"),
+        (lambda d: (d / "zero.txt").write_bytes(b"") or d / "zero.txt", r"zero\.txt: input file is empty"),
+        (lambda d: (d / "zero.jsonl").write_bytes(b"") or d / "zero.jsonl", r"zero\.jsonl: input file is empty"),
+        (lambda d: (d / "bin.txt").write_bytes(b"ELF\x00\x01\x02") and d / "bin.txt", r"bin\.txt: looks binary \(NUL byte at byte 3\)"),
+        (lambda d: (d / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 500)[:60]) and d / "c.jsonl.gz",
+         r"c\.jsonl\.gz: corrupt compressed stream"),
+        (lambda d: (d / "c.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage") and d / "c.jsonl.zst",
+         r"c\.jsonl\.zst: corrupt compressed stream"),
+        (lambda d: (d / "p.parquet").write_bytes(b"PAR1 not really") and d / "p.parquet", r"p\.parquet: not a readable parquet file"),
     ],
 )
 def test_bad_input(tmp_path, make, pattern):
-    with pytest.raises(DataError, match=pattern):
+    with pytest.raises(DataError, match=pattern) as e:
         prepare(input=make(tmp_path), out_dir=tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value)
+    assert not [p for p in (tmp_path / "out").glob("*")] if (tmp_path / "out").exists() else True
 
 
 def test_too_few_documents(tmp_path):
@@ -149,6 +164,211 @@ def test_cli(tmp_path, corpus, capsys):
     out = tmp_path / "cli"
     assert main([f"data.dir={out}", f"data.input={src}", "data.val_fraction=0.25", "data.max_bytes=10000"]) == 0
     assert (out / "train-00000.h5").exists() and (out / "val-00000.h5").exists()
-    assert main([f"data.dir={out}", f"data.input={tmp_path / 'nope.txt'}"]) == 1
+    assert main([f"data.dir={out}", f"data.input={tmp_path / 'nope.txt'}"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "nope.txt" in err and "Traceback" not in err
+
+
+# --- inputs at scale: formats, fields, bad records ---------------------------------------------------------
+
+
+def _texts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [f"doc {i}: " + " ".join(f"w{int(x)}" for x in rng.integers(0, 50, 1 + i % 13)) + " é🐍\n" for i in range(n)]
+
+
+def _all_docs(out):
+    tok = load_tokenizer(out)
+    train, val = sorted(out.glob("train-*.h5")), sorted(out.glob("val-*.h5"))
+    return _docs_from_shards(train, tok), _docs_from_shards(val, tok)
+
+
+@pytest.fixture
+def mixed(tmp_path):
+    """The same 600 documents spread over every input format, in sorted-name order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    docs = _texts(600)
+    d = tmp_path / "mixed"
+    d.mkdir()
+    line = lambda t: json.dumps({"body": t, "n": 1})  # noqa: E731
+    (d / "a.jsonl").write_text("\n".join(map(line, docs[:150])) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        f.write("\n".join(map(line, docs[150:250])) + "\n")
+    (d / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(("\n".join(map(line, docs[250:350])) + "\n").encode()))
+    pq.write_table(pa.table({"body": docs[350:590], "n": list(range(240))}), d / "d.parquet", row_group_size=50)
+    for i, t in enumerate(docs[590:]):
+        (d / f"e{i}.txt").write_text(t)
+    return d, docs
+
+
+def test_every_format_in_one_input_with_text_field(tmp_path, mixed):
+    d, docs = mixed
+    s = prepare(input=d, out_dir=tmp_path / "out", text_field="body", val_fraction=0.1, num_proc=1, progress=False)
+    train, val = _all_docs(tmp_path / "out")
+    assert val == docs[::10] and train == [t for i, t in enumerate(docs) if i % 10]
+    assert sum(s["bytes"].values()) == sum(len(t.encode()) for t in docs)
+    with pytest.raises(DataError, match=r"a\.jsonl:1: no string field 'text' \(data\.text_field\)"):
+        prepare(input=d, out_dir=tmp_path / "o2", progress=False)
+    with pytest.raises(DataError, match=r"d\.parquet: no column 'text' \(data\.text_field\); columns are body, n"):
+        prepare(input=d / "d.parquet", out_dir=tmp_path / "o2", progress=False)
+
+
+def test_datasets_save_to_disk_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    docs = _texts(40)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:20]}),
+                          "test": datasets.Dataset.from_dict({"text": docs[20:]})}).save_to_disk(str(tmp_path / "dd"))
+    prepare(input=tmp_path / "ds", out_dir=tmp_path / "o1", val_fraction=0.25, progress=False)
+    assert sorted(sum(_all_docs(tmp_path / "o1"), [])) == sorted(docs)
+    prepare(input=tmp_path / "dd", out_dir=tmp_path / "o2", val_fraction=0.25, progress=False)  # its train split
+    assert sorted(sum(_all_docs(tmp_path / "o2"), [])) == sorted(docs[:20])
+
+
+def test_on_bad_record_skip_counts(tmp_path, capsys):
+    d = tmp_path / "in"
+    d.mkdir()
+    good = _texts(20)
+    lines = [json.dumps({"text": t}) for t in good]
+    lines[3] = "not json"
+    lines[7] = json.dumps({"other": 1})
+    (d / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (d / "b.txt").write_bytes(b"\x00\x01binary")
+    with pytest.raises(DataError, match=r"a\.jsonl:4: invalid JSON.*set data\.on_bad_record=skip"):
+        prepare(input=d, out_dir=tmp_path / "out", progress=False)
+    s = prepare(input=d, out_dir=tmp_path / "out", on_bad_record="skip", val_fraction=0.2, progress=False)
+    assert s["skipped_records"] == 3 and "a.jsonl:4: invalid JSON" in s["first_skipped"]
+    assert "skipped 3 bad record(s)" in capsys.readouterr().out
+    train, val = _all_docs(tmp_path / "out")
+    assert sorted(train + val) == sorted(t for i, t in enumerate(good) if i not in (3, 7))
+
+
+def test_jsonl_cut_into_byte_ranges_reads_every_line_once(tmp_path, monkeypatch):
+    import steadylm.data.readers as readers
+
+    docs = _texts(500)
+    (tmp_path / "big.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs) + "\n")
+    prepare(input=tmp_path / "big.jsonl", out_dir=tmp_path / "whole", val_fraction=0.1, num_proc=1, progress=False)
+    monkeypatch.setattr(readers, "UNIT_BYTES", 997)  # many ranges, cut mid-line
+    s = prepare(input=tmp_path / "big.jsonl", out_dir=tmp_path / "cut", val_fraction=0.1, num_proc=1, progress=False)
+    assert s["units"] > 20
+    assert _digest(tmp_path / "cut") == _digest(tmp_path / "whole")
+    # a bad line in a later range is still named by its line number
+    lines = (tmp_path / "big.jsonl").read_text().splitlines()
+    lines[401] = "{broken"
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"big\.jsonl:402: invalid JSON"):
+        prepare(input=tmp_path / "big.jsonl", out_dir=tmp_path / "cut", num_proc=1, progress=False)
+
+
+def test_large_txt_is_read_in_pieces_with_the_same_ids(tmp_path, monkeypatch):
+    import steadylm.data.readers as readers
+
+    text = "".join(_texts(300)) + "no newline at the end: ünïcödé 🐍" * 20
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text("second document\n")
+    monkeypatch.setattr(readers, "PIECE_BYTES", 100)
+    prepare(input=tmp_path, out_dir=tmp_path / "out", val_fraction=0.5, progress=False)
+    train, val = _all_docs(tmp_path / "out")
+    assert val == [text] and train == ["second document\n"]
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_shards_are_byte_identical_for_every_num_proc(tmp_path, mixed, monkeypatch, tokenizer):
+    import steadylm.data.readers as readers
+
+    d, _ = mixed
+    monkeypatch.setattr(readers, "UNIT_BYTES", 4000)  # ~10 units, so the pool really runs
+    runs = {}
+    for n in (1, 2, 3):
+        s = prepare(input=d, out_dir=tmp_path / f"p{n}", text_field="body", tokenizer=tokenizer, vocab_size=300,
+                    shard_tokens=5000, num_proc=n, progress=False)
+        assert s["num_proc"] == n and s["units"] >= 8
+        runs[n] = _digest(tmp_path / f"p{n}")
+    assert runs[1] == runs[2] == runs[3]
+    assert len(runs[1]) > 3
+
+
+def test_interrupted_prepare_leaves_nothing_and_resumes(tmp_path, mixed, monkeypatch):
+    import steadylm.data.prepare as prep
+    import steadylm.data.readers as readers
+
+    d, _ = mixed
+    monkeypatch.setattr(readers, "UNIT_BYTES", 4000)
+    prepare(input=d, out_dir=tmp_path / "fresh", text_field="body", num_proc=1, progress=False)
+    out = tmp_path / "out"
+    real, calls = prep.encode_unit, []
+
+    def dies_at_third(job):
+        calls.append(job["k"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(prep, "encode_unit", dies_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(input=d, out_dir=out, text_field="body", num_proc=1, progress=False)
+    assert not list(out.glob("*.h5")) and not (out / "tokenizer.json").exists()  # nothing training would accept
+    monkeypatch.setattr(prep, "encode_unit", real)
+    s = prepare(input=d, out_dir=out, text_field="body", num_proc=1, progress=False)
+    assert s["resumed_units"] == 2
+    assert _digest(out) == _digest(tmp_path / "fresh")
+    # a different command starts clean: the staging folder of the old one is removed
+    monkeypatch.setattr(prep, "encode_unit", dies_at_third)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        prepare(input=d, out_dir=out, text_field="body", val_fraction=0.2, tokenizer="bpe", vocab_size=300,
+                num_proc=1, progress=False)
+    monkeypatch.setattr(prep, "encode_unit", real)
+    s = prepare(input=d, out_dir=out, text_field="body", num_proc=1, progress=False, shard_tokens=777)
+    assert s["resumed_units"] == 0 or s["resumed_units"] == s["units"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_bpe_end_to_end_and_tokenizer_json_reuse(tmp_path, mixed):
+    d, docs = mixed
+    s = prepare(input=d, out_dir=tmp_path / "bpe", text_field="body", tokenizer="bpe", vocab_size=320,
+                val_fraction=0.1, num_proc=1, progress=False)
+    tok = load_tokenizer(tmp_path / "bpe")
+    assert (s["vocab_size"], tok.vocab_size, tok.eos_id) == (320, 320, 0)
+    info = read_shard_info(tmp_path / "bpe" / "val-00000.h5")
+    assert info.tokenizer == "bpe" and info.vocab_size == 320
+    train, val = _all_docs(tmp_path / "bpe")
+    assert val == docs[::10]
+    assert sum(s["bytes"].values()) == sum(len(t.encode()) for t in docs)  # exact for a byte-level BPE
+    assert sum(s["tokens"].values()) < 0.6 * sum(len(t.encode()) for t in docs)
+    # the saved tokenizer.json as data.tokenizer: the same ids
+    spec = str(tmp_path / "bpe" / "tokenizer.json")
+    s2 = prepare(input=d, out_dir=tmp_path / "again", text_field="body", tokenizer=spec, val_fraction=0.1,
+                 num_proc=1, progress=False)
+    assert s2["tokens"] == s["tokens"]
+    assert read_shard_info(tmp_path / "again" / "val-00000.h5").tokenizer == spec
+
+
+def test_parse_overrides_new_keys():
+    kw = parse_overrides(["data.text_field=body", "data.vocab_size=4096", "data.num_proc=3",
+                          "data.on_bad_record=skip", "data.tokenizer=bpe", "data.bpe_sample_bytes=1000"])
+    assert kw == {"text_field": "body", "vocab_size": 4096, "num_proc": 3, "on_bad_record": "skip",
+                  "tokenizer": "bpe", "bpe_sample_bytes": 1000}
+    with pytest.raises(ConfigError, match="data.on_bad_record='maybe' must be error or skip"):
+        prepare(input="x", out_dir="y", on_bad_record="maybe")
+
+
+def test_cli_composes_the_config_and_exits_2_on_bad_input(tmp_path, corpus, capsys):
+    src, _ = corpus
+    out = tmp_path / "cli"
+    assert main([f"data.dir={out}", f"data.input={src}", "data.val_fraction=0.25", "data.num_proc=1",
+                 "data.tokenizer=bpe", "data.vocab_size=300"]) == 0
+    assert 257 < read_shard_info(out / "train-00000.h5").vocab_size <= 300  # a tiny corpus runs out of merges
+    (src / "bin.txt").write_bytes(b"\x00\x00")
+    capsys.readouterr()
+    assert main([f"data.dir={out}", f"data.input={src}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "bin.txt: looks binary" in err[0]

@@ -34,6 +34,33 @@ def test_round_trip_dtype_and_attrs(tmp_path, vocab, dtype):
     read = read_shard_info(p, deep=True)
     assert read == info
     assert (read.n_tokens, read.max_token_id, read.dtype, read.tokenizer) == (200_000, vocab - 1, dtype, "t")
+    assert (read.format_version, read.n_bytes) == (1, None)
+
+
+def test_format_2_carries_n_bytes_and_writes_format_attrs_last(tmp_path, monkeypatch):
+    order = []
+    original = h5py.AttributeManager.__setitem__
+
+    def recording(self, name, value):
+        order.append(name)
+        original(self, name, value)
+
+    monkeypatch.setattr(h5py.AttributeManager, "__setitem__", recording)
+    p = tmp_path / "val-00000.h5"
+    info = write_shard(p, np.arange(100) % 257, n_bytes=123, **BYTES)
+    monkeypatch.undo()
+    assert (info.format_version, info.n_bytes) == (2, 123)
+    # a reader that sees format_version knows every other attribute (and the data) was written before it
+    assert order[-3:] == ["max_token_id", "n_bytes", "format_version"]
+    with h5py.File(p, "r") as f:
+        assert dict(f.attrs)["n_bytes"] == 123 and f.attrs["format_version"] == 2
+    assert read_shard_info(p) == info
+
+
+def test_format_2_without_n_bytes_is_refused(tmp_path):
+    p = tmp_path / "nob.h5"
+    _raw(p, np.arange(10, dtype=np.uint16), {"format_version": 2})
+    _expect(p, "missing attribute 'n_bytes'")
 
 
 def test_small_shard_chunk_fits(tmp_path):
@@ -158,9 +185,9 @@ def test_not_1d(tmp_path):
 
 
 def test_wrong_format_version(tmp_path):
-    p = tmp_path / "v2.h5"
-    _raw(p, np.arange(10, dtype=np.uint16), {"format_version": 2})
-    _expect(p, "format_version 2 is not supported")
+    p = tmp_path / "v3.h5"
+    _raw(p, np.arange(10, dtype=np.uint16), {"format_version": 3})
+    _expect(p, "format_version 3 is not supported.*versions 1, 2")
 
 
 def test_missing_attr(tmp_path):
@@ -179,7 +206,28 @@ def test_oov_ids_deep_scan_catches_lying_attr(tmp_path):
     p = tmp_path / "liar.h5"
     _raw(p, np.array([1, 2, 300], dtype=np.uint16), {"max_token_id": 2})
     assert read_shard_info(p).max_token_id == 2  # shallow check trusts the attribute
-    _expect(p, "token id 300 >= vocab_size 257", deep=True)
+    _expect(p, "token id 300 at token offset 2 is >= vocab_size 257", deep=True)
+
+
+def test_scan_names_the_first_bad_offset_across_blocks(tmp_path, monkeypatch):
+    import steadylm.data.shards as shards
+
+    monkeypatch.setattr(shards, "_SCAN_BLOCK", 64)
+    toks = np.arange(1000, dtype=np.uint16) % 200
+    toks[700], toks[900] = 280, 290
+    p = tmp_path / "deep.h5"
+    _raw(p, toks, {"max_token_id": 199})
+    _expect(p, "token id 280 at token offset 700 is >= vocab_size 257", deep=True, progress=True)
+    with h5py.File(p, "r") as f:
+        with pytest.raises(DataError, match="deep.h5: token id 280 at token offset 700 is >= model.vocab_size 256"):
+            shards.scan_tokens(f["tokens"], p, 256, "model.vocab_size")
+
+
+def test_open_tokens_refuses_wrong_dtype(tmp_path):
+    p = tmp_path / "f.h5"
+    _raw(p, np.arange(10, dtype=np.float32))
+    with pytest.raises(DataError, match="f.h5: 'tokens' is not a 1-D unsigned-integer dataset"):
+        open_tokens(p)
 
 
 def test_empty(tmp_path):

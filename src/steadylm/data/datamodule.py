@@ -23,6 +23,14 @@ from steadylm.errors import DataError
 PREPARE_HINT = "run `make data` or `python -m steadylm.data.prepare data.dir={dir}`"
 
 
+def _same_tokenizer(recorded: str, configured) -> bool:
+    """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently."""
+    if recorded == str(configured):
+        return True
+    a, b = Path(recorded).expanduser(), Path(str(configured)).expanduser()
+    return a.suffix == ".json" and a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
 class ShardDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -34,6 +42,11 @@ class ShardDataModule(L.LightningDataModule):
         tokenizer: str | None = "bytes",
         input=None,
         val_fraction: float = 0.01,
+        text_field: str = "text",
+        vocab_size: int | None = None,
+        num_proc: int | None = None,
+        on_bad_record: str = "error",
+        global_batch_tokens: int | None = None,
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
@@ -46,8 +59,10 @@ class ShardDataModule(L.LightningDataModule):
         self.context_length = int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.tokenizer = tokenizer
-        self.input = input  # read by prepare only; kept so one `data:` config describes the data
-        self.val_fraction = val_fraction
+        # Read by prepare only; kept so one `data:` config describes the data end to end.
+        self.input, self.val_fraction, self.text_field = input, val_fraction, text_field
+        self.bpe_vocab_size, self.num_proc, self.on_bad_record = vocab_size, num_proc, on_bad_record
+        self.global_batch_tokens = global_batch_tokens
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
@@ -81,7 +96,7 @@ class ShardDataModule(L.LightningDataModule):
                     f"{info.path}: holds token id {info.max_token_id} >= model.vocab_size "
                     f"{self.model_vocab_size}; set model.vocab_size >= {info.vocab_size}"
                 )
-            if self.tokenizer is not None and info.tokenizer != str(self.tokenizer):
+            if self.tokenizer is not None and not _same_tokenizer(info.tokenizer, self.tokenizer):
                 raise DataError(
                     f"{info.path}: written by tokenizer {info.tokenizer!r} but data.tokenizer is "
                     f"{self.tokenizer!r}; set data.tokenizer={info.tokenizer} or re-run prepare"
@@ -113,8 +128,10 @@ class ShardDataModule(L.LightningDataModule):
         for split, inf in infos.items():
             self._check_windows(split, inf)
         self.infos = infos
-        self.train_set = TokenWindows(paths["train"], self.context_length, infos=infos["train"])
-        self.val_set = TokenWindows(paths["val"], self.context_length, infos=infos["val"])
+        self.train_set = TokenWindows(paths["train"], self.context_length, infos=infos["train"],
+                                      model_vocab_size=self.model_vocab_size)
+        self.val_set = TokenWindows(paths["val"], self.context_length, infos=infos["val"],
+                                    model_vocab_size=self.model_vocab_size)
         if self.drop_last and len(self.train_set) < self.batch_size * self._world()[1]:
             raise DataError(
                 f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch "
@@ -186,6 +203,19 @@ class ShardDataModule(L.LightningDataModule):
     def n_train_tokens(self) -> int:
         self.setup(None)
         return sum(i.n_tokens for i in self.infos["train"])
+
+    @property
+    def val_n_tokens(self) -> int:
+        """Tokens in the val shards (end-of-text separators included)."""
+        self.setup(None)
+        return sum(i.n_tokens for i in self.infos["val"])
+
+    @property
+    def val_n_bytes(self) -> int | None:
+        """UTF-8 bytes of the text behind the val shards' tokens; None if any val shard is format 1."""
+        self.setup(None)
+        sizes = [i.n_bytes for i in self.infos["val"]]
+        return None if any(b is None for b in sizes) else int(sum(sizes))
 
     # --- resume ---------------------------------------------------------------------------
 

@@ -1,34 +1,56 @@
-"""`python -m steadylm.data.prepare`: text files -> tokenized HDF5 shards + tokenizer.json.
+"""`python -m steadylm.data.prepare`: text -> tokenized HDF5 shards (format 2) + tokenizer.json.
 
-Turns documents (the embedded corpus = this interpreter's standard library sources, or the
-user's .txt/.jsonl files) into `train-NNNNN.h5` / `val-NNNNN.h5` with a deterministic split.
-Output is staged in a hidden folder inside `out_dir` and moved into place only when every
-shard is complete, so a failed or interrupted run never leaves shards that look valid and
-never mixes old and new shards.
+Turns documents (the embedded corpus = this interpreter's standard library sources, or `data.input`:
+files, folders, globs, parquet, `datasets` folders, see `readers`) into `train-NNNNN.h5` / `val-NNNNN.h5`.
+
+How it runs, and what it guarantees:
+1. tokenizer: `bytes`, a `tokenizer.json`, a tiktoken name, or `bpe` trained here on (a sample of) the input;
+2. encode: the input is cut into work units (`readers.plan_units`, independent of `data.num_proc`); each of
+   `num_proc` processes reads and encodes one unit at a time, streaming ids to a file in the staging folder,
+   so memory stays bounded whatever the input size;
+3. merge: units are concatenated in input order; document i goes to val when i % round(1/val_fraction) == 0;
+   shards of `shard_tokens` ids are written with `n_bytes` (UTF-8 bytes behind their ids).
+The same input gives byte-identical shards for every `num_proc`. All work happens in `out_dir/.prepare-<key>`,
+whose key hashes the inputs and settings; shards are moved into place only when every one is complete
+(tokenizer.json last of all), so an interrupted run leaves nothing training would accept, and re-running
+the same command resumes from the units already encoded (a different command starts clean).
 """
 
 from __future__ import annotations
 
-import glob
+import hashlib
 import json
 import os
 import shutil
 import sys
 import sysconfig
-import tempfile
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from itertools import chain, islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import multiprocessing as mp
 import numpy as np
 from tqdm import tqdm
 
-from steadylm.data.shards import token_dtype, write_shard
-from steadylm.data.tokenizer import ByteTokenizer, get_tokenizer, save_tokenizer
+from steadylm.data.readers import ReadStats, Unit, doc_units, plan_units, read_unit, resolve_inputs
+from steadylm.data.shards import FORMAT_VERSION, token_dtype, write_shard
+from steadylm.data.tokenizer import (
+    DEFAULT_BPE_VOCAB,
+    ByteTokenizer,
+    get_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    train_bpe,
+)
 from steadylm.errors import ConfigError, DataError, SteadyError
 
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-TEXT_SUFFIXES = (".txt", ".jsonl")
 DEFAULT_DIR = "data/stdlib"
+BATCH_CHARS = 1 << 20  # characters per encode_batch call
+BPE_SAMPLE_BYTES = 256 << 20  # text the BPE is trained on (the start of the input): bounds its memory
+STAGE_PREFIX = ".prepare-"
 
 
 def stdlib_files() -> list[Path]:
@@ -41,123 +63,227 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def resolve_inputs(input) -> list[Path]:
-    """A path, glob, directory, or list of them -> sorted list of .txt/.jsonl files."""
-    items = [input] if isinstance(input, (str, os.PathLike)) else list(input)
-    files: list[Path] = []
-    for item in items:
-        s = str(item)
-        if glob.has_magic(s):
-            matches = sorted(Path(m) for m in glob.glob(s, recursive=True))
-            matches = [m for m in matches if m.is_file()]
-            if not matches:
-                raise DataError(f"{s}: data.input pattern matches no files; check the path")
-        else:
-            p = Path(s).expanduser()
-            if p.is_dir():
-                matches = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in TEXT_SUFFIXES)
-                if not matches:
-                    raise DataError(f"{p}: data.input folder holds no .txt or .jsonl files")
-            elif p.is_file():
-                matches = [p]
-            else:
-                raise DataError(f"{p}: data.input file not found; check the path")
-        for m in matches:
-            if m.suffix not in TEXT_SUFFIXES:
-                raise DataError(f"{m}: unsupported input type {m.suffix!r}; data.input takes .txt or .jsonl files")
-        files.extend(matches)
-    if not files:
-        raise DataError("data.input is an empty list; give at least one .txt or .jsonl file")
-    return files
-
-
-def _read_text(path: Path, *, lenient: bool) -> str:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read input file ({e.strerror or e}); check it exists and is readable") from None
-    try:
-        return raw.decode("utf-8", errors="replace" if lenient else "strict")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
-
-
-def iter_documents(files: list[Path], *, lenient: bool = False) -> Iterator[str]:
-    """.txt: one document per file; .jsonl: one document per line (field `text`)."""
-    for path in files:
-        text = _read_text(path, lenient=lenient)
-        if path.suffix != ".jsonl":
-            yield text
-            continue
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e}); each line must be one JSON object") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DataError(f"{path}:{lineno}: no string field 'text'; each line must look like {{\"text\": \"...\"}}")
-            yield obj["text"]
-
-
-def _cap_bytes(docs: Iterable[str], max_bytes: int | None) -> Iterator[str]:
-    """Stop after `max_bytes` UTF-8 bytes of text; the last document is cut to fit."""
+def cap_pieces(pieces: Iterable[tuple[str, bool]], max_bytes: int | None) -> Iterator[tuple[str, bool]]:
+    """Stop after `max_bytes` UTF-8 bytes of text; the last document is cut to fit and ended."""
     if max_bytes is None:
-        yield from docs
+        yield from pieces
         return
     left = int(max_bytes)
-    for doc in docs:
+    for text, end in pieces:
         if left <= 0:
             return
-        b = doc.encode("utf-8")
-        if len(b) > left:
-            doc = b[:left].decode("utf-8", errors="ignore")
-            b = doc.encode("utf-8")
+        b = text.encode("utf-8", errors="replace")
+        if len(b) >= left:
+            if len(b) > left:
+                text = b[:left].decode("utf-8", errors="ignore")
+            left = 0
+            yield text, True
+            return
         left -= len(b)
-        yield doc
+        yield text, end
+
+
+# --- encoding one unit (runs in a worker process, or inline when num_proc=1) -------------------------------
+
+_WORKER_TOK: dict[str, object] = {}
+
+
+def _worker_tokenizer(tok_dir: str):
+    tok = _WORKER_TOK.get(tok_dir)
+    if tok is None:
+        tok = _WORKER_TOK[tok_dir] = load_tokenizer(tok_dir)
+    return tok
+
+
+def _unit_paths(stage: Path, k: int) -> tuple[Path, Path, Path]:
+    base = stage / "units" / f"{k:07d}"
+    return base.with_suffix(".tok"), base.with_suffix(".len"), base.with_suffix(".json")
+
+
+def _encode_texts(tok, texts: list[str], dtype) -> tuple[np.ndarray, list[int]]:
+    """Ids of `texts` back to back, and each text's id count."""
+    if isinstance(tok, ByteTokenizer):  # the UTF-8 bytes are the ids
+        encoded = [t.encode("utf-8", errors="replace") for t in texts]
+        return np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(dtype), [len(e) for e in encoded]
+    try:
+        ids = tok.encode_batch(texts)
+    except (UnicodeEncodeError, TypeError):  # lone surrogates from JSON escapes: encode what UTF-8 can hold
+        ids = tok.encode_batch([t.encode("utf-8", errors="replace").decode("utf-8") for t in texts])
+    return np.fromiter(chain.from_iterable(ids), dtype=dtype), [len(i) for i in ids]
+
+
+def encode_unit(job: dict) -> dict:
+    """Read and encode one unit into `<stage>/units/K.{tok,len}`; `K.json` is written last (the done mark)."""
+    stage, k, unit = Path(job["stage"]), job["k"], job["unit"]
+    tok = _worker_tokenizer(job["tok_dir"])
+    dtype = token_dtype(tok.vocab_size)
+    eos = np.asarray([tok.eos_id], dtype=dtype)
+    tok_path, len_path, meta_path = _unit_paths(stage, k)
+    stats = ReadStats()
+    n_docs = n_tokens = 0
+    doc_len = 0
+    lens: list[int] = []
+    with open(tok_path.with_suffix(".tok.partial"), "wb") as ft:
+        batch: list[tuple[str, bool]] = []
+        chars = 0
+
+        def flush():
+            nonlocal doc_len, n_docs, n_tokens
+            ids, counts = _encode_texts(tok, [t for t, _ in batch], dtype)
+            # Insert eos after every text that ends a document, in one vectorised pass.
+            ends = np.cumsum(counts)[[e for _, e in batch]] if any(e for _, e in batch) else np.zeros(0, np.int64)
+            if ends.size:
+                ids = np.insert(ids, ends, eos[0])
+            ft.write(ids.tobytes())
+            n_tokens += int(ids.size)
+            for (_, end), c in zip(batch, counts):
+                doc_len += c
+                if end:
+                    lens.append(doc_len + 1)
+                    doc_len = 0
+                    n_docs += 1
+            batch.clear()
+
+        for text, end in read_unit(unit, text_field=job["text_field"], lenient=job["lenient"],
+                                   skip=job["skip"], stats=stats):
+            batch.append((text, end))
+            chars += len(text)
+            if chars >= BATCH_CHARS:
+                flush()
+                chars = 0
+        if batch:
+            flush()
+    if doc_len:  # a reader that stopped inside a document (skip mode): end it
+        with open(tok_path.with_suffix(".tok.partial"), "ab") as ft:
+            ft.write(eos.tobytes())
+        lens.append(doc_len + 1)
+        n_docs += 1
+        n_tokens += 1
+    np.asarray(lens, dtype=np.int64).tofile(len_path)
+    os.replace(tok_path.with_suffix(".tok.partial"), tok_path)
+    meta = {"k": k, "docs": n_docs, "tokens": n_tokens, "bytes_in": unit.nbytes,
+            "skipped": stats.skipped, "first_skip": stats.first_skip}
+    meta_path.with_suffix(".json.partial").write_text(json.dumps(meta))
+    os.replace(meta_path.with_suffix(".json.partial"), meta_path)
+    return meta
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _worker_init() -> None:
+    # One thread per process: num_proc processes are the parallelism, and tokenizers' own pool would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# --- merging units into shards --------------------------------------------------------------------------
 
 
 class _SplitWriter:
-    """Buffers one split's tokens and writes a shard each time `shard_tokens` accumulate."""
+    """Buffers one split's tokens and writes a format-2 shard each time `shard_tokens` accumulate."""
 
-    def __init__(self, split: str, stage: Path, tok, shard_tokens: int):
-        self.split, self.stage, self.tok, self.shard_tokens = split, stage, tok, shard_tokens
-        self.dtype = token_dtype(tok.vocab_size)
+    def __init__(self, split: str, stage: Path, tok, spec: str, shard_tokens: int, token_bytes: np.ndarray):
+        self.split, self.stage, self.tok, self.spec, self.shard_tokens = split, stage, tok, spec, shard_tokens
+        self.token_bytes = token_bytes
         self.buf: list[np.ndarray] = []
         self.buffered = 0
         self.names: list[str] = []
         self.n_tokens = 0
+        self.n_bytes = 0
         self.n_docs = 0
 
     def add(self, ids: np.ndarray) -> None:
-        self.buf.append(ids)
-        self.buffered += ids.size
-        self.n_docs += 1
-        while self.buffered >= self.shard_tokens:
-            data = np.concatenate(self.buf)
-            self._write(data[: self.shard_tokens])
-            rest = data[self.shard_tokens :]
-            self.buf, self.buffered = ([rest] if rest.size else []), rest.size
+        while ids.size:
+            take = min(ids.size, self.shard_tokens - self.buffered)
+            self.buf.append(np.array(ids[:take]))
+            self.buffered += take
+            ids = ids[take:]
+            if self.buffered == self.shard_tokens:
+                self._write()
 
     def finish(self) -> None:
         if self.buffered:
-            self._write(np.concatenate(self.buf))
-            self.buf, self.buffered = [], 0
+            self._write()
 
-    def _write(self, data: np.ndarray) -> None:
+    def _write(self) -> None:
+        data = np.concatenate(self.buf)
+        self.buf, self.buffered = [], 0
+        n_bytes = int(np.bincount(data, minlength=len(self.token_bytes))[: len(self.token_bytes)] @ self.token_bytes)
         name = f"{self.split}-{len(self.names):05d}.h5"
-        write_shard(self.stage / name, data, vocab_size=self.tok.vocab_size, eos_id=self.tok.eos_id, tokenizer=self.tok.name)
+        write_shard(self.stage / name, data, vocab_size=self.tok.vocab_size, eos_id=self.tok.eos_id,
+                    tokenizer=self.spec, n_bytes=n_bytes)
         self.names.append(name)
         self.n_tokens += int(data.size)
+        self.n_bytes += n_bytes
 
 
-def _encode(tok, text: str, dtype) -> np.ndarray:
-    if isinstance(tok, ByteTokenizer):  # fast path: the bytes are the ids
-        ids = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(dtype)
+def _merge(stage: Path, n_units: int, writers: dict[str, _SplitWriter], every: int, dtype) -> None:
+    """Concatenate the units in order, sending each document to its split (runs of one split at a time)."""
+    doc = 0
+    for k in range(n_units):
+        tok_path, len_path, _ = _unit_paths(stage, k)
+        lens = np.fromfile(len_path, dtype=np.int64)
+        if not lens.size:
+            continue
+        ids = np.memmap(tok_path, dtype=dtype, mode="r")
+        is_val = (doc + np.arange(lens.size)) % every == 0
+        ends = np.cumsum(lens)
+        # Boundaries where the split changes: each run of documents is one contiguous slice of ids.
+        change = np.flatnonzero(is_val[1:] != is_val[:-1]) + 1
+        starts_doc = np.concatenate([[0], change])
+        stops_doc = np.concatenate([change, [lens.size]])
+        for a, b in zip(starts_doc.tolist(), stops_doc.tolist()):
+            lo = int(ends[a - 1]) if a else 0
+            w = writers["val" if is_val[a] else "train"]
+            w.add(ids[lo : int(ends[b - 1])])
+            w.n_docs += b - a
+        doc += lens.size
+        del ids
+
+
+# --- the run ---------------------------------------------------------------------------------------------
+
+
+def _resolve_num_proc(num_proc) -> int:
+    if num_proc is None or str(num_proc).lower() in ("", "null", "none", "auto", "0"):
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    n = int(num_proc)
+    if n < 1:
+        raise ConfigError(f"data.num_proc={num_proc} must be >= 1 (or null for all cores)")
+    return n
+
+
+def _fingerprint(inputs, settings: dict) -> str:
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for kind, path in inputs:
+        if kind == "hub":
+            h.update(f"hub:{path}".encode())
+            continue
+        st = os.stat(path)
+        h.update(f"{kind}:{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _make_tokenizer(spec: str, vocab_size, stage: Path, pieces, bpe_sample_bytes: int, progress: bool):
+    """The tokenizer, saved as `stage/tokenizer.json` (reused there when resuming a BPE run)."""
+    if spec == "bpe":
+        if (stage / "tokenizer.json").is_file():
+            return load_tokenizer(stage)
+        vocab = DEFAULT_BPE_VOCAB if vocab_size is None else int(vocab_size)
+        if progress:
+            print(f"prepare: training a byte-level BPE (vocab {vocab}) on up to {bpe_sample_bytes / 1e6:.0f} MB of the input",
+                  file=sys.stderr)
+        texts = (t for t, _ in cap_pieces(pieces(), bpe_sample_bytes))
+        tok = train_bpe(texts, vocab)
     else:
-        ids = np.asarray(tok.encode(text), dtype=dtype)
-    return np.append(ids, np.asarray([tok.eos_id], dtype=dtype))
+        tok = get_tokenizer(spec)
+    save_tokenizer(tok, stage)
+    return tok
 
 
 def prepare(
@@ -168,6 +294,11 @@ def prepare(
     shard_tokens: int = 10_000_000,
     max_bytes: int | None = None,
     *,
+    text_field: str = "text",
+    vocab_size: int | None = None,
+    num_proc: int | None = None,
+    on_bad_record: str = "error",
+    bpe_sample_bytes: int = BPE_SAMPLE_BYTES,
     progress: bool = True,
 ) -> dict:
     """Tokenize documents into `out_dir/{train,val}-NNNNN.h5` + `tokenizer.json`; returns a summary."""
@@ -180,31 +311,63 @@ def prepare(
         raise ConfigError(f"data.shard_tokens={shard_tokens} must be a positive number of tokens")
     if max_bytes is not None and int(max_bytes) < 1:
         raise ConfigError(f"data.max_bytes={max_bytes} must be positive (or null for no limit)")
-    tok = get_tokenizer(tokenizer)
+    if on_bad_record not in ("error", "skip"):
+        raise ConfigError(f"data.on_bad_record={on_bad_record!r} must be error or skip")
+    procs = _resolve_num_proc(num_proc)
+    spec = str(tokenizer)
+    if spec != "bpe":
+        get_tokenizer(spec)  # refuse an unknown name before reading anything
 
     if input is None:
-        files, lenient, source = stdlib_files(), True, "embedded corpus (Python stdlib)"
+        files = stdlib_files()
         if not files:
             raise DataError(f"{sysconfig.get_paths()['stdlib']}: no standard library .py files found; set data.input")
+        inputs, lenient, source = [("txt", f) for f in files], True, "embedded corpus (Python stdlib)"
     else:
-        files, lenient = resolve_inputs(input), False
-        source = f"{len(files)} input file(s)"
+        inputs, lenient = resolve_inputs(input), False
+        source = f"{len(inputs)} input(s)"
+    skip = on_bad_record == "skip"
 
     out = Path(out_dir).expanduser()
+    settings = {"format": FORMAT_VERSION, "tokenizer": spec, "vocab_size": vocab_size, "text_field": text_field,
+                "lenient": lenient, "skip": skip, "max_bytes": max_bytes, "bpe_sample_bytes": bpe_sample_bytes}
+    if spec not in ("bytes", "bpe") and Path(spec).expanduser().is_file():
+        settings["tokenizer_sha"] = hashlib.sha256(Path(spec).expanduser().read_bytes()).hexdigest()
+    key = _fingerprint(inputs, settings)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+        for old in out.glob(STAGE_PREFIX + "*"):  # another command's leftovers: start clean
+            if old.name != STAGE_PREFIX + key:
+                shutil.rmtree(old, ignore_errors=True)
+        stage = out / (STAGE_PREFIX + key)
+        (stage / "units").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"{out}: output folder is not writable ({e.strerror or e}); set data.dir to a writable folder") from None
 
+    def units() -> Iterator[Unit]:
+        if max_bytes is None:
+            return plan_units(inputs, text_field)
+        return doc_units(capped())
+
+    def capped() -> Iterator[tuple[str, bool]]:
+        stats = ReadStats()
+        pieces = (p for u in plan_units(inputs, text_field)
+                  for p in read_unit(u, text_field=text_field, lenient=lenient, skip=skip, stats=stats))
+        return cap_pieces(pieces, max_bytes)
+
+    def all_pieces() -> Iterator[tuple[str, bool]]:
+        return (p for u in units() for p in read_unit(u, text_field=text_field, lenient=lenient, skip=skip))
+
+    t0 = time.perf_counter()
     try:
-        writers = {s: _SplitWriter(s, stage, tok, int(shard_tokens)) for s in ("train", "val")}
-        docs = _cap_bytes(iter_documents(files, lenient=lenient), max_bytes)
-        bar = tqdm(docs, desc=f"prepare {out.name}", unit="doc", file=sys.stderr, disable=not progress, dynamic_ncols=True)
-        for i, doc in enumerate(bar):
-            writers["val" if i % every == 0 else "train"].add(_encode(tok, doc, writers["train"].dtype))
-        bar.close()
-        n_docs = writers["train"].n_docs + writers["val"].n_docs
+        tok = _make_tokenizer(spec, vocab_size, stage, all_pieces, int(bpe_sample_bytes), progress)
+        metas, resumed, procs = _encode_all(units(), stage, text_field, lenient, skip, procs, progress, out.name,
+                                            pool_min_units=4 if isinstance(tok, ByteTokenizer) else 2)
+        n_docs = sum(m["docs"] for m in metas)
+        if n_docs == 0:
+            raise DataError(f"{out}: the input holds no documents (every file empty or skipped); check data.input")
+        writers = {s: _SplitWriter(s, stage, tok, spec, int(shard_tokens), tok.token_bytes()) for s in ("train", "val")}
+        _merge(stage, len(metas), writers, every, token_dtype(tok.vocab_size))
         if writers["val"].n_docs == 0 or writers["train"].n_docs == 0:
             raise DataError(
                 f"{out}: input gave {n_docs} document(s), too few for a train and a val split; "
@@ -212,35 +375,144 @@ def prepare(
             )
         for w in writers.values():
             w.finish()
-        save_tokenizer(tok, stage)
-        # Commit: replace old shards with the new set, then drop old shards that are not in it.
+        # Commit: move the new shards in, drop old shards not in the new set, tokenizer.json last.
         new = {n for w in writers.values() for n in w.names}
-        for name in sorted(new) + ["tokenizer.json"]:
+        for name in sorted(new):
             os.replace(stage / name, out / name)
         for old in list(out.glob("train-*.h5")) + list(out.glob("val-*.h5")):
             if old.name not in new:
                 old.unlink()
-    except OSError as e:
-        raise DataError(f"{out}: could not write prepared data ({e.strerror or e}); free space or fix permissions") from None
-    finally:
+        os.replace(stage / "tokenizer.json", out / "tokenizer.json")
         shutil.rmtree(stage, ignore_errors=True)
+    except SteadyError:
+        shutil.rmtree(stage, ignore_errors=True)  # bad input or settings: the next run starts clean
+        raise
+    except OSError as e:
+        raise DataError(f"{out}: could not write prepared data ({e.strerror or e}); free space or fix permissions, "
+                        "then re-run (it resumes)") from None
+    # Anything else (Ctrl-C, a killed worker) leaves the staging folder for the next identical run to resume.
 
+    seconds = time.perf_counter() - t0
+    bytes_in = sum(m["bytes_in"] for m in metas)
+    skipped = sum(m["skipped"] for m in metas)
     summary = {
         "out_dir": str(out),
         "source": source,
-        "tokenizer": tok.name,
+        "tokenizer": spec,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "documents": {s: w.n_docs for s, w in writers.items()},
         "tokens": {s: w.n_tokens for s, w in writers.items()},
+        "bytes": {s: w.n_bytes for s, w in writers.items()},
         "shards": {s: [str(out / n) for n in w.names] for s, w in writers.items()},
+        "skipped_records": skipped,
+        "first_skipped": next((m["first_skip"] for m in metas if m["first_skip"]), None),
+        "units": len(metas),
+        "resumed_units": resumed,
+        "num_proc": procs,
+        "seconds": seconds,
+        "input_bytes": bytes_in,
     }
     print(
         f"prepared {out}: train {summary['tokens']['train']:,} tokens in {len(writers['train'].names)} shard(s), "
         f"val {summary['tokens']['val']:,} tokens in {len(writers['val'].names)} shard(s) "
-        f"({n_docs:,} docs from {source}, tokenizer {tok.name})"
+        f"({n_docs:,} docs from {source}, tokenizer {spec}, {procs} process(es), "
+        f"{bytes_in / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
+        + (f"; skipped {skipped:,} bad record(s), first: {summary['first_skipped']}" if skipped else "")
+        + (f"; resumed {resumed} unit(s) from an interrupted run" if resumed else "")
     )
     return summary
+
+
+def _encode_all(units: Iterator[Unit], stage: Path, text_field: str, lenient: bool, skip: bool, procs: int,
+                progress: bool, label: str, pool_min_units: int = 2) -> tuple[list[dict], int, int]:
+    """Encode every unit (skipping those a previous identical run finished).
+
+    Returns their metas in order, the number resumed, and the number of processes used.
+    """
+    metas: dict[int, dict] = {}
+    resumed = 0
+    bar = tqdm(desc=f"prepare {label}", unit="B", unit_scale=True, file=sys.stderr, disable=not progress,
+               dynamic_ncols=True, mininterval=0.5, delay=1.0)  # delay: a quick failure prints only its error
+    docs = tokens = 0
+
+    def done(meta: dict) -> None:
+        nonlocal docs, tokens
+        metas[meta["k"]] = meta
+        docs += meta["docs"]
+        tokens += meta["tokens"]
+        bar.update(meta["bytes_in"])
+        bar.set_postfix_str(f"{docs:,} docs, {tokens:,} tokens", refresh=False)
+
+    def jobs() -> Iterator[dict]:
+        nonlocal resumed
+        for k, unit in enumerate(units):
+            meta_path = _unit_paths(stage, k)[2]
+            if meta_path.is_file():
+                try:
+                    done(json.loads(meta_path.read_text()))
+                    resumed += 1
+                    continue
+                except (OSError, ValueError, KeyError):
+                    pass
+            yield {"stage": str(stage), "k": k, "unit": unit, "tok_dir": str(stage), "text_field": text_field,
+                   "lenient": lenient, "skip": skip}
+
+    # Starting a process takes ~0.5 s: worth it only with several units (bytes encodes ~150 MB/s inline).
+    units = iter(units)
+    head = list(islice(units, pool_min_units))
+    if len(head) < pool_min_units:
+        procs = 1
+    units = chain(head, units)
+    _WORKER_TOK.clear()
+    try:
+        if procs == 1:
+            saved = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            try:
+                for job in jobs():
+                    done(encode_unit(job))
+            finally:
+                _restore_env("TOKENIZERS_PARALLELISM", saved)
+        else:
+            # fork on Linux: workers start in milliseconds and need no importable __main__ (stdin, notebooks).
+            # The variable tells tokenizers its pool is off in the forked workers (no fork warning, no deadlock).
+            method = "fork" if sys.platform == "linux" else "spawn"
+            saved = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            with ProcessPoolExecutor(procs, mp_context=mp.get_context(method), initializer=_worker_init) as pool:
+                pending: dict = {}
+                errors: list[tuple[int, BaseException]] = []
+
+                def collect(futures) -> None:
+                    for f in futures:
+                        k = pending.pop(f)
+                        try:
+                            done(f.result())
+                        except Exception as e:  # noqa: PERF203
+                            errors.append((k, e))
+
+                try:
+                    for job in jobs():
+                        pending[pool.submit(encode_unit, job)] = job["k"]
+                        if len(pending) >= 2 * procs:  # bounded: never more than 2 units per process in flight
+                            collect(wait(pending, return_when=FIRST_COMPLETED)[0])
+                        if errors:
+                            break
+                    # Every earlier unit was submitted before a failing one: after they finish, the error
+                    # reported is the first in input order, whatever the timing.
+                    collect(list(pending))
+                    if errors:
+                        raise min(errors, key=lambda e: e[0])[1]
+                except BaseException:
+                    for f in pending:
+                        f.cancel()
+                    raise
+                finally:
+                    _restore_env("TOKENIZERS_PARALLELISM", saved)
+    finally:
+        bar.close()
+    return [metas[k] for k in sorted(metas)], resumed, procs
 
 
 # --- command line -------------------------------------------------------------------------
@@ -250,8 +522,13 @@ _KEYS = {
     "data.input": ("input", None),
     "data.tokenizer": ("tokenizer", str),
     "data.val_fraction": ("val_fraction", float),
+    "data.text_field": ("text_field", str),
+    "data.vocab_size": ("vocab_size", int),
+    "data.num_proc": ("num_proc", int),
+    "data.on_bad_record": ("on_bad_record", str),
     "data.shard_tokens": ("shard_tokens", int),
     "data.max_bytes": ("max_bytes", int),
+    "data.bpe_sample_bytes": ("bpe_sample_bytes", int),
 }
 
 
@@ -283,14 +560,14 @@ def parse_overrides(argv: list[str]) -> dict:
     return kwargs
 
 
-PREPARE_ONLY = ("data.shard_tokens", "data.max_bytes")  # not part of the training data config
+PREPARE_ONLY = ("data.shard_tokens", "data.max_bytes", "data.bpe_sample_bytes")  # not part of the training data config
 
 
 def _kwargs_from_argv(argv: list[str]) -> dict:
     """Use the project's Hydra config (`steadylm.config.compose`) when it exists, else parse here.
 
-    `data.shard_tokens` / `data.max_bytes` are read by prepare alone, so they are parsed here
-    unless the composed config declares them.
+    `data.shard_tokens` / `data.max_bytes` / `data.bpe_sample_bytes` are read by prepare alone, so they are
+    parsed here unless the composed config declares them.
     """
     try:
         from steadylm.config import compose
@@ -320,15 +597,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(
-            "usage: python -m steadylm.data.prepare [data.dir=DIR] [data.input=PATH|GLOB|[A,B]] "
-            "[data.tokenizer=bytes|gpt2] [data.val_fraction=0.01] [data.shard_tokens=N] [data.max_bytes=N]"
+            "usage: python -m steadylm.data.prepare [data.dir=DIR] [data.input=PATH|GLOB|hf:NAME|[A,B]] "
+            "[data.text_field=text] [data.tokenizer=bytes|bpe|PATH/tokenizer.json|gpt2] [data.vocab_size=8192] "
+            "[data.num_proc=N] [data.on_bad_record=error|skip] [data.val_fraction=0.01] [data.shard_tokens=N] "
+            "[data.max_bytes=N] [data.bpe_sample_bytes=N]"
         )
         return 0
     try:
         prepare(**_kwargs_from_argv(argv))
     except SteadyError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except KeyboardInterrupt:
+        print("prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
+              file=sys.stderr)
+        return 130
     return 0
 
 

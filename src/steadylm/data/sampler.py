@@ -4,16 +4,77 @@ Every window is visited exactly once per epoch across all ranks; the last global
 padded with -1 (see `TokenWindows`) rather than dropped or wrapped around, so every rank yields
 the same number of equally shaped batches and no rank waits alone in a collective.
 It must never depend on anything but (seed, epoch, rank, world_size) for its order.
+
+The epoch's order is a keyed bijection of [0, n_windows) computed per position (`FeistelPermutation`),
+never a materialised permutation: per-rank memory is O(1) in the corpus size, so a corpus of billions of
+tokens costs no more to shuffle than a small one, and any batch's windows can be recomputed on demand
+(`batch_windows`) for resume and forensics.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 PAD_INDEX = -1
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a well-spread 64-bit hash of an int (for round keys)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class FeistelPermutation:
+    """A pseudo-random bijection of [0, n) keyed by `key`, evaluated on any positions in O(len) time and O(1) state.
+
+    A balanced Feistel network permutes [0, 4^k) (the smallest even-bit domain >= n, so < 4n); positions that
+    land outside [0, n) are encrypted again until they fall inside ("cycle walking"), which keeps it a
+    bijection of [0, n). Six rounds of a multiply-xorshift round function give an order with no visible
+    structure for shuffling purposes (it is not a cipher).
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key: int):
+        self.n = int(n)
+        bits = max(2, (max(self.n, 1) - 1).bit_length())
+        bits += bits % 2
+        self.half = bits // 2
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = [np.uint64(_mix64((int(key) & _M64) ^ _mix64(r))) for r in range(self.ROUNDS)]
+
+    def _round(self, r: np.ndarray, k: np.uint64) -> np.ndarray:
+        x = (r ^ k) * np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(29)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(32)
+        return x & self.mask
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self.half)
+        left, right = x >> h, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ self._round(right, k)
+        return (left << h) | right
+
+    def __call__(self, positions) -> np.ndarray:
+        x = np.asarray(positions, dtype=np.uint64)
+        if x.size and int(x.max()) >= self.n:
+            raise IndexError(f"position {int(x.max())} outside [0, {self.n})")
+        with np.errstate(over="ignore"):
+            out = self._encrypt(x)
+            out_of_range = out >= np.uint64(self.n)
+            while out_of_range.any():
+                out[out_of_range] = self._encrypt(out[out_of_range])
+                out_of_range = out >= np.uint64(self.n)
+        return out.astype(np.int64)
 
 
 class _EpochHook:
@@ -70,28 +131,42 @@ class EpochBatchSampler(Sampler[list[int]]):
             self.start_batch = 0
             self.batches_done = 0
 
+    def _order(self, epoch: int) -> FeistelPermutation | None:
+        if not self.shuffle:
+            return None
+        return FeistelPermutation(self.n_windows, _mix64(self.seed) ^ int(epoch))
+
+    def global_windows(self, positions, epoch: int | None = None) -> np.ndarray:
+        """Window ids at epoch positions (`PAD_INDEX` past the last window); the same on every rank."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        pos = np.asarray(positions, dtype=np.int64)
+        real = pos < self.n_windows
+        order = self._order(epoch)
+        ids = pos[real] if order is None else order(pos[real])
+        out = np.full(pos.shape, PAD_INDEX, dtype=np.int64)
+        out[real] = ids
+        return out
+
+    def batch_windows(self, batch_idx: int, epoch: int | None = None) -> list[int]:
+        """This rank's window ids of global batch `batch_idx` (-1 = padding): what `__iter__` yields there."""
+        G = self.global_batch
+        chunk = self.global_windows(np.arange(batch_idx * G, (batch_idx + 1) * G), epoch)
+        return chunk[self.rank :: self.world_size].tolist()
+
     def permutation(self, epoch: int | None = None) -> torch.Tensor:
-        """The global order for an epoch, cut or padded to len(self) * global_batch."""
-        epoch = self.epoch if epoch is None else epoch
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + int(epoch))
-            perm = torch.randperm(self.n_windows, generator=g)
-        else:
-            perm = torch.arange(self.n_windows)
-        total = len(self) * self.global_batch
-        if total <= self.n_windows:
-            return perm[:total]
-        return torch.cat([perm, torch.full((total - self.n_windows,), PAD_INDEX, dtype=perm.dtype)])
+        """The whole epoch's global order, cut or padded to len(self) * global_batch.
+
+        Materialises O(n_windows) ids: for tests and small corpora; training uses `batch_windows`.
+        """
+        return torch.from_numpy(self.global_windows(np.arange(len(self) * self.global_batch), epoch))
 
     def __iter__(self):
-        perm = self.permutation()
-        G, W = self.global_batch, self.world_size
         start, self.start_batch = self.start_batch, 0
         self.batches_done = start
         for s in range(start, len(self)):
-            chunk = perm[s * G : (s + 1) * G]
+            batch = self.batch_windows(s)
             self.batches_done = s + 1
-            yield chunk[self.rank :: W].tolist()
+            yield batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done}

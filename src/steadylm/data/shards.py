@@ -1,7 +1,8 @@
-"""HDF5 token shards (format version 1): write atomically, validate, open for random reads.
+"""HDF5 token shards (format versions 1 and 2): write atomically, validate, open for random reads.
 
 A shard is one `.h5` file with a 1-D unsigned-integer dataset `tokens` (documents separated by
-`eos_id`) and attributes naming the tokenizer that produced it. This module is the only code
+`eos_id`) and attributes naming the tokenizer that produced it. Version 2 adds `n_bytes`, the UTF-8
+bytes of the text behind the tokens (bits per byte needs it); readers accept both, writers write 2. This module is the only code
 that knows the on-disk layout. It must never leave a partial file under a shard's name (writes
 go to `*.h5.partial` and are renamed into place) and never let a bad shard reach training:
 every problem becomes one `DataError` naming the file, the problem and the fix.
@@ -19,7 +20,8 @@ import numpy as np
 
 from steadylm.errors import DataError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 DATASET = "tokens"
 CHUNK_TOKENS = 64 * 1024
 REQUIRED_ATTRS = ("format_version", "vocab_size", "eos_id", "tokenizer", "n_tokens", "max_token_id")
@@ -43,6 +45,8 @@ class ShardInfo:
     tokenizer: str
     max_token_id: int
     dtype: str
+    n_bytes: int | None = None  # format 2 only
+    format_version: int = FORMAT_VERSION
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -50,8 +54,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if int(vocab_size) <= 65536 else np.dtype(np.uint32)
 
 
-def write_shard(path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, tokenizer: str) -> ShardInfo:
-    """Write `tokens` to `path` atomically; on any failure nothing appears under `path`."""
+def write_shard(
+    path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, tokenizer: str, n_bytes: int | None = None
+) -> ShardInfo:
+    """Write `tokens` to `path` atomically; on any failure nothing appears under `path`.
+
+    With `n_bytes` the shard is format 2; without, format 1 (kept for tests of old shards).
+    """
     path = Path(path)
     partial = path.with_suffix(".h5.partial")
     try:
@@ -70,9 +79,9 @@ def write_shard(path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, token
             raise DataError(f"{path}: eos_id {eos_id} is outside vocab_size {vocab_size}")
         dtype = token_dtype(vocab_size)
         data = arr.astype(dtype, copy=False)
+        version = 1 if n_bytes is None else 2
         with h5py.File(partial, "w") as f:
             ds = f.create_dataset(DATASET, shape=data.shape, dtype=dtype, chunks=(min(CHUNK_TOKENS, data.size),))
-            f.attrs["format_version"] = FORMAT_VERSION
             f.attrs["vocab_size"] = int(vocab_size)
             f.attrs["eos_id"] = int(eos_id)
             f.attrs["tokenizer"] = str(tokenizer)
@@ -80,6 +89,9 @@ def write_shard(path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, token
             # Written last: a reader that sees them knows the data before them is complete.
             f.attrs["n_tokens"] = int(data.size)
             f.attrs["max_token_id"] = hi
+            if n_bytes is not None:
+                f.attrs["n_bytes"] = int(n_bytes)
+            f.attrs["format_version"] = version
         os.replace(partial, path)
     except BaseException as e:
         try:
@@ -94,20 +106,21 @@ def write_shard(path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, token
             f"{path}: could not write shard ({type(e).__name__}: {e}); nothing was left behind, "
             "free disk space or fix the output folder and re-run prepare"
         ) from e
-    return ShardInfo(path, int(data.size), int(vocab_size), int(eos_id), str(tokenizer), hi, dtype.name)
+    return ShardInfo(path, int(data.size), int(vocab_size), int(eos_id), str(tokenizer), hi, dtype.name,
+                     None if n_bytes is None else int(n_bytes), version)
 
 
 def _attr(f: h5py.File, path: Path, name: str):
     if name not in f.attrs:
         raise DataError(
-            f"{path}: missing attribute {name!r} (not a steadylm format-{FORMAT_VERSION} shard, or its write "
+            f"{path}: missing attribute {name!r} (not a steadylm shard, or its write "
             "never finished); re-run `python -m steadylm.data.prepare`"
         )
     v = f.attrs[name]
     return v.decode() if isinstance(v, bytes) else v
 
 
-def read_shard_info(path, *, deep: bool = False) -> ShardInfo:
+def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> ShardInfo:
     """Validate a shard's structure and attributes; `deep=True` also rescans every token id."""
     path = Path(path)
     fix = "re-run `python -m steadylm.data.prepare` to rewrite it"
@@ -132,11 +145,13 @@ def read_shard_info(path, *, deep: bool = False) -> ShardInfo:
             if n == 0:
                 raise DataError(f"{path}: {DATASET!r} is empty (0 tokens); delete it or {fix}")
             version = _attr(f, path, "format_version")
-            if int(version) != FORMAT_VERSION:
+            if int(version) not in READABLE_VERSIONS:
                 raise DataError(
                     f"{path}: format_version {version} is not supported (this steadylm reads "
-                    f"version {FORMAT_VERSION}); {fix}"
+                    f"versions {', '.join(map(str, READABLE_VERSIONS))}); {fix}"
                 )
+            version = int(version)
+            n_bytes = int(_attr(f, path, "n_bytes")) if version >= 2 else None
             vocab_size = int(_attr(f, path, "vocab_size"))
             eos_id = int(_attr(f, path, "eos_id"))
             tokenizer = str(_attr(f, path, "tokenizer"))
@@ -155,11 +170,7 @@ def read_shard_info(path, *, deep: bool = False) -> ShardInfo:
                     stacklevel=2,
                 )
             if deep:
-                real_max = 0
-                for start in range(0, n, _SCAN_BLOCK):
-                    real_max = max(real_max, int(ds[start : start + _SCAN_BLOCK].max()))
-                if real_max >= vocab_size:
-                    raise DataError(f"{path}: contains token id {real_max} >= vocab_size {vocab_size} (out-of-vocabulary ids); {fix}")
+                real_max = scan_tokens(ds, path, vocab_size, "vocab_size", progress=progress)
                 if real_max != max_id:
                     raise DataError(f"{path}: attribute max_token_id={max_id} but the largest id stored is {real_max}; {fix}")
             dtype = ds.dtype.name
@@ -167,20 +178,66 @@ def read_shard_info(path, *, deep: bool = False) -> ShardInfo:
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise DataError(f"{path}: unreadable shard ({type(e).__name__}: {e}); {fix}") from None
-    return ShardInfo(path, n, vocab_size, eos_id, tokenizer, max_id, dtype)
+    return ShardInfo(path, n, vocab_size, eos_id, tokenizer, max_id, dtype, n_bytes, version)
+
+
+def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> int:
+    """Read every id of `ds` in blocks; the first id >= `limit` is one `DataError` naming file, offset and id.
+
+    Returns the largest id. `what` names the bound (`vocab_size`, `model.vocab_size`) in the message.
+    """
+    n = int(ds.shape[0])
+    real_max = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, desc=f"scan {Path(path).name}", unit="tok", unit_scale=True, leave=False, dynamic_ncols=True)
+    try:
+        for start in range(0, n, _SCAN_BLOCK):
+            try:
+                block = ds[start : start + _SCAN_BLOCK]
+            except (OSError, ValueError) as e:
+                raise DataError(
+                    f"{path}: unreadable tokens at offset {start} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                    "re-run `python -m steadylm.data.prepare` to rewrite it"
+                ) from None
+            m = int(block.max())
+            if m >= limit:
+                off = start + int(np.argmax(block >= limit))
+                raise DataError(
+                    f"{path}: token id {int(block[off - start])} at token offset {off} is >= {what} {limit} "
+                    "(out-of-vocabulary id); re-run `python -m steadylm.data.prepare` to rewrite it"
+                )
+            real_max = max(real_max, m)
+            if bar is not None:
+                bar.update(block.size)
+    finally:
+        if bar is not None:
+            bar.close()
+    return real_max
 
 
 def open_tokens(path) -> h5py.Dataset:
     """Open a shard's `tokens` read-only with a chunk cache sized for random windows.
 
     The returned dataset keeps its file open; call `.file.close()` (or drop it) when done.
+    Anything that is not a 1-D unsigned-integer `tokens` dataset is one `DataError` naming the file.
     """
+    fix = "re-run `python -m steadylm.data.prepare` to rewrite it"
     try:
         f = h5py.File(path, "r", rdcc_nbytes=RDCC_NBYTES, rdcc_nslots=RDCC_NSLOTS)
     except OSError as e:
-        raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt: {e}); re-run prepare") from None
+        raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt: {e}); {fix}") from None
     try:
-        return f[DATASET]
+        ds = f[DATASET]
+        if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype.kind != "u":
+            raise DataError(f"{path}: {DATASET!r} is not a 1-D unsigned-integer dataset "
+                            f"({getattr(ds, 'dtype', type(ds).__name__)}); {fix}")
+        return ds
     except KeyError:
         f.close()
-        raise DataError(f"{path}: has no {DATASET!r} dataset; re-run prepare") from None
+        raise DataError(f"{path}: has no {DATASET!r} dataset; {fix}") from None
+    except DataError:
+        f.close()
+        raise

@@ -1,0 +1,41 @@
+"""A shard poisoned after it was written (an id the model cannot embed, found only when its window is read):
+the real `python train.py` stops with one `error:` line naming the file, the token offset and the id, exit 2,
+and no traceback through torch or Lightning, whether the window is read in the main process or a worker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["trainer=cpu", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.context_length=32",
+        "data.batch_size=4", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.enable_progress_bar=false",
+        "logger=none"]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, workers):
+    data = tmp_path / "shards"
+    shutil.copytree(shards_dir, data)
+    bad = data / "train-00000.h5"
+    with h5py.File(bad, "r+") as f:
+        f["tokens"][100] = 400  # the attributes still say every id is < 257
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *TINY, f"data.dir={data}", "data.shuffle=false",
+         f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert lines[-1] == (f"error: {bad}: token id 400 at token offset 100 is >= model.vocab_size 320; the shard is "
+                         "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"), lines
+    assert [ln for ln in lines if ln.startswith("error")] == lines[-1:]
