@@ -125,7 +125,7 @@ def test_deep_rescan_finds_oov_ids_the_attrs_hide(make_cfg, shard_copy, tmp_path
     cfg = make_cfg(f"data.dir={shard_copy}")
     assert "data: shard train-00000.h5" not in failing(data_checks(cfg, deep=False)[0])
     row = failing(data_checks(cfg, deep=True)[0])["data: shard train-00000.h5"]
-    assert "contains token id 300 >= vocab_size 257" in row.evidence
+    assert "train-00000.h5: token id 300 at token offset 100 is >= vocab_size 257" in row.evidence
 
 
 def test_missing_val_split_and_short_shards(make_cfg, shard_copy, tmp_path):

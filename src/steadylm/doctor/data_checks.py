@@ -19,7 +19,12 @@ SPLITS = ("train", "val")
 
 
 def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
-    """One row per unreadable shard (all of them, not just the first), else one summary row."""
+    """One row per unreadable shard (all of them, not just the first), else one summary row.
+
+    `--deep` reads every token id (with a progress bar) and refuses the first one outside the shard's
+    vocabulary, naming the file, token offset and id as training does when it reaches that window (the
+    DataModule row already refuses a shard vocabulary larger than model.vocab_size).
+    """
     folder = Path(cfg.data.dir).expanduser()
     paths = sorted(p for split in SPLITS for p in folder.glob(f"{split}-*.h5"))
     if not paths:
@@ -27,14 +32,15 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
     rows, infos = [], []
     for path in paths:
         try:
-            infos.append(read_shard_info(path, deep=deep))
+            infos.append(read_shard_info(path, deep=deep, progress=deep))
         except Exception as err:
             rows.append(from_error(f"data: shard {path.name}", err))
     if rows:
         return rows
     how = "every token rescanned" if deep else "attrs only; --deep rescans tokens"
     n = sum(i.n_tokens for i in infos)
-    return [Check("data: shards", OK, f"{len(infos)} shards in {folder} open, format 1, {n:,} tokens, vocab "
+    versions = "/".join(str(v) for v in sorted({i.format_version for i in infos}))
+    return [Check("data: shards", OK, f"{len(infos)} shards in {folder} open, format {versions}, {n:,} tokens, vocab "
                                       f"{infos[0].vocab_size}, max id {max(i.max_token_id for i in infos)} ({how})")]
 
 
