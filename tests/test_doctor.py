@@ -205,7 +205,7 @@ def run_doctor(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
     proc = run_doctor("trainer=cpu", f"data.dir={shards_dir}", "model.context_length=512", "data.context_length=16",
-                      "--out", str(tmp_path / "doc"), cwd=tmp_path)
+                      f"out={tmp_path / 'doc'}", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FAIL"))
     assert "data.context_length=16 differs from model.context_length=512" in line
@@ -216,8 +216,8 @@ def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("optim.lrr=1", "error: Could not override 'optim.lrr'; To append to your config use +optim.lrr=1"),
-    ("model=smal", "error: In 'train': Could not find 'model/smal'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny"),
+    ("optim.lrr=1", "error: optim.lrr is not a config key; did you mean optim.lr? (to add a new key on purpose, write +optim.lrr=...)"),
+    ("model=smal", "error: Could not find 'model/smal'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny (see conf/)"),
 ])
 def test_cli_hydra_mistake_is_one_line_and_exit_2(override, message, tmp_path):
     proc = run_doctor(override, cwd=tmp_path)

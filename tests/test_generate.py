@@ -60,7 +60,7 @@ def test_top_k_1_is_greedy(ckpt):
 
 
 def test_cli_prints_prompt_and_sample(ckpt, capsys):
-    main([f"ckpt={ckpt}", "prompt=def ", "max_new_tokens=20", "temperature=0.8", "top_k=50", "seed=0", "device=cpu"])
+    main([f"ckpt={ckpt}", 'prompt="def "', "max_new_tokens=20", "temperature=0.8", "top_k=50", "seed=0", "device=cpu"])
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out.encode()) <= len("def ") + 20 * 3 + 1  # ≤ 20 bytes, some replaced
 
@@ -70,7 +70,8 @@ def test_cli_prints_prompt_and_sample(ckpt, capsys):
     [
         (["ckpt=/nowhere/last.ckpt"], "error: ckpt=/nowhere/last.ckpt: no such checkpoint file"),
         (["prompt=hi"], "error: ckpt= is required"),
-        (["ckpt=x", "tokens=5"], "error: unknown argument 'tokens=5'"),
+        (["ckpt=x", "tokens=5"], "error: tokens is not a config key"),
+        (["ckpt=x", "max_new_tokens=many"], "error: max_new_tokens='many' is not allowed; it must be a whole number"),
     ],
 )
 def test_user_mistakes_are_one_message_and_exit_2(argv, message, capsys):

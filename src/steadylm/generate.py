@@ -1,4 +1,4 @@
-"""Sample text from a checkpoint: `python -m steadylm.generate ckpt=PATH prompt="def " max_new_tokens=200`.
+"""Sample text from a checkpoint: `python -m steadylm.generate ckpt=PATH 'prompt="def "' max_new_tokens=200`.
 
 The checkpoint alone is enough: the model shape comes from `hyper_parameters.model` and the tokenizer
 from `steadylm.tokenizer`, both written by training. It is loaded with `weights_only=True`, so a
@@ -7,7 +7,6 @@ checkpoint file can never run code. Same checkpoint, prompt and seed -> the same
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from steadylm import checkpointing
 from steadylm.data.tokenizer import Tokenizer, get_tokenizer
-from steadylm.errors import SteadyError
+from steadylm.cli import run_command
 from steadylm.model import GPT
 
 
@@ -80,37 +79,12 @@ def generate(args: GenerateArgs) -> str:
     return args.prompt + tok.decode(new)
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() in ("null", "none") else int(text)
-
-
-# Text values (ckpt, prompt, device) are taken verbatim: `prompt="def "` keeps its trailing space.
-CONVERTERS = {"max_new_tokens": int, "temperature": float, "top_k": _optional_int, "seed": int}
-
-
-def parse_args(argv: list[str]) -> GenerateArgs:
-    """`key=value` arguments (the same syntax as train.py overrides) over the defaults above."""
-    keys = ", ".join(f.name for f in fields(GenerateArgs))
-    values = {}
-    for arg in argv:
-        key, sep, text = arg.partition("=")
-        if not sep or key not in CONVERTERS and key not in ("ckpt", "prompt", "device"):
-            raise SteadyError(f"unknown argument {arg!r}; use key=value with keys: {keys}")
-        try:
-            values[key] = CONVERTERS.get(key, str)(text)
-        except ValueError:
-            raise SteadyError(f"{key}={text!r} is not a number; e.g. {key}={getattr(GenerateArgs, key)}") from None
-    if "ckpt" not in values:
-        raise SteadyError("ckpt= is required: the path of a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)")
-    return GenerateArgs(**values)
-
-
 def main(argv: list[str] | None = None) -> None:
-    try:
-        print(generate(parse_args(sys.argv[1:] if argv is None else argv)))
-    except SteadyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    def task(cfg) -> None:
+        keys = {f.name for f in fields(GenerateArgs)}
+        print(generate(GenerateArgs(**{k: v for k, v in cfg.items() if k in keys and k != "hydra"})))
+
+    run_command("generate", __doc__, task, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Preflight checks before a long run: `python -m steadylm.doctor [train.py overrides] [--deep]`.
+"""Preflight checks before a long run: `python -m steadylm.doctor [train.py overrides] [deep=true]`.
 
 Each check turns one known cause of a wasted or diverging run (a second context length, OOV token
 ids, no clipping, fp16 without a scaler, a leaking causal mask, a bad init) into one table row:
