@@ -189,7 +189,10 @@ class _SplitWriter:
 
     def __init__(self, split: str, stage: Path, tok, spec: str, shard_tokens: int, token_bytes: np.ndarray):
         self.split, self.stage, self.tok, self.spec, self.shard_tokens = split, stage, tok, spec, shard_tokens
-        self.token_bytes = token_bytes
+        # Bytes behind each id, in the smallest dtype that holds them: one gather + sum per shard.
+        self.token_bytes = token_bytes.astype(np.uint16 if token_bytes.max(initial=0) < 65536 else np.int64)
+        zero = np.flatnonzero(token_bytes == 0)
+        self.zero_byte_ids = zero.tolist() if len(zero) <= 4 and np.all(np.delete(token_bytes, zero) == 1) else None
         self.buf: list[np.ndarray] = []
         self.buffered = 0
         self.names: list[str] = []
@@ -213,7 +216,10 @@ class _SplitWriter:
     def _write(self) -> None:
         data = np.concatenate(self.buf)
         self.buf, self.buffered = [], 0
-        n_bytes = int(np.bincount(data, minlength=len(self.token_bytes))[: len(self.token_bytes)] @ self.token_bytes)
+        if self.zero_byte_ids is not None:  # every other id is one byte (the bytes tokenizer): just count
+            n_bytes = int(data.size - sum(np.count_nonzero(data == i) for i in self.zero_byte_ids))
+        else:
+            n_bytes = int(np.take(self.token_bytes, data).sum(dtype=np.int64))
         name = f"{self.split}-{len(self.names):05d}.h5"
         write_shard(self.stage / name, data, vocab_size=self.tok.vocab_size, eos_id=self.tok.eos_id,
                     tokenizer=self.spec, n_bytes=n_bytes)

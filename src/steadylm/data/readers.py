@@ -335,18 +335,19 @@ class _Reader:
                 records += 1
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno if lineno is not None else _line_at(path, start)}"
                 try:
                     obj = json.loads(line)
                 except UnicodeDecodeError as e:
-                    self.bad(f"{where}: is not UTF-8 text ({e.reason})")
+                    self.bad(f"{path}:{lineno or _line_at(path, start)}: is not UTF-8 text ({e.reason})")
                     continue
                 except ValueError as e:
-                    self.bad(f"{where}: invalid JSON ({e}); each line must be one JSON object")
+                    self.bad(f"{path}:{lineno or _line_at(path, start)}: invalid JSON ({e}); each line must be one JSON object")
                     continue
-                text = self.text_of(obj, where)
-                if text is not None:
+                text = obj.get(self.field) if type(obj) is dict else None
+                if type(text) is str:
                     yield text, True
+                else:  # the line number only when it is needed: counting it costs a read of the file so far
+                    self.text_of(obj, f"{path}:{lineno or _line_at(path, start)}")
             if records == 0 and unit.kind != "jsonl" and not self.lenient:
                 self.bad(f"{path}: input file holds no records")
 

@@ -139,7 +139,9 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which prepare never reads.
+        fast = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
