@@ -58,8 +58,15 @@ def _nonfinite(events: list[dict]) -> Finding | None:
     if not hits:
         return None
     first = hits[0]
-    module = first.get("detail", {}).get("module") or "an unnamed module"
+    module = first.get("detail", {}).get("module")
     acted = _actions(hits)
+    evidence = first.get("detail", {}).get("evidence") or ""
+    if module is None and evidence.startswith("transient"):
+        return Finding(first["step"], "transient non-finite",
+                       f"non-finite {'loss' if first['kind'] == 'nonfinite_loss' else 'gradient'} at step {first['step']}, "
+                       f"{evidence}: no module is named ({acted})",
+                       "a one-off (the step was skipped); if it recurs, run from the last checkpoint with debug=anomaly")
+    module = module or "an unnamed module"
     if first["kind"] == "nonfinite_loss":
         return Finding(first["step"], "non-finite forward",
                        f"first non-finite output in {module} at step {first['step']} ({acted})",
@@ -93,6 +100,15 @@ def _recovered(log: RunLog, step: int) -> bool:
     return bool(np.isfinite(after).all() and np.median(after) <= np.min(before[-10:]) + 0.5)
 
 
+def _suspects(log: RunLog, step: int) -> str:
+    rows = [r for r in log.suspects if r.get("step") == step]
+    if not rows:
+        return ""
+    top = rows[0]
+    return (f"; worst sample: window {top.get('window')} ({top.get('shard')} tokens {top.get('start')}:{top.get('end')}, "
+            f"loss {top.get('loss')})")
+
+
 def _spike(log: RunLog, events: list[dict]) -> Finding | None:
     hits = [e for e in events if e["kind"] in SPIKES]
     if not hits:
@@ -102,6 +118,26 @@ def _spike(log: RunLog, events: list[dict]) -> Finding | None:
     what = "loss" if hits[0]["kind"] == "loss_spike" else "grad norm"
     value = f"{what} {d.get('value', float('nan')):.3g} > {d.get('threshold', float('nan')):.3g}"
     big_update = [e for e in events if e["kind"] == "update_ratio" and s - EVENT_SLACK <= e["step"] <= s]
+    cause, evidence = d.get("cause"), d.get("evidence")
+    rolled = [e for e in events if e["kind"] == "rollback" and e.get("detail", {}).get("onset") == s]
+    after = (f"; rolled back to step {rolled[0]['detail'].get('to_step')} ({rolled[0]['detail'].get('source')})"
+             if rolled else "")
+    if cause == "update":
+        ratio = (f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step "
+                 f"{big_update[0]['step']}, " if big_update else "")
+        return Finding(big_update[0]["step"] if big_update else s - 1, "oversized update (LR spike)",
+                       f"{ratio}then {value} at step {s}, persisting; {evidence}{after} ({_actions(hits)})",
+                       "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+                       "lower optim.lr if it recurs")
+    if cause == "data":
+        windows = d.get("batch")
+        on = f" on data window(s) {windows}" if windows else ""
+        return Finding(s, "bad data batch", f"{value} at step {s}{on}, {_actions(hits)}; {evidence}{after}{_suspects(log, s)}",
+                       "inspect the top rows of stability/suspects.jsonl (`python -m steadylm.diagnose.window "
+                       "shard=... start=... end=... data.dir=...`) and clean or drop them from the corpus")
+    if cause == "inconclusive":
+        return Finding(s, "loss spike (cause inconclusive)", f"{value} at step {s}, {_actions(hits)}; {evidence}{after}"
+                       f"{_suspects(log, s)}", "read stability/suspects.jsonl and the update/param ratio around that step")
     if big_update or not _recovered(log, s):
         ratio = f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step {big_update[0]['step']}, " if big_update else ""
         return Finding(s - 1 if not big_update else big_update[0]["step"], "oversized update (LR spike)",
@@ -246,5 +282,15 @@ def _facts(log: RunLog) -> list[str]:
         facts.append(f"config: optim.lr={log.setting('optim.lr')}, optim.warmup_steps={log.setting('optim.warmup_steps')}, "
                      f"trainer.gradient_clip_val={log.setting('trainer.gradient_clip_val')}, "
                      f"trainer.precision={log.setting('trainer.precision')}")
+    rollbacks = [e for e in log.events if e.get("kind") == "rollback"]
+    if rollbacks:
+        sources = sorted({str(e.get("detail", {}).get("source", "disk")) for e in rollbacks})
+        facts.append(f"{len(rollbacks)} rollback(s) (from {', '.join(sources)}), at step(s) "
+                     + ", ".join(str(e["step"]) for e in rollbacks))
+    stops = [e for e in log.events if e.get("action") == "stop" and e.get("detail", {}).get("reason")]
+    if stops:
+        d = stops[0]["detail"]
+        saved = f"; last good state in {d['last_good_checkpoint']}" if d.get("last_good_checkpoint") else ""
+        facts.append(f"status: diverged at step {stops[0]['step']}: {d['reason']}{saved}")
     facts.append(f"{len(log.events)} stability event(s)" + (": " + ", ".join(sorted({e['kind'] for e in log.events})) if log.events else ""))
     return facts + log.notes

@@ -65,6 +65,21 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
         if len(log.events) > 50:
             lines.append(f"| … | {len(log.events) - 50} more | | |")
         lines.append("")
+    if log.suspects:
+        lines += ["## Suspect samples (`stability/suspects.jsonl`)", "",
+                  "Each spike's samples ranked by their own loss on the pre-spike weights, worst first. Print one with "
+                  "`python -m steadylm.diagnose.window data.dir=<data.dir> shard=<shard> start=<start> end=<end>`.", "",
+                  "| step | rank | window | shard | start | end | loss | preview |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        shown: dict[int, int] = {}
+        for r in sorted(log.suspects, key=lambda r: (r.get("step", 0), -(r.get("loss") or 0))):
+            step = r.get("step")
+            if shown.get(step, 0) >= 5:
+                continue
+            shown[step] = shown.get(step, 0) + 1
+            preview = (r.get("preview") or "").replace("|", "/").replace("\n", " ").replace("\r", " ")[:60]
+            lines.append(f"| {step} | {r.get('rank')} | {r.get('window')} | {r.get('shard')} | {r.get('start')} | "
+                         f"{r.get('end')} | {r.get('loss')} | `{preview}` |")
+        lines.append("")
     lines += ["## Plots", ""] + [f"![{name}]({path.name})" for name, path in plots.items()]
     return "\n".join(lines) + "\n"
 

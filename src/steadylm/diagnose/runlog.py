@@ -7,14 +7,14 @@ value written last.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-EVENTS = Path("stability") / "events.jsonl"
+from steadylm.stability.events import read_events
+from steadylm.stability.suspects import read_suspects
 
 
 @dataclass
@@ -22,6 +22,7 @@ class RunLog:
     run_dir: Path
     scalars: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # tag -> (steps, values)
     events: list[dict] = field(default_factory=list)
+    suspects: list[dict] = field(default_factory=list)  # stability/suspects.jsonl rows, worst first per step
     config: dict | None = None
     notes: list[str] = field(default_factory=list)  # what was missing or unreadable
 
@@ -43,36 +44,53 @@ class RunLog:
 
 
 def _read_scalars(run_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    folders = sorted({p.parent for p in run_dir.rglob("events.out.tfevents.*")})
+    """Every scalar the run's loggers wrote: TensorBoard event files and/or CSV (`logger=csv|wandb|many`)."""
     by_tag: dict[str, dict[int, tuple[float, float]]] = {}
-    for folder in folders:
-        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            seen = by_tag.setdefault(tag, {})
-            for e in acc.Scalars(tag):
-                if e.step not in seen or e.wall_time >= seen[e.step][0]:
-                    seen[e.step] = (e.wall_time, e.value)
+
+    def add(tag: str, step: int, when: float, value: float) -> None:
+        seen = by_tag.setdefault(tag, {})
+        if step not in seen or when >= seen[step][0]:  # a resumed or rolled-back run: the value written last
+            seen[step] = (when, value)
+
+    _read_tensorboard(run_dir, add)
+    _read_csv(run_dir, add)
     return {
         tag: (np.array(sorted(seen), dtype=int), np.array([seen[s][1] for s in sorted(seen)], dtype=float))
         for tag, seen in by_tag.items()
     }
 
 
-def _read_events(path: Path, notes: list[str]) -> list[dict]:
-    events = []
-    if not path.exists():
-        return events
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            notes.append(f"{path}: line {n} is not JSON (torn write at a crash?); skipped")
-    return sorted(events, key=lambda e: e.get("step", 0))
+def _read_tensorboard(run_dir: Path, add) -> None:
+    folders = sorted({p.parent for p in run_dir.rglob("events.out.tfevents.*")})
+    if not folders:
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for folder in folders:
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for e in acc.Scalars(tag):
+                add(tag, e.step, e.wall_time, e.value)
+
+
+def _read_csv(run_dir: Path, add) -> None:
+    """Lightning's CSVLogger: one row per logging call, a `step` column; rows later in the file are newer."""
+    import csv
+
+    for path in sorted(run_dir.rglob("metrics.csv")):
+        with path.open(newline="") as f:
+            for order, row in enumerate(csv.DictReader(f)):
+                step = row.pop("step", "")
+                if not step:
+                    continue
+                for tag, text in row.items():
+                    if text not in ("", None) and tag != "epoch":
+                        add(tag, int(float(step)), float(order), float(text))
+
+
+def _read_events(run_dir: Path, notes: list[str]) -> list[dict]:
+    return sorted(read_events(run_dir, notes), key=lambda e: e.get("step", 0))
 
 
 def _read_config(run_dir: Path) -> dict | None:
@@ -96,7 +114,8 @@ def load_run(run_dir) -> RunLog:
     log.scalars = _read_scalars(run_dir)
     if not log.scalars:
         log.notes.append(f"no TensorBoard event files under {run_dir} (was logger=none, or did it crash at once?)")
-    log.events = _read_events(run_dir / EVENTS, log.notes)
+    log.events = _read_events(run_dir, log.notes)
+    log.suspects = read_suspects(run_dir)
     try:
         log.config = _read_config(run_dir)
     except Exception as err:  # an unreadable config only costs the report its clipping/warmup facts

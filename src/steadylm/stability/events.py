@@ -63,5 +63,7 @@ def read_events(run_dir: str | Path, notes: list[str] | None = None) -> list[dic
 
 
 def stop_event(run_dir: str | Path) -> dict | None:
-    """The first event whose action stopped the run, if any."""
-    return next((e for e in read_events(run_dir) if e.get("action") == STOP), None)
+    """The event that stopped the run, if any: the `stop` event itself (it carries the reason), else the first
+    detection whose action was to stop."""
+    stops = [e for e in read_events(run_dir) if e.get("action") == STOP]
+    return next((e for e in stops if e.get("kind") == "stop"), stops[0] if stops else None)

@@ -9,6 +9,7 @@ Config-driven list of faults, each `{kind, step, ...}`:
 | `corrupt_labels` | replaces the batch's labels with random tokens |
 | `lr_spike` | multiplies every group's LR by `factor` (default 1000) for that one step |
 | `nan_loss` | makes the model's output (hence the loss) NaN |
+| `nan_activation` | makes module `module`'s output (e.g. `blocks.1.mlp`) NaN in that step's first forward only: a transient |
 | `loss_scale` | sets the fp16 loss scale to `value` (e.g. 2**40: every step overflows until it falls) |
 
 `rank` (optional) limits a fault to one global rank. Parameter names are relative to the GPT (`net`).
@@ -23,7 +24,7 @@ import torch
 from steadylm.compat import set_loss_scale
 from steadylm.errors import ConfigError
 
-KINDS = ("nan_weight", "inf_grad", "corrupt_labels", "lr_spike", "nan_loss", "loss_scale")
+KINDS = ("nan_weight", "inf_grad", "corrupt_labels", "lr_spike", "nan_loss", "nan_activation", "loss_scale")
 
 
 class FaultInjector(L.Callback):
@@ -59,6 +60,17 @@ class FaultInjector(L.Callback):
         for _ in self._due(trainer, "nan_loss"):
             if self._handle is None:
                 self._handle = pl_module.net.register_forward_hook(lambda m, a, out: out * float("nan"))
+        for f in self._due(trainer, "nan_activation"):
+            modules = dict(pl_module.net.named_modules())
+            if f.get("module") not in modules:
+                raise ConfigError(f"fault module {f.get('module')!r} is not a module of the model; e.g. blocks.0.mlp")
+            handle = []
+
+            def once(m, a, out, handle=handle):
+                handle[0].remove()  # one forward only: a re-run of the batch is finite
+                return out * float("nan")
+
+            handle.append(modules[f["module"]].register_forward_hook(once))
         for f in self._due(trainer, "loss_scale"):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             if scaler is None:

@@ -1,4 +1,4 @@
-"""`SpikeDetector`: a loss spike that persists rolls back; a one-off is logged; a grad-norm spike alone is logged.
+"""`SpikeDetector`: a loss spike that persists rolls back; a one-off is logged; a grad-norm spike alone is counted.
 
 The statistic is robust, so healthy runs raise nothing at any batch size or depth: each value is taken in
 log space (a loss spike is a ratio, whatever the loss level), compared with the median of the last
@@ -6,7 +6,9 @@ log space (a loss spike is a ratio, whatever the loss level), compared with the 
 value cannot inflate it as it inflates a std). The scale never goes below a noise floor
 `noise_floor / sqrt(sequences per step)`: a small batch's loss is noisier than a large one's, and a
 quiet stretch must not make the bar razor-thin. A loss is a spike above median + `sigma`·scale; a grad
-norm above median + max(`sigma`·scale, log `grad_ratio`). Armed after `warmup` accepted values. Spikes and
+norm above median + max(`sigma`·scale, log `grad_ratio`): clipping bounds its update, so unless the loss
+confirms it (then it is part of the loss spike's event) it is only counted (`stability/grad_spikes`).
+Armed after `warmup` accepted values. Spikes and
 non-finite values (the guard's business) never enter the window. The window is in `state_dict`.
 
 A loss spike opens an *episode* at its step (the onset). If the loss comes back under the bar within
@@ -28,6 +30,7 @@ import lightning as L
 import numpy as np
 
 from steadylm.errors import ConfigError
+from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import emit
 from steadylm.stability.probe import ProbeUser
 from steadylm.stability.suspects import batch_window_ids, rank_suspects, sample_losses, write_suspects
@@ -78,6 +81,8 @@ class SpikeDetector(ProbeUser, L.Callback):
         self.stats = {s: RobustWindow(self.window) for s in self.signals}
         self.episode: dict | None = None  # the loss spike under way: onset step, values, the onset batch
         self.sequences = 1  # per optimizer step, all ranks (sets the noise floor)
+        self.grad_spikes = 0  # grad-norm spikes the loss did not confirm (`stability/grad_spikes`)
+        self.last_grad_spike: dict | None = None
 
     # -- the statistic ----------------------------------------------------------------------------------------
     def bar(self, signal: str) -> float | None:
@@ -115,17 +120,18 @@ class SpikeDetector(ProbeUser, L.Callback):
         if "grad_norm" in self.stats:
             grad_bar = self.bar("grad_norm")
             if grad_bar is not None and m.grad_norm > grad_bar:
-                # Clipping bounds the update; the loss did not confirm it, so it only goes on the record.
-                emit(trainer, m.step, "grad_spike", "log", {
-                    "value": m.grad_norm, "threshold": grad_bar, "loss": m.loss, "loss_threshold": loss_bar,
-                    "batch": [batch_window_ids(trainer, i) for i in m.batch_idx]})
+                # Clipping bounds the update and the loss did not confirm it: counted in the metrics, no event
+                # (small-batch runs have them while perfectly healthy).
+                self.grad_spikes += 1
+                self.last_grad_spike = {"step": m.step, "value": m.grad_norm, "threshold": grad_bar}
             elif m.grad_norm > 0:
                 self.stats["grad_norm"].add(math.log(m.grad_norm))
         if "loss" in self.stats and m.loss > 0:
             self.stats["loss"].add(math.log(m.loss))
 
     def _open(self, trainer, pl_module, optimizer, m, bar: float) -> None:
-        self.episode = {"onset": m.step, "bar": bar, "values": [m.loss], "grad_norm": m.grad_norm,
+        grad_bar = self.bar("grad_norm") if "grad_norm" in self.stats else None
+        self.episode = {"onset": m.step, "bar": bar, "values": [m.loss], "grad_norm": m.grad_norm, "grad_bar": grad_bar,
                         "batches": m.batches, "batch_idx": m.batch_idx}
         self.suite.suspect_steps.add(m.step)
         if self.action == "skip":
@@ -137,6 +143,8 @@ class SpikeDetector(ProbeUser, L.Callback):
         ep = self.episode
         ep["values"].append(m.loss)
         self.suite.suspect_steps.add(m.step)
+        if ep.get("reported"):
+            return  # `action: log`: a persisting spike is reported once, and watched until the loss is back
         if self.action == "skip":
             self.suite.probe.skip(trainer, pl_module, m)
         if len(ep["values"]) >= self.patience:
@@ -144,6 +152,7 @@ class SpikeDetector(ProbeUser, L.Callback):
 
     def _detail(self, trainer, ep: dict) -> dict:
         return {"value": ep["values"][0], "threshold": ep["bar"], "sigma": self.sigma, "grad_norm": ep["grad_norm"],
+                "grad_spike": ep["grad_bar"] is not None and ep["grad_norm"] > ep["grad_bar"],
                 "steps_above": len(ep["values"]), "peak": max(ep["values"]),
                 "batch": [batch_window_ids(trainer, i) for i in ep["batch_idx"]]}
 
@@ -163,6 +172,8 @@ class SpikeDetector(ProbeUser, L.Callback):
     def _recovered(self, trainer, pl_module, m) -> None:
         """The loss came back under the bar at `m.step`: a one-off, logged with its cause and suspects."""
         ep, self.episode = self.episode, None
+        if ep.get("reported"):
+            return
         detail = self._detail(trainer, ep)
         snap = self.suite.recovery.newest_good(before=ep["onset"]) if self.suite.recovery else None
         evidence = self._suspects(trainer, pl_module, ep, snap, snap.step if snap else None)
@@ -177,11 +188,15 @@ class SpikeDetector(ProbeUser, L.Callback):
              {**detail, "cause": cause, "evidence": why, "recovered_at": m.step, **evidence})
 
     def _persisted(self, trainer, pl_module, optimizer, m) -> None:
-        ep, self.episode = self.episode, None
+        ep = self.episode
         detail = self._detail(trainer, ep)
         if self.action == "log" or optimizer is None:
-            emit(trainer, ep["onset"], "loss_spike", "log", {**detail, "cause": "inconclusive", "persisting": True})
+            ep["reported"] = True
+            emit(trainer, ep["onset"], "loss_spike", "log", {
+                **detail, "cause": "inconclusive", "persisting": True,
+                "evidence": f"above the bar for {len(ep['values'])} steps; not rolled back (callbacks.spike.action=log)"})
             return
+        self.episode = None
         recovery = self.suite.recovery
         restored = recovery.rollback(trainer, pl_module, optimizer, ep["onset"])
         if restored is None:
@@ -206,15 +221,21 @@ class SpikeDetector(ProbeUser, L.Callback):
         emit(trainer, ep["onset"], "loss_spike", "rollback", {**detail, "cause": cause, "evidence": why, **evidence})
         emit(trainer, m.step, "rollback", "rollback", {**restored, "cause": "loss_spike", "onset": ep["onset"]})
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.grad_spikes and will_log(trainer):
+            write_metrics(trainer, {"stability/grad_spikes": float(self.grad_spikes)})
+
     def on_suite_end(self, trainer, pl_module) -> None:
-        if self.episode is not None:  # training ended inside an episode: report it as it stands
+        if self.episode is not None and not self.episode.get("reported"):  # ended inside an episode: report it
             ep, self.episode = self.episode, None
             emit(trainer, ep["onset"], "loss_spike", "log", {**self._detail(trainer, ep), "cause": "inconclusive",
                                                             "evidence": "training ended before the loss came back"})
 
     def state_dict(self) -> dict:
-        return {"values": self.window_state(), "sequences": self.sequences}
+        return {"values": self.window_state(), "sequences": self.sequences, "grad_spikes": self.grad_spikes}
 
     def load_state_dict(self, state: dict) -> None:
         self.load_window_state(state.get("values", {}))
         self.sequences = int(state.get("sequences", 1))
+        self.grad_spikes = int(state.get("grad_spikes", 0))
