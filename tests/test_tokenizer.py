@@ -135,3 +135,14 @@ def test_tiktoken_needs_the_extra_or_works():
     assert (tok.vocab_size, tok.eos_id) == (50257, 50256)
     assert tok.decode(tok.encode("hello world") + [tok.eos_id]) == "hello world"
     assert isinstance(tok.token_bytes(), np.ndarray)
+
+
+def test_tokenizer_of_run_loads_bpe_from_the_runs_data_dir(bpe, tmp_path):
+    from steadylm.data.tokenizer import tokenizer_of_run
+
+    assert isinstance(tokenizer_of_run({"tokenizer": "bytes"}), ByteTokenizer)
+    save_tokenizer(bpe, tmp_path)
+    tok = tokenizer_of_run({"tokenizer": "bpe", "config": {"data": {"dir": str(tmp_path)}}})
+    assert tok.encode(TEXT) == bpe.encode(TEXT)
+    with pytest.raises(SteadyError, match="tokenizer.json, which is missing"):
+        tokenizer_of_run({"tokenizer": "bpe", "config": {"data": {"dir": str(tmp_path / "gone")}}})

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from steadylm import checkpointing
-from steadylm.data.tokenizer import Tokenizer, get_tokenizer
+from steadylm.data.tokenizer import Tokenizer, tokenizer_of_run
 from steadylm.cli import run_command
 from steadylm.model import GPT
 
@@ -32,7 +32,7 @@ class GenerateArgs:
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
     """Rebuild the GPT (the shared loader in `steadylm.checkpointing`) and its tokenizer from a training checkpoint."""
     model, meta = checkpointing.load_checkpoint(path, device)
-    return model, get_tokenizer(meta["tokenizer"])
+    return model, tokenizer_of_run(meta)  # bpe: the tokenizer.json prepare saved in the run's data.dir
 
 
 @torch.no_grad()

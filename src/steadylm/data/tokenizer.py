@@ -321,3 +321,24 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
     if isinstance(obj, dict) and _is_bytes_spec(obj):
         return ByteTokenizer(path=p)
     return HFTokenizer.from_file(p, name=str(p))
+
+
+def tokenizer_of_run(meta: dict) -> Tokenizer:
+    """The tokenizer a training run used, from its checkpoint's `steadylm` metadata.
+
+    `meta["tokenizer"]` is the `data.tokenizer` spec the shards recorded; `bpe` (and any spec whose file is
+    gone) is loaded from `tokenizer.json` in the run's `data.dir`, where prepare saved it.
+    """
+    spec = str(meta.get("tokenizer") or "bytes")
+    data_dir = ((meta.get("config") or {}).get("data") or {}).get("dir")
+    saved = Path(str(data_dir)).expanduser() / TOKENIZER_FILE if data_dir else None
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec != "bpe" and not (saved is not None and saved.is_file()):
+        return get_tokenizer(spec)
+    if saved is None or not saved.is_file():
+        raise SteadyError(
+            f"the run's tokenizer ({spec!r}) was saved as {saved or 'data.dir/tokenizer.json'}, which is missing; "
+            "re-run prepare with the run's data settings or copy tokenizer.json back"
+        )
+    return load_tokenizer(saved)
