@@ -9,8 +9,9 @@ For each preset (default `tiny` and `llama_tiny`), on the same batch:
 It prints tokens/s of each; steadylm / raw in tokens/s (the cost of the training framework on that
 family), as the median of per-step ratios, each Lightning step paired with a raw step run right after
 it; and llama_tiny / tiny in tokens/s for both paths (the cost of the Llama switches themselves): raw
-steps of the presets alternate step by step, steadylm runs alternate by round. Shared machines are
-noisy; pairing cancels most of it, and only the ratios mean anything across machines.
+steps of the presets alternate step by step, and the steadylm ratio is that times the two presets'
+steadylm / raw ratios, so every ratio printed comes from steps that ran back to back. The tokens/s
+columns are plain medians, and on a shared machine they move with its load; the ratios are the result.
 
 Usage: python benchmarks/model_bench.py [--quick] [--rounds N] [--steps N] [--models tiny,llama_tiny]
        [--json FILE] [overrides...]
@@ -121,14 +122,14 @@ def raw_alternating(loops: dict[str, RawLoop], steps: int) -> dict[str, list[flo
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few short rounds, for the test suite; ratios are rough")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=40, help="steps per path per round (the first 3 are not timed)")
+    ap.add_argument("--rounds", type=int, help="default 4 (--quick: 2)")
+    ap.add_argument("--steps", type=int, help="steps per path per round, the first 3 not timed; default 40 (--quick: 8)")
     ap.add_argument("--models", default="tiny,llama_tiny", help="comma-separated model presets; the first is the baseline")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every preset, e.g. data.batch_size=32")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps = 2, 8
+    args.rounds = args.rounds or (2 if args.quick else 4)
+    args.steps = max(args.steps or (8 if args.quick else 40), WARMUP + 1)
     logging.getLogger("lightning").setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     models = args.models.split(",")
@@ -173,10 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
         }
     base = models[0]
     for name in models[1:]:
-        results[name]["vs_" + base] = {
-            "steadylm": results[name]["tokens_per_s"]["steadylm"] / results[base]["tokens_per_s"]["steadylm"],
-            "raw": statistics.median(b / a for a, b in zip(alternating[name], alternating[base])),
-        }
+        raw = statistics.median(b / a for a, b in zip(alternating[name], alternating[base]))
+        # Built from paired measurements only: preset/base on the raw loop (step-by-step alternation), times
+        # each preset's own steadylm/raw (per-step pairs). Dividing medians from different rounds would
+        # compare two moments of a shared machine's load instead.
+        frame = results[name]["steadylm_over_raw"] / results[base]["steadylm_over_raw"]
+        results[name]["vs_" + base] = {"steadylm": raw * frame, "raw": raw}
     report(results, models, "cuda" if gpu else "cpu", args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -47,8 +47,8 @@ class CausalSelfAttention(nn.Module):
         if KV != H:
             # enable_gqa lets the kernel read each k/v head once per group (CUDA flash, CPU): no copies. The
             # CUDA memory-efficient kernel, the one fp32 gets, lacks it and would fall back to the O(T^2)
-            # math path; repeating the heads keeps it.
-            if x.is_cuda and q.dtype == torch.float32:
+            # math path; repeating the heads keeps it. (v, never normalised, has the dtype SDPA will run in.)
+            if x.is_cuda and v.dtype == torch.float32:
                 k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
             else:
                 gqa = {"enable_gqa": True}
