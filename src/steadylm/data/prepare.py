@@ -373,6 +373,7 @@ def prepare(
         if n_docs == 0:
             raise DataError(f"{out}: the input holds no documents (every file empty or skipped); check data.input")
         writers = {s: _SplitWriter(s, stage, tok, spec, int(shard_tokens), tok.token_bytes()) for s in ("train", "val")}
+        t_merge = time.perf_counter()
         _merge(stage, len(metas), writers, every, token_dtype(tok.vocab_size))
         if writers["val"].n_docs == 0 or writers["train"].n_docs == 0:
             raise DataError(
@@ -389,6 +390,7 @@ def prepare(
             if old.name not in new:
                 old.unlink()
         os.replace(stage / "tokenizer.json", out / "tokenizer.json")
+        t_merge = time.perf_counter() - t_merge
         shutil.rmtree(stage, ignore_errors=True)
     except SteadyError:
         shutil.rmtree(stage, ignore_errors=True)  # bad input or settings: the next run starts clean
@@ -417,6 +419,7 @@ def prepare(
         "resumed_units": resumed,
         "num_proc": procs,
         "seconds": seconds,
+        "merge_seconds": t_merge,  # concatenating the encoded units into shards (one process)
         "input_bytes": bytes_in,
     }
     print(
