@@ -130,7 +130,7 @@ PRESETS = [
     ("nan_weight", ["trainer.max_steps=40"], "non-finite forward", 25, "blocks.1.mlp.fc"),
     ("inf_grad", ["trainer.max_steps=40"], "non-finite gradient", 25, "blocks.0.attn.qkv"),
     ("corrupted_batch", ["trainer.max_steps=50"], "bad data batch", 45, "data window"),
-    ("lr_spike", ["trainer.max_steps=40"], "oversized update (LR spike)", 29, "update/param ratio"),
+    ("lr_spike", ["trainer.max_steps=80"], "oversized update (LR spike)", 49, "update/param ratio"),
     ("high_lr", ["trainer.max_steps=40"], "attention logit growth", None, "max attention logit"),
     ("no_clip_no_warmup", ["trainer.max_steps=40", "optim.warmup_steps=0"], "no clipping, no warmup", None,
      "no clipping and no warmup"),

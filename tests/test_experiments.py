@@ -19,8 +19,8 @@ PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment" / "divergence").glob("
 EXPECTED = {
     "nan_weight": [(25, "nonfinite_loss", "skip"), (27, "rollback", "rollback")],
     "inf_grad": [(25, "nonfinite_grad", "skip")],
-    "corrupted_batch": [(45, "loss_spike", "skip")],
-    "lr_spike": [(29, "update_ratio", "log")],
+    "corrupted_batch": [(45, "loss_spike", "log")],
+    "lr_spike": [(49, "update_ratio", "log"), (50, "loss_spike", "rollback"), (None, "rollback", "rollback")],
     "fp16_overflow": [(4, "fp16_skip_streak", "log")],
     "high_lr": [(None, "attn_logit", "log")],
     "no_clip_no_warmup": [(3, "attn_logit", "log")],
@@ -40,7 +40,7 @@ def test_every_divergence_preset_composes_and_builds_its_callbacks(shards_dir, t
     for name in PRESETS:
         cfg = preset_cfg(name, shards_dir, tmp_path / name)
         names = {key for key, node in cfg.callbacks.items() if node is not None}
-        assert {"guard", "spike", "stats", "loss_scale"} <= names, name
+        assert {"guard", "spike", "stats", "loss_scale", "recovery"} <= names, name
         for node in cfg.callbacks.values():
             if node is not None:
                 instantiate(node)
@@ -58,3 +58,10 @@ def test_divergence_preset_is_caught_by_the_suite(name, shards_dir, tmp_path):
     if name == "nan_weight":
         named = [e for e in read_events(tmp_path / "run") if e["kind"] == "nonfinite_loss"]
         assert named and all(e["detail"]["module"] == "blocks.1.mlp.fc" for e in named)
+        rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
+        assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 20
+    if name in ("lr_spike", "corrupted_batch", "inf_grad", "nan_weight"):  # each survives: no stop, status ok
+        assert not any(e["action"] == "stop" for e in read_events(tmp_path / "run")), name
+    if name in ("lr_spike", "corrupted_batch"):
+        spike = [e for e in read_events(tmp_path / "run") if e["kind"] == "loss_spike"][0]
+        assert spike["detail"]["cause"] == ("update" if name == "lr_spike" else "data"), spike
