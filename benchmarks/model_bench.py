@@ -79,22 +79,30 @@ class RawLoop:
         return time.perf_counter() - t
 
 
-class PairedSteps(L.Callback):
-    """Times each Lightning step (batch start to batch end), then runs and times one raw step right after
-    it, outside the Lightning step: a slow spell on a shared machine hits both sides of a pair alike."""
+class StepStart(L.Callback):
+    """First in the callback list: the step's clock starts before any other callback's batch-start hook."""
 
-    def __init__(self, raw: RawLoop) -> None:
-        self.raw = raw
-        self.pairs: list[tuple[float, float]] = []
-        self._t = 0.0
+    def __init__(self) -> None:
+        self.t = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _sync(pl_module.device)
-        self._t = time.perf_counter()
+        self.t = time.perf_counter()
+
+
+class PairedSteps(L.Callback):
+    """Last in the callback list: stops the clock after every other callback's batch-end hook, then runs
+    and times one raw step outside the Lightning step, so a slow spell on a shared machine hits both
+    sides of a pair alike. (Fetching the batch is outside both: the raw loop reuses one batch.)"""
+
+    def __init__(self, raw: RawLoop) -> None:
+        self.raw = raw
+        self.start = StepStart()
+        self.pairs: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         _sync(pl_module.device)
-        lightning = time.perf_counter() - self._t
+        lightning = time.perf_counter() - self.start.t
         self.pairs.append((lightning, self.raw.step()))
 
 
@@ -103,6 +111,7 @@ def paired_run(cfg, objs, batch, steps: int) -> list[tuple[float, float]]:
     set_key(cfg, "trainer.max_steps", steps)
     trainer = build_trainer(cfg)
     paired = PairedSteps(RawLoop(cfg, objs["module"].net, batch))
+    trainer.callbacks.insert(0, paired.start)
     trainer.callbacks.append(paired)
     trainer.fit(objs["module"], datamodule=objs["datamodule"])
     return paired.pairs[WARMUP:]
