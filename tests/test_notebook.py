@@ -17,7 +17,7 @@ def test_notebook_is_stored_without_outputs():
 
 
 @pytest.mark.slow
-def test_notebook_runs_and_names_the_lr_spike(tmp_path):
+def test_notebook_runs_shows_the_default_surviving_and_names_the_lr_spike(tmp_path):
     from nbclient import NotebookClient
 
     # ipykernel's "python3" spec starts `python`, which jupyter_client maps to this interpreter (the venv's).
@@ -27,6 +27,11 @@ def test_notebook_runs_and_names_the_lr_spike(tmp_path):
         o.get("text", "") + str(o.get("data", {}).get("text/markdown", ""))
         for c in nb.cells if c.cell_type == "code" for o in c.outputs
     )
-    assert "onset step 29: oversized update (LR spike)" in text
+    assert "survived: onset step 49: oversized update (LR spike)" in text
+    assert "log_only: onset step 49: oversized update (LR spike)" in text
+    assert "lr spike, action=log" in text and "status: diverged" in text
+    survived = next(line for line in text.splitlines() if line.startswith("lr spike, defaults"))
+    assert "status: ok" in survived
+    assert "rollback rollback" in text and '"source": "memory"' in text
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 6
