@@ -27,6 +27,7 @@ FAMILIES = {
     "llama": (["model=llama_tiny", "model.n_kv_head=2"], "LlamaForCausalLM"),
     "llama-bias-untied": (["model=llama_tiny", "model.n_kv_head=1", "model.bias=true", "model.tie_embeddings=false",
                            "model.rope_theta=500000"], "LlamaForCausalLM"),
+    "llama-qk_norm": (["model=llama_tiny", "model.n_kv_head=2", "model.qk_norm=true"], "Qwen3ForCausalLM"),
 }
 
 
@@ -66,7 +67,11 @@ def test_exported_tokenizer_encodes_like_ours_and_generates(trained):
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"qk_norm": True}, "model.qk_norm=true cannot be exported"),
+    ({"qk_norm": True}, "model.qk_norm=true cannot be exported as GPT2LMHeadModel"),
+    ({"qk_norm": True, "pos": "rope", "norm": "rmsnorm", "mlp": "swiglu"}, "model.bias=true cannot be exported as "
+                                                                          "Qwen3ForCausalLM"),
+    ({"qk_norm": True, "pos": "rope", "mlp": "swiglu", "bias": False}, "model.norm=layernorm cannot be exported as "
+                                                                       "Qwen3ForCausalLM"),
     ({"norm": "rmsnorm"}, "model.norm=rmsnorm cannot be exported as GPT2LMHeadModel"),
     ({"mlp": "swiglu"}, "model.mlp=swiglu cannot be exported as GPT2LMHeadModel"),
     ({"n_kv_head": 2}, "model.n_kv_head=2 cannot be exported as GPT2LMHeadModel"),
@@ -87,7 +92,7 @@ def test_refusal_on_the_command_line_is_one_line_and_exit_2_with_nothing_written
     with pytest.raises(SystemExit) as info:
         main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: model.qk_norm=true cannot be exported")
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: model.qk_norm=true cannot be exported as GPT2LMHeadModel")
     assert not (tmp_path / "hf").exists()
 
 

@@ -4,11 +4,12 @@ The folder loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` a
 `AutoTokenizer.from_pretrained(DIR)`, no custom code: `config.json`, `model.safetensors`,
 `generation_config.json`, `tokenizer.json` (+ `tokenizer_config.json`).
 
-The family follows `model.pos`: learned positions -> `GPT2LMHeadModel`, rotary -> `LlamaForCausalLM`.
+The family follows `model.pos`: learned positions -> `GPT2LMHeadModel`, rotary -> `LlamaForCausalLM`,
+or `Qwen3ForCausalLM` with `model.qk_norm=true` (Qwen3 is Llama plus RMSNorm on each q/k head).
 A switch the chosen class cannot express is refused in one line naming it (exit 2), never approximated:
-GPT-2 has LayerNorm, a GELU MLP and one k/v head per query head; Llama has RMSNorm and SwiGLU; neither
-normalises q and k. What each class does express is mapped exactly: `bias=false` into GPT-2 as zero
-biases, untied embeddings into either as `tie_word_embeddings=false`, grouped k/v heads and biases
+GPT-2 has LayerNorm, a GELU MLP, one k/v head per query head and no QK-norm; Llama and Qwen3 have RMSNorm
+and SwiGLU; Qwen3 has no MLP biases. What each class does express is mapped exactly: `bias=false` into
+GPT-2 as zero biases, untied embeddings as `tie_word_embeddings=false`, grouped k/v heads and biases
 (`attention_bias`, `mlp_bias`) into Llama. Our checkpoint stays the source of truth (as litgpt's does);
 this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
 """
@@ -41,11 +42,12 @@ class ExportArgs:
 
 
 def hf_family(cfg: GPTConfig) -> str:
-    """`gpt2` or `llama`; ConfigError naming the first switch the class cannot express."""
-    if cfg.qk_norm:
+    """`gpt2`, `llama` or `qwen3`; ConfigError naming the first switch the class cannot express."""
+    if cfg.qk_norm and cfg.pos == "learned":
         raise ConfigError(
-            "model.qk_norm=true cannot be exported: neither GPT2LMHeadModel nor LlamaForCausalLM normalises "
-            "queries and keys; a model trained with it needs steadylm's own loader (steadylm.generate)"
+            "model.qk_norm=true cannot be exported as GPT2LMHeadModel (model.pos=learned picks GPT-2, which does not "
+            "normalise queries and keys); with the Llama switches (model.pos=rope model.norm=rmsnorm model.mlp=swiglu "
+            "model.bias=false) it exports as Qwen3ForCausalLM"
         )
     if cfg.pos == "learned":
         need = {"norm": ("layernorm", "LayerNorm"), "mlp": ("gelu", "a GELU MLP")}
@@ -56,15 +58,21 @@ def hf_family(cfg: GPTConfig) -> str:
                 f"GPT-2, which has one key/value head per query head); use model.n_kv_head=null, or the Llama "
                 "switches model.pos=rope model.norm=rmsnorm model.mlp=swiglu"
             )
+    elif cfg.qk_norm:
+        # Qwen3 is Llama plus an RMSNorm on each query and key head, applied before the rotation, as ours is.
+        need = {"norm": ("rmsnorm", "RMSNorm"), "mlp": ("swiglu", "a SwiGLU MLP"), "bias": (False, "no MLP biases")}
+        cls, family = "Qwen3ForCausalLM", "qwen3"
     else:
         need = {"norm": ("rmsnorm", "RMSNorm"), "mlp": ("swiglu", "a SwiGLU MLP")}
         cls, family = "LlamaForCausalLM", "llama"
     for key, (value, what) in need.items():
         if getattr(cfg, key) != value:
+            picked = f"model.pos={cfg.pos}" + (" model.qk_norm=true" if family == "qwen3" else "")
+            show = lambda v: str(v).lower() if isinstance(v, bool) else v  # noqa: E731
             raise ConfigError(
-                f"model.{key}={getattr(cfg, key)} cannot be exported as {cls} (model.pos={cfg.pos} picks it, and it "
-                f"has {what} only); train with model.{key}={value}, or "
-                + ("model.pos=rope for Llama" if family == "llama" else "model.pos=learned for GPT-2")
+                f"model.{key}={show(getattr(cfg, key))} cannot be exported as {cls} ({picked} picks it, and it "
+                f"has {what} only); train with model.{key}={show(value)}, or "
+                + ("model.pos=learned for GPT-2" if family == "gpt2" else "model.pos=rope for Llama")
                 + " with its other switches"
             )
     return family
@@ -107,7 +115,8 @@ def gpt2_state(net: GPT) -> tuple[dict, dict]:
 def llama_state(net: GPT) -> tuple[dict, dict]:
     """(LlamaConfig kwargs, LlamaForCausalLM state_dict): the fused qkv and gate/up matrices split by rows.
 
-    Our rotary layout is Llama's ("rotate half"), so q and k need no permutation.
+    Our rotary layout is Llama's ("rotate half"), so q and k need no permutation. With QK-norm the same
+    names plus `self_attn.q_norm`/`k_norm` are Qwen3's (whose config has no `mlp_bias`).
     """
     c = net.cfg
     sd = net.state_dict()
@@ -123,6 +132,9 @@ def llama_state(net: GPT) -> tuple[dict, dict]:
                 h + f"self_attn.o_proj.{kind}": sd[p + f"attn.proj.{kind}"],
                 h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up, h + f"mlp.down_proj.{kind}": sd[p + f"mlp.proj.{kind}"],
             })
+        if c.qk_norm:
+            out[h + "self_attn.q_norm.weight"] = sd[p + "attn.q_norm.weight"]
+            out[h + "self_attn.k_norm.weight"] = sd[p + "attn.k_norm.weight"]
         out[h + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
         out[h + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
     out["model.norm.weight"] = sd["ln_f.weight"]
@@ -131,8 +143,12 @@ def llama_state(net: GPT) -> tuple[dict, dict]:
         vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu",
         max_position_embeddings=c.context_length, rms_norm_eps=c.norm_eps, rope_theta=float(c.rope_theta),
-        tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout,
+        tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias, attention_dropout=c.dropout,
     )
+    if c.qk_norm:
+        config["use_sliding_window"] = False
+    else:
+        config["mlp_bias"] = c.bias
     return config, out
 
 
@@ -156,8 +172,12 @@ def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.
     family = hf_family(net.cfg)
     kwargs, state = (gpt2_state if family == "gpt2" else llama_state)(net)
     ids = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
-    config = (tf.GPT2Config if family == "gpt2" else tf.LlamaConfig)(**kwargs, **ids)
-    model = (tf.GPT2LMHeadModel if family == "gpt2" else tf.LlamaForCausalLM)(config)
+    names = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    if not hasattr(tf, names[1]):
+        raise SteadyError(f"{names[1]} needs a newer transformers (installed: {tf.__version__}); pip install -U transformers")
+    config = getattr(tf, names[0])(**kwargs, **ids)
+    model = getattr(tf, names[1])(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if net.cfg.tie_embeddings else set()
     if set(missing) - tied or unexpected:  # the mapping above is complete; anything else is a bug here
