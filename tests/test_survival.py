@@ -144,3 +144,29 @@ def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg
                             "callbacks.checkpoint.every_n_train_steps=100000", out=out))
         assert read_events(out) == [], (seed, bs, layers, read_events(out))
         assert objs["module"].skipped_steps == 0
+
+
+def test_two_process_ddp_rolls_back_every_rank_together_from_memory(shards_dir, tmp_path):
+    """A persisting spike (an LR blow-up at step 30) rolls both ranks back to the same snapshot: identical weights."""
+    import json
+    import os
+
+    out = tmp_path / "ddp"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    ddp = "{_target_: lightning.pytorch.strategies.DDPStrategy, timeout: {_target_: datetime.timedelta, seconds: 60}}"
+    args = [
+        "trainer=cpu", "trainer.devices=2", f"trainer.strategy={ddp}", f"data.dir={shards_dir}", f"hydra.run.dir={out}",
+        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
+        "trainer.max_steps=48", "optim.warmup_steps=5", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=8",
+        "trainer.enable_progress_bar=false", "callbacks.spike.warmup=12", "callbacks.recovery.every_n_steps=10",
+        "callbacks.checkpoint.every_n_train_steps=1000", faults({"kind": "lr_spike", "step": 30, "factor": 1000}),
+        f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
+    ]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # the same snapshot restored on both ranks, the same steps skipped
+    rollback = [e["detail"] for e in read_events(out) if e["kind"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 30

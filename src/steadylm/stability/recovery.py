@@ -9,7 +9,9 @@ each rank copies its own shards (`parameters()` are the local shards). A snapsho
 once its own step's measurement (the loss of exactly those weights) is finite and no detector flagged
 it; the last `keep` known-good ones are kept, their buffers reused.
 
-Rollback restores the newest known-good snapshot taken before the trouble began, without touching disk
+Rollback restores the newest known-good snapshot taken before the trouble began (weights, optimizer state,
+RNG, the spike window; the LR follows from the count of applied steps, so an LR backoff outlives it; the
+scheduler state and data position travel for the record), without touching disk
 (a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a resume). The data is
 not rewound: the batches between the snapshot and now are skipped. Every rank takes the same decision
 from the same all-reduced values and restores its own copy, so all ranks roll back together.
@@ -195,6 +197,7 @@ class Recovery(ProbeUser, L.Callback):
                     self._spare = self.good.popleft()
             else:
                 self._spare = c
+        self.suite.suspect_steps.discard(m.step)  # the detectors judged it before this observer (config order)
         if not m.nonfinite:
             self.recent.append(m.loss)
             if len(self.recent) == self.recent.maxlen:
