@@ -99,7 +99,9 @@ def test_refusal_on_the_command_line_is_one_line_and_exit_2_with_nothing_written
 @pytest.mark.parametrize("argv,expected", [
     (["out=x"], "error: ckpt= is required"),
     (["ckpt=/nowhere.ckpt", "out=x"], "error: ckpt=/nowhere.ckpt: no such checkpoint file"),
-    (["ckpt=a", "out=b", "fmt=gguf"], "error: unknown argument 'fmt=gguf'"),
+    (["ckpt=a", "out=b", "fmt=gguf"], "error: fmt is not a config key"),
+    (["ckpt=a", "out=b", "overwrite=maybe"], "error: overwrite='maybe' is not allowed; it must be true or false"),
+    (["ckpt=/nowhere.ckpt", "out=b", "dtype=int8"], "error: dtype='int8' is not allowed; use one of: float32, bfloat16, float16"),
 ])
 def test_bad_arguments_are_one_line(argv, expected, capsys):
     with pytest.raises(SystemExit) as info:

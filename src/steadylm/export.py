@@ -32,10 +32,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class ExportArgs:
-    ckpt: str  # a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)
-    out: str  # the folder to write (created; must be empty unless overwrite=true)
-    dtype: str = "float32"  # float32 | bfloat16 | float16: the dtype of the saved weights
-    overwrite: bool = False  # write into a folder that already has files
+    """The command's keys; their defaults and help live in conf/export.yaml."""
+
+    ckpt: str
+    out: str
+    dtype: str = "float32"
+    overwrite: bool = False
 
 
 # --- which Hugging Face class --------------------------------------------------------------------
@@ -233,54 +235,16 @@ def export(args: ExportArgs) -> Path:
 
 # --- command line ----------------------------------------------------------------------------------
 
-HELP = """usage: python -m steadylm.export ckpt=PATH out=DIR [dtype=float32] [overwrite=false]
-
-Write a Hugging Face folder (GPT2LMHeadModel or LlamaForCausalLM, safetensors, tokenizer) from a
-steadylm training checkpoint. Keys:
-  ckpt       a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)       (required)
-  out        the folder to write                                                   (required)
-  dtype      float32 | bfloat16 | float16: the saved weights' dtype                (float32)
-  overwrite  true: write into a folder that already has files                     (false)
-"""
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(text)
-
-
-def parse_args(argv: list[str]) -> ExportArgs:
-    """`key=value` arguments, the same syntax as train.py overrides."""
-    names = [f.name for f in fields(ExportArgs)]
-    values: dict = {}
-    for arg in argv:
-        key, sep, text = arg.partition("=")
-        if not sep or key not in names:
-            raise SteadyError(f"unknown argument {arg!r}; use key=value with keys: {', '.join(names)} (--help)")
-        try:
-            values[key] = _bool(text) if key == "overwrite" else text
-        except ValueError:
-            raise SteadyError(f"{key}={text!r} is not true or false") from None
-    for key in ("ckpt", "out"):
-        if key not in values:
-            raise SteadyError(f"{key}= is required: python -m steadylm.export ckpt=<run_dir>/checkpoints/last.ckpt out=DIR")
-    return ExportArgs(**values)
-
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(HELP, end="")
-        return
-    try:
-        out = export(parse_args(argv))
-    except SteadyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    print(f"exported to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    """`python -m steadylm.export ckpt=PATH out=DIR [dtype=...] [overwrite=true]` (keys: conf/export.yaml)."""
+    from steadylm.cli import run_command
+
+    def task(cfg) -> None:
+        out = export(ExportArgs(**{f.name: cfg[f.name] for f in fields(ExportArgs)}))
+        print(f"exported to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+    run_command("export", __doc__.split("\n\n")[0], task, argv)
 
 
 if __name__ == "__main__":
