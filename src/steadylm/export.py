@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from steadylm.checkpointing import load_checkpoint
+from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError, SteadyError
 from steadylm.model import GPT, GPTConfig
 
@@ -189,23 +190,14 @@ def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.
     return model.to(dtype).eval()
 
 
-def _tokenizer(meta: dict):
-    """The run's tokenizer: `tokenizer.json` in the run's `data.dir` when present, else by its recorded name."""
-    from steadylm.data.tokenizer import TOKENIZER_FILE, get_tokenizer, load_tokenizer
-
-    data_dir = ((meta.get("config") or {}).get("data") or {}).get("dir")
-    if data_dir and (Path(data_dir) / TOKENIZER_FILE).is_file():
-        return load_tokenizer(data_dir)
-    return get_tokenizer(meta["tokenizer"])
-
-
 def write_tokenizer(tok, out: Path, context_length: int) -> bool:
     """`tokenizer.json` + `tokenizer_config.json` for `AutoTokenizer`; False when `tok` has no such form (tiktoken)."""
     to_hf = getattr(tok, "to_hf", None)
     if to_hf is None:
         return False
-    to_hf().save(str(out / "tokenizer.json"))
-    eos = to_hf().id_to_token(tok.eos_id)
+    hf = to_hf()
+    hf.save(str(out / "tokenizer.json"))
+    eos = hf.id_to_token(tok.eos_id)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # the generic fast tokenizer: tokenizer.json is the whole spec
         "bos_token": eos, "eos_token": eos, "model_max_length": context_length,
@@ -223,13 +215,13 @@ def export(args: ExportArgs) -> Path:
         raise SteadyError(f"out={out} already exists and is not an empty folder; choose another, or pass overwrite=true")
     net, meta = load_checkpoint(args.ckpt)
     hf_family(net.cfg)  # refuse before any work or any file
-    tok = _tokenizer(meta)
+    tok = tokenizer_of_run(meta)  # the run's tokenizer.json in its data.dir, the bytes tokenizer included
     model = to_hf_model(net, eos_id=tok.eos_id, dtype=DTYPES[args.dtype])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # config.json, model.safetensors, generation_config.json
     if not write_tokenizer(tok, out, net.cfg.context_length):
-        print(f"note: tokenizer {tok.name!r} (tiktoken) has no tokenizer.json form here; its ids are the Hub's "
-              f"'openai-community/gpt2' tokenizer's for gpt2", file=sys.stderr)
+        hub = " (the Hub's openai-community/gpt2 tokenizer gives the same ids)" if tok.name == "gpt2" else ""
+        print(f"note: no tokenizer written: tiktoken's {tok.name!r} has no tokenizer.json form here{hub}", file=sys.stderr)
     return out
 
 
