@@ -122,3 +122,30 @@ def test_existing_folder_is_not_overwritten_unless_asked(trained, capsys):
     assert "overwrite=true" in capsys.readouterr().err
     main([f"ckpt={ckpt}", f"out={folder}", "overwrite=true", "dtype=bfloat16"])
     assert json.loads((folder / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+
+
+def test_a_bpe_run_exports_its_trained_tokenizer(tmp_path):
+    from steadylm.data.prepare import prepare
+
+    prepare(input=None, out_dir=tmp_path / "data", tokenizer="bpe", vocab_size=512, max_bytes=200_000,
+            val_fraction=0.05, progress=False)
+    train(compose(["model=llama_tiny", "model.vocab_size=512", *SMALL, f"data.dir={tmp_path / 'data'}",
+                   "data.tokenizer=bpe", f"paths.output_dir={tmp_path / 'run'}"]))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
+    from steadylm.data.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(tmp_path / "data")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok.encode(TEXT, add_special_tokens=False) == ours.encode(TEXT)
+    assert len(ours.encode(TEXT)) < len(TEXT.encode())  # merges were learned and kept
+    assert hf_tok.eos_token_id == ours.eos_id
+
+
+def test_a_tokenizer_without_a_tokenizer_json_form_writes_nothing(tmp_path):
+    from steadylm.export import write_tokenizer
+
+    class Tiktokenish:
+        name, eos_id = "gpt2", 50256
+
+    assert write_tokenizer(Tiktokenish(), tmp_path, 1024) is False and not any(tmp_path.iterdir())
