@@ -204,3 +204,20 @@ def test_first_non_finite_module_is_named_in_the_llama_family(make_cfg, tmp_path
     named = [e for e in events if e["detail"].get("module")]
     assert named and all(e["detail"]["module"] == "blocks.1.mlp.fc" for e in named)
     assert events[-1]["kind"] == "stop"
+
+
+@pytest.mark.parametrize("switch", ["model.pos=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_head=1",
+                                    "model.tie_embeddings=false", "model.bias=false"])
+def test_each_switch_trains_under_the_full_suite_with_qk_norm_z_loss_and_xavier(make_cfg, tmp_path, switch):
+    """The real Trainer, default callbacks: every per-block stat and the attention-logit monitor reported."""
+    from tests.test_stability import FAST, fit
+    from tests.test_train import scalars
+
+    objs = fit(make_cfg(*FAST, switch, "model.qk_norm=true", "optim.z_loss=1e-4", "model.init=xavier"))
+    assert objs["trainer"].global_step == 12 and objs["module"].skipped_steps == 0
+    tags = scalars(tmp_path / "run")
+    assert all(math.isfinite(v) for v in tags["train/loss"]) and "train/z_loss" in tags
+    for i in range(2):
+        for stat in ("grad_norm", "param_norm", "update_ratio", "act_rms", "max_attn_logit"):
+            values = tags[f"stability/{stat}/block_{i}"]
+            assert values and all(math.isfinite(v) and v > 0 for v in values), (stat, i, values)
