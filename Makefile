@@ -21,17 +21,18 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## create .venv and install steadylm with dev extras
 
-DEMO_DATA := data/stdlib-bytes/tokenizer.json
+DEMO_DATA := data/stdlib-bpe/tokenizer.json
 
 data: $(VENV)/.installed ## tokenize the embedded corpus (stdlib sources) into HDF5 shards under data/ (ARGS="data.input=...")
 	$(PY) -m steadylm.data.prepare $(ARGS)
 
 $(DEMO_DATA): | $(VENV)/.installed
-	$(PY) -m steadylm.data.prepare
+	$(PY) -m steadylm.data.prepare experiment=demo
 
-demo: $(VENV)/.installed $(DEMO_DATA) ## fresh clone -> prepared data, a tiny model trained, TensorBoard logs, checkpoint, report
+demo: $(VENV)/.installed $(DEMO_DATA) ## fresh clone -> a BPE trained on the embedded corpus, a tiny model trained on it, TensorBoard logs, checkpoint, samples, report
 	rm -rf logs/demo
-	$(PY) train.py model=tiny trainer.max_steps=300 trainer.val_check_interval=100 optim.warmup_steps=30 hydra.run.dir=logs/demo $(ARGS)
+	$(PY) train.py experiment=demo hydra.run.dir=logs/demo $(ARGS)
+	$(PY) -m steadylm.generate ckpt=logs/demo/checkpoints/last.ckpt prompt='def ' max_new_tokens=80
 	$(PY) -m steadylm.diagnose logs/demo
 	@echo "demo done: logs/demo (make tensorboard RUN=logs/demo)"
 
