@@ -28,6 +28,7 @@ from collections import deque
 
 import lightning as L
 import numpy as np
+from lightning.pytorch.strategies import FSDPStrategy
 
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import will_log, write_metrics
@@ -160,6 +161,8 @@ class SpikeDetector(ProbeUser, L.Callback):
         """Rank the onset batch's samples by their loss on the given (pre-spike) weights; write suspects.jsonl."""
         if not ep["batches"]:
             return {}
+        if weights is not None and isinstance(trainer.strategy, FSDPStrategy):
+            weights, step_of_weights = None, None  # a snapshot holds this rank's shards only: use the live weights
         losses = sample_losses(pl_module, ep["batches"], weights)
         rows = rank_suspects(trainer, ep["onset"], ep["batch_idx"], losses)
         for row in rows:
