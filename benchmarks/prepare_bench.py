@@ -63,7 +63,9 @@ def make_input(path: Path, megabytes: float) -> int:
 def run_measured(code: str, env: dict | None = None) -> tuple[dict, float, float, float]:
     """Run `python -c code` (which prints one JSON line last); returns (result, seconds, peak tree RSS GB, peak one-process GB)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     peak_tree = peak_one = 0
     stop = threading.Event()
 
@@ -147,8 +149,11 @@ def window_check_cost(inp: Path, work: Path) -> dict:
         "print(json.dumps(res))\n"
     )
     r = run_measured(code)[0]
-    return {"checked": min(r["checked"], r["checked2"]), "unchecked": min(r["unchecked"], r["unchecked2"]),
-            "check_only": r["check_only"]}
+    return {
+        "checked": min(r["checked"], r["checked2"]),
+        "unchecked": min(r["unchecked"], r["unchecked2"]),
+        "check_only": r["check_only"],
+    }
 
 
 def best(run, repeats: int, previous: dict | None = None) -> dict:
@@ -164,7 +169,9 @@ def best(run, repeats: int, previous: dict | None = None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a ~40 MB input (seconds), for CI and a first look")
-    ap.add_argument("--size-mb", type=float, default=None, help="input size for the bytes rows (default 1600, quick 40)")
+    ap.add_argument(
+        "--size-mb", type=float, default=None, help="input size for the bytes rows (default 1600, quick 40)"
+    )
     ap.add_argument("--bpe-mb", type=float, default=None, help="input size for the BPE rows (default 48, quick 6)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per row (the fastest is reported)")
     ap.add_argument("--workdir", default=None, help="where to generate the input (default: a temporary folder)")
@@ -177,12 +184,11 @@ def main(argv=None) -> int:
         print(f"prepare_bench: {n} core(s); generating a {size:.0f} MB .jsonl in {work}", file=sys.stderr, flush=True)
         big = work / "big.jsonl"
         make_input(big, size)
-        rows = []
         procs = [1] if n == 1 else [1, n]
         bytes_runs = {}
         for p in procs:
             print(f"prepare_bench: bytes tokenizer, num_proc={p}", file=sys.stderr, flush=True)
-            bytes_runs[p] = best(lambda: prepare_run(big, work / f"out-bytes-{p}", "bytes", p), args.repeats)
+            bytes_runs[p] = best(lambda p=p: prepare_run(big, work / f"out-bytes-{p}", "bytes", p), args.repeats)
 
         small = work / "bpe.jsonl"
         make_input(small, bpe_size)
@@ -194,36 +200,57 @@ def main(argv=None) -> int:
         tok_json = save_tokenizer(train_bpe(texts, 8192), work)
         bpe_runs, ref_runs = {}, {}
         for p in procs:
-            print(f"prepare_bench: BPE, num_proc={p} and tokenizers encode_batch with {p} thread(s)", file=sys.stderr, flush=True)
+            print(
+                f"prepare_bench: BPE, num_proc={p} and tokenizers encode_batch with {p} thread(s)",
+                file=sys.stderr,
+                flush=True,
+            )
             # alternated, best of --repeats each: on a shared machine the load changes between runs
             for _ in range(args.repeats):
-                bpe_runs[p] = best(lambda: prepare_run(small, work / f"out-bpe-{p}", str(tok_json), p), 1, bpe_runs.get(p))
-                ref_runs[p] = best(lambda: reference_encode(small, tok_json, p), 1, ref_runs.get(p))
+                bpe_runs[p] = best(
+                    lambda p=p: prepare_run(small, work / f"out-bpe-{p}", str(tok_json), p), 1, bpe_runs.get(p)
+                )
+                ref_runs[p] = best(lambda p=p: reference_encode(small, tok_json, p), 1, ref_runs.get(p))
         print("prepare_bench: window check cost", file=sys.stderr, flush=True)
         win = window_check_cost(big, work)
 
         gb = os.path.getsize(big) / 1e9
-        print(f"\n## prepare ({gb:.2f} GB .jsonl for bytes, {os.path.getsize(small) / 1e6:.0f} MB for BPE; {n} core(s); "
-              "MB/s = UTF-8 text bytes per wall second of prepare, shards written)\n")
-        print("| tokenizer | processes | prepare MB/s | per process | reference MB/s | prepare / reference | peak RSS tree / one process |")
+        print(
+            f"\n## prepare ({gb:.2f} GB .jsonl for bytes, {os.path.getsize(small) / 1e6:.0f} MB for BPE; {n} core(s); "
+            "MB/s = UTF-8 text bytes per wall second of prepare, shards written)\n"
+        )
+        print(
+            "| tokenizer | processes | prepare MB/s | per process | reference MB/s | prepare / reference | peak RSS tree / one process |"
+        )
         print("|---|---|---|---|---|---|---|")
         for p in procs:
             r = bytes_runs[p]
-            print(f"| bytes | {p} | {r['mb_s']:.1f} | {r['mb_s'] / p:.1f} | – | – | {r['peak_tree_gb']:.2f} / {r['peak_one_gb']:.2f} GB |")
+            print(
+                f"| bytes | {p} | {r['mb_s']:.1f} | {r['mb_s'] / p:.1f} | – | – | {r['peak_tree_gb']:.2f} / {r['peak_one_gb']:.2f} GB |"
+            )
         for p in procs:
             r, ref = bpe_runs[p], ref_runs[p]
-            print(f"| bpe 8192 | {p} | {r['mb_s']:.2f} | {r['mb_s'] / p:.2f} | {ref['mb_s']:.2f} (encode_batch, {p} thread(s)) "
-                  f"| {r['mb_s'] / ref['mb_s']:.2f} | {r['peak_tree_gb']:.2f} / {r['peak_one_gb']:.2f} GB |")
+            print(
+                f"| bpe 8192 | {p} | {r['mb_s']:.2f} | {r['mb_s'] / p:.2f} | {ref['mb_s']:.2f} (encode_batch, {p} thread(s)) "
+                f"| {r['mb_s'] / ref['mb_s']:.2f} | {r['peak_tree_gb']:.2f} / {r['peak_one_gb']:.2f} GB |"
+            )
         if len(procs) > 1:
-            print(f"\nscaling 1 -> {n} cores: bytes x{bytes_runs[n]['mb_s'] / bytes_runs[1]['mb_s']:.2f}, "
-                  f"bpe x{bpe_runs[n]['mb_s'] / bpe_runs[1]['mb_s']:.2f} "
-                  f"(tokenizers encode_batch x{ref_runs[n]['mb_s'] / ref_runs[1]['mb_s']:.2f})")
-        print(f"\nwindow check (T=1024, random windows): read {win['unchecked']:.1f} µs, read + check {win['checked']:.1f} µs; "
-              f"the check alone {win['check_only']:.2f} µs ({win['check_only'] / win['unchecked'] * 100:.1f}% of a read)")
+            print(
+                f"\nscaling 1 -> {n} cores: bytes x{bytes_runs[n]['mb_s'] / bytes_runs[1]['mb_s']:.2f}, "
+                f"bpe x{bpe_runs[n]['mb_s'] / bpe_runs[1]['mb_s']:.2f} "
+                f"(tokenizers encode_batch x{ref_runs[n]['mb_s'] / ref_runs[1]['mb_s']:.2f})"
+            )
+        print(
+            f"\nwindow check (T=1024, random windows): read {win['unchecked']:.1f} µs, read + check {win['checked']:.1f} µs; "
+            f"the check alone {win['check_only']:.2f} µs ({win['check_only'] / win['unchecked'] * 100:.1f}% of a read)"
+        )
         peak = max(r["peak_tree_gb"] for r in list(bytes_runs.values()) + list(bpe_runs.values()))
         ratio = min(bpe_runs[p]["mb_s"] / ref_runs[p]["mb_s"] for p in procs)
         goals = [
-            (f"bytes >= {GOALS['bytes_mb_s_per_process']:.0f} MB/s per process", bytes_runs[1]["mb_s"] >= GOALS["bytes_mb_s_per_process"]),
+            (
+                f"bytes >= {GOALS['bytes_mb_s_per_process']:.0f} MB/s per process",
+                bytes_runs[1]["mb_s"] >= GOALS["bytes_mb_s_per_process"],
+            ),
             (f"bpe >= {GOALS['bpe_vs_tokenizers']}x tokenizers encode_batch", ratio >= GOALS["bpe_vs_tokenizers"]),
             (f"peak RSS < {GOALS['peak_rss_gb']:.0f} GB on a {gb:.2f} GB input", peak < GOALS["peak_rss_gb"]),
         ]

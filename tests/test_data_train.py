@@ -14,9 +14,18 @@ import h5py
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["trainer=cpu", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.context_length=32",
-        "data.batch_size=4", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.enable_progress_bar=false",
-        "logger=none"]
+TINY = [
+    "trainer=cpu",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.d_model=32",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "trainer.max_steps=3",
+    "optim.warmup_steps=1",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+]
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -29,13 +38,26 @@ def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, work
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *TINY, f"data.dir={data}", "data.shuffle=false",
-         f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *TINY,
+            f"data.dir={data}",
+            "data.shuffle=false",
+            f"data.num_workers={workers}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert lines[-1] == (f"error: {bad}: token id 400 at token offset 100 is >= model.vocab_size 320; the shard is "
-                         "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"), lines
+    assert lines[-1] == (
+        f"error: {bad}: token id 400 at token offset 100 is >= model.vocab_size 320; the shard is "
+        "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"
+    ), lines
     assert [ln for ln in lines if ln.startswith("error")] == lines[-1:]

@@ -257,9 +257,17 @@ def test_lightning_fit_sets_epoch_and_keeps_sampler(data_dir):
 
     dm = ShardDataModule(data_dir, batch_size=8, context_length=32)
     model = Tiny()
-    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Snap()])
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Snap()],
+    )
     trainer.fit(model, datamodule=dm)
     # What a checkpoint saved after batch i records: i + 1 batches consumed (not the prefetched count).
     assert Snap.states[(0, 2)] == {"epoch": 0, "batches_done": 3}
@@ -291,7 +299,9 @@ def test_batch_windows_is_what_iter_yields_and_permutation_agrees():
             s.set_epoch(2)
             assert list(s) == [s.batch_windows(i) for i in range(len(s))]
             perm = s.permutation()
-            assert [perm[i * s.global_batch : (i + 1) * s.global_batch][r::W].tolist() for i in range(len(s))] == list(s)
+            assert [perm[i * s.global_batch : (i + 1) * s.global_batch][r::W].tolist() for i in range(len(s))] == list(
+                s
+            )
 
 
 def test_index_over_a_billion_virtual_tokens_has_flat_memory_and_full_coverage():
@@ -301,8 +311,10 @@ def test_index_over_a_billion_virtual_tokens_has_flat_memory_and_full_coverage()
 
     from steadylm.data.shards import ShardInfo
 
-    infos = [ShardInfo(Path(f"train-{i:05d}.h5"), 1_000_000, 50257, 50256, "gpt2", 50256, "uint16", 3_000_000)
-             for i in range(1000)]
+    infos = [
+        ShardInfo(Path(f"train-{i:05d}.h5"), 1_000_000, 50257, 50256, "gpt2", 50256, "uint16", 3_000_000)
+        for i in range(1000)
+    ]
     T = 1024
     tracemalloc.start()
     ds = TokenWindows([i.path for i in infos], T, infos=infos)
@@ -343,12 +355,16 @@ def test_window_with_an_id_beyond_the_model_vocab_is_refused_naming_file_offset_
     paths, _ = _make_shards(tmp_path, [200, 300])
     _poison(paths[1], 77, 256)
     ds = TokenWindows(paths, 16, model_vocab_size=256)
-    with pytest.raises(DataError, match=r"train-00001\.h5: token id 256 at token offset 77 is >= model\.vocab_size 256"):
+    with pytest.raises(
+        DataError, match=r"train-00001\.h5: token id 256 at token offset 77 is >= model\.vocab_size 256"
+    ):
         for i in range(len(ds)):
             ds[i]
     ds = TokenWindows(paths, 16)  # without a model vocab: the shard's own vocab_size bounds ids
     _poison(paths[0], 5, 300)
-    with pytest.raises(DataError, match=r"train-00000\.h5: token id 300 at token offset 5 is >= the shard's vocab_size 257"):
+    with pytest.raises(
+        DataError, match=r"train-00000\.h5: token id 300 at token offset 5 is >= the shard's vocab_size 257"
+    ):
         ds[0]
 
 
@@ -359,8 +375,10 @@ def test_bad_window_in_a_worker_is_one_line(tmp_path):
     loader = DataLoader(ds, batch_sampler=EpochBatchSampler(len(ds), 4, shuffle=False), num_workers=1)
     with pytest.raises(DataError) as e:
         list(loader)
-    assert str(e.value) == (f"{paths[0]}: token id 300 at token offset 100 is >= model.vocab_size 257; the shard is "
-                            "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`")
+    assert str(e.value) == (
+        f"{paths[0]}: token id 300 at token offset 100 is >= model.vocab_size 257; the shard is "
+        "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"
+    )
 
 
 def test_truncated_or_unreadable_data_mid_run_names_the_file(tmp_path):
@@ -404,8 +422,15 @@ def test_prepared_shards_give_val_bytes(tmp_path):
 def test_bpe_shards_accepted_by_the_datamodule(tmp_path):
     from steadylm.data.prepare import prepare
 
-    prepare(out_dir=tmp_path / "b", max_bytes=80_000, val_fraction=0.2, tokenizer="bpe", vocab_size=400,
-            num_proc=1, progress=False)
+    prepare(
+        out_dir=tmp_path / "b",
+        max_bytes=80_000,
+        val_fraction=0.2,
+        tokenizer="bpe",
+        vocab_size=400,
+        num_proc=1,
+        progress=False,
+    )
     dm = ShardDataModule(tmp_path / "b", context_length=32, tokenizer="bpe", model_vocab_size=448, batch_size=2)
     x, y = next(iter(dm.train_dataloader()))
     assert dm.vocab_size == 400 and dm.eos_id == 0 and int(x.max()) < 400

@@ -53,7 +53,9 @@ def test_prepare_txt_and_jsonl(tmp_path, corpus):
         assert info.tokenizer == "bytes" and info.vocab_size == 257 and info.dtype == "uint16"
         assert info.n_tokens <= 100 and info.format_version == 2
     # n_bytes: the UTF-8 bytes of the text behind each split's tokens
-    assert sum(read_shard_info(p).n_bytes for p in val) == sum(len(d.encode()) for i, d in enumerate(docs) if i % 4 == 0)
+    assert sum(read_shard_info(p).n_bytes for p in val) == sum(
+        len(d.encode()) for i, d in enumerate(docs) if i % 4 == 0
+    )
     assert summary["bytes"]["train"] == sum(len(d.encode()) for i, d in enumerate(docs) if i % 4 != 0)
     # Document i goes to val when i % round(1/0.25) == 0.
     assert _docs_from_shards(val, tok) == [d for i, d in enumerate(docs) if i % 4 == 0]
@@ -73,7 +75,9 @@ def test_prepare_glob_and_list(tmp_path, corpus):
 
 def test_prepare_embedded_corpus_small(tmp_path, capsys):
     files = stdlib_files()
-    assert files and not any(part in {"site-packages", "test", "tests", "idlelib", "lib2to3"} for f in files for part in f.parts[-3:-1])
+    assert files and not any(
+        part in {"site-packages", "test", "tests", "idlelib", "lib2to3"} for f in files for part in f.parts[-3:-1]
+    )
     out = tmp_path / "std"
     s = prepare(out_dir=out, max_bytes=300_000, val_fraction=0.1, progress=False)
     assert s["documents"]["val"] >= 1 and s["tokens"]["train"] > 0
@@ -111,17 +115,30 @@ def test_failed_prepare_leaves_out_dir_untouched(tmp_path, corpus):
         (lambda d: d / "missing.txt", r"missing\.txt: data\.input file not found"),
         (lambda d: str(d / "*.nothing"), r"\*\.nothing: data\.input pattern matches no files"),
         (lambda d: (d / "x.csv").write_text("a") and d / "x.csv", r"x\.csv: unsupported input type"),
-        (lambda d: (d / "bad.jsonl").write_text('{"txt": 1}\n') and d / "bad.jsonl", r"bad\.jsonl:1: no string field 'text'"),
+        (
+            lambda d: (d / "bad.jsonl").write_text('{"txt": 1}\n') and d / "bad.jsonl",
+            r"bad\.jsonl:1: no string field 'text'",
+        ),
         (lambda d: (d / "latin.txt").write_bytes(b"caf\xe9") and d / "latin.txt", r"latin\.txt: is not UTF-8"),
         (lambda d: (d / "empty").mkdir() or d / "empty", r"empty: data\.input folder holds no"),
         (lambda d: (d / "zero.txt").write_bytes(b"") or d / "zero.txt", r"zero\.txt: input file is empty"),
         (lambda d: (d / "zero.jsonl").write_bytes(b"") or d / "zero.jsonl", r"zero\.jsonl: input file is empty"),
-        (lambda d: (d / "bin.txt").write_bytes(b"ELF\x00\x01\x02") and d / "bin.txt", r"bin\.txt: looks binary \(NUL byte at byte 3\)"),
-        (lambda d: (d / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 500)[:60]) and d / "c.jsonl.gz",
-         r"c\.jsonl\.gz: corrupt compressed stream"),
-        (lambda d: (d / "c.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage") and d / "c.jsonl.zst",
-         r"c\.jsonl\.zst: corrupt compressed stream"),
-        (lambda d: (d / "p.parquet").write_bytes(b"PAR1 not really") and d / "p.parquet", r"p\.parquet: not a readable parquet file"),
+        (
+            lambda d: (d / "bin.txt").write_bytes(b"ELF\x00\x01\x02") and d / "bin.txt",
+            r"bin\.txt: looks binary \(NUL byte at byte 3\)",
+        ),
+        (
+            lambda d: (d / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 500)[:60]) and d / "c.jsonl.gz",
+            r"c\.jsonl\.gz: corrupt compressed stream",
+        ),
+        (
+            lambda d: (d / "c.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage") and d / "c.jsonl.zst",
+            r"c\.jsonl\.zst: corrupt compressed stream",
+        ),
+        (
+            lambda d: (d / "p.parquet").write_bytes(b"PAR1 not really") and d / "p.parquet",
+            r"p\.parquet: not a readable parquet file",
+        ),
     ],
 )
 def test_bad_input(tmp_path, make, pattern):
@@ -152,9 +169,23 @@ def test_bad_val_fraction(tmp_path, corpus):
 
 
 def test_parse_overrides():
-    kw = parse_overrides(["data.dir=/x", "data.input=[a.txt, b.jsonl]", "data.val_fraction=0.1",
-                          "data.shard_tokens=5", "data.max_bytes=null", "data.batch_size=4"])
-    assert kw == {"out_dir": "/x", "input": ["a.txt", "b.jsonl"], "val_fraction": 0.1, "shard_tokens": 5, "max_bytes": None}
+    kw = parse_overrides(
+        [
+            "data.dir=/x",
+            "data.input=[a.txt, b.jsonl]",
+            "data.val_fraction=0.1",
+            "data.shard_tokens=5",
+            "data.max_bytes=null",
+            "data.batch_size=4",
+        ]
+    )
+    assert kw == {
+        "out_dir": "/x",
+        "input": ["a.txt", "b.jsonl"],
+        "val_fraction": 0.1,
+        "shard_tokens": 5,
+        "max_bytes": None,
+    }
     with pytest.raises(ConfigError, match="model.x"):
         parse_overrides(["model.x=1"])
 
@@ -197,7 +228,9 @@ def mixed(tmp_path):
     (d / "a.jsonl").write_text("\n".join(map(line, docs[:150])) + "\n")
     with gzip.open(d / "b.jsonl.gz", "wt") as f:
         f.write("\n".join(map(line, docs[150:250])) + "\n")
-    (d / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(("\n".join(map(line, docs[250:350])) + "\n").encode()))
+    (d / "c.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(("\n".join(map(line, docs[250:350])) + "\n").encode())
+    )
     pq.write_table(pa.table({"body": docs[350:590], "n": list(range(240))}), d / "d.parquet", row_group_size=50)
     for i, t in enumerate(docs[590:]):
         (d / f"e{i}.txt").write_text(t)
@@ -220,8 +253,12 @@ def test_datasets_save_to_disk_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
     docs = _texts(40)
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:20]}),
-                          "test": datasets.Dataset.from_dict({"text": docs[20:]})}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": docs[:20]}),
+            "test": datasets.Dataset.from_dict({"text": docs[20:]}),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
     prepare(input=tmp_path / "ds", out_dir=tmp_path / "o1", val_fraction=0.25, progress=False)
     assert sorted(sum(_all_docs(tmp_path / "o1"), [])) == sorted(docs)
     prepare(input=tmp_path / "dd", out_dir=tmp_path / "o2", val_fraction=0.25, progress=False)  # its train split
@@ -288,8 +325,16 @@ def test_shards_are_byte_identical_for_every_num_proc(tmp_path, mixed, monkeypat
     monkeypatch.setattr(readers, "UNIT_BYTES", 4000)  # ~10 units, so the pool really runs
     runs = {}
     for n in (1, 2, 3):
-        s = prepare(input=d, out_dir=tmp_path / f"p{n}", text_field="body", tokenizer=tokenizer, vocab_size=300,
-                    shard_tokens=5000, num_proc=n, progress=False)
+        s = prepare(
+            input=d,
+            out_dir=tmp_path / f"p{n}",
+            text_field="body",
+            tokenizer=tokenizer,
+            vocab_size=300,
+            shard_tokens=5000,
+            num_proc=n,
+            progress=False,
+        )
         assert s["num_proc"] == n and s["units"] >= 8
         runs[n] = _digest(tmp_path / f"p{n}")
     assert runs[1] == runs[2] == runs[3]
@@ -324,8 +369,16 @@ def test_interrupted_prepare_leaves_nothing_and_resumes(tmp_path, mixed, monkeyp
     monkeypatch.setattr(prep, "encode_unit", dies_at_third)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
-        prepare(input=d, out_dir=out, text_field="body", val_fraction=0.2, tokenizer="bpe", vocab_size=300,
-                num_proc=1, progress=False)
+        prepare(
+            input=d,
+            out_dir=out,
+            text_field="body",
+            val_fraction=0.2,
+            tokenizer="bpe",
+            vocab_size=300,
+            num_proc=1,
+            progress=False,
+        )
     monkeypatch.setattr(prep, "encode_unit", real)
     s = prepare(input=d, out_dir=out, text_field="body", num_proc=1, progress=False, shard_tokens=777)
     assert s["resumed_units"] == 0 or s["resumed_units"] == s["units"]
@@ -334,8 +387,16 @@ def test_interrupted_prepare_leaves_nothing_and_resumes(tmp_path, mixed, monkeyp
 
 def test_bpe_end_to_end_and_tokenizer_json_reuse(tmp_path, mixed):
     d, docs = mixed
-    s = prepare(input=d, out_dir=tmp_path / "bpe", text_field="body", tokenizer="bpe", vocab_size=320,
-                val_fraction=0.1, num_proc=1, progress=False)
+    s = prepare(
+        input=d,
+        out_dir=tmp_path / "bpe",
+        text_field="body",
+        tokenizer="bpe",
+        vocab_size=320,
+        val_fraction=0.1,
+        num_proc=1,
+        progress=False,
+    )
     tok = load_tokenizer(tmp_path / "bpe")
     assert (s["vocab_size"], tok.vocab_size, tok.eos_id) == (320, 320, 0)
     info = read_shard_info(tmp_path / "bpe" / "val-00000.h5")
@@ -346,17 +407,38 @@ def test_bpe_end_to_end_and_tokenizer_json_reuse(tmp_path, mixed):
     assert sum(s["tokens"].values()) < 0.6 * sum(len(t.encode()) for t in docs)
     # the saved tokenizer.json as data.tokenizer: the same ids
     spec = str(tmp_path / "bpe" / "tokenizer.json")
-    s2 = prepare(input=d, out_dir=tmp_path / "again", text_field="body", tokenizer=spec, val_fraction=0.1,
-                 num_proc=1, progress=False)
+    s2 = prepare(
+        input=d,
+        out_dir=tmp_path / "again",
+        text_field="body",
+        tokenizer=spec,
+        val_fraction=0.1,
+        num_proc=1,
+        progress=False,
+    )
     assert s2["tokens"] == s["tokens"]
     assert read_shard_info(tmp_path / "again" / "val-00000.h5").tokenizer == spec
 
 
 def test_parse_overrides_new_keys():
-    kw = parse_overrides(["data.text_field=body", "data.vocab_size=4096", "data.num_proc=3",
-                          "data.on_bad_record=skip", "data.tokenizer=bpe", "data.bpe_sample_bytes=1000"])
-    assert kw == {"text_field": "body", "vocab_size": 4096, "num_proc": 3, "on_bad_record": "skip",
-                  "tokenizer": "bpe", "bpe_sample_bytes": 1000}
+    kw = parse_overrides(
+        [
+            "data.text_field=body",
+            "data.vocab_size=4096",
+            "data.num_proc=3",
+            "data.on_bad_record=skip",
+            "data.tokenizer=bpe",
+            "data.bpe_sample_bytes=1000",
+        ]
+    )
+    assert kw == {
+        "text_field": "body",
+        "vocab_size": 4096,
+        "num_proc": 3,
+        "on_bad_record": "skip",
+        "tokenizer": "bpe",
+        "bpe_sample_bytes": 1000,
+    }
     with pytest.raises(ConfigError, match="data.on_bad_record='maybe' must be error or skip"):
         prepare(input="x", out_dir="y", on_bad_record="maybe")
 
@@ -364,8 +446,19 @@ def test_parse_overrides_new_keys():
 def test_cli_composes_the_config_and_exits_2_on_bad_input(tmp_path, corpus, capsys):
     src, _ = corpus
     out = tmp_path / "cli"
-    assert main([f"data.dir={out}", f"data.input={src}", "data.val_fraction=0.25", "data.num_proc=1",
-                 "data.tokenizer=bpe", "data.vocab_size=300"]) == 0
+    assert (
+        main(
+            [
+                f"data.dir={out}",
+                f"data.input={src}",
+                "data.val_fraction=0.25",
+                "data.num_proc=1",
+                "data.tokenizer=bpe",
+                "data.vocab_size=300",
+            ]
+        )
+        == 0
+    )
     assert 257 < read_shard_info(out / "train-00000.h5").vocab_size <= 300  # a tiny corpus runs out of merges
     (src / "bin.txt").write_bytes(b"\x00\x00")
     capsys.readouterr()

@@ -28,8 +28,12 @@ def test_round_trip_dtype_and_attrs(tmp_path, vocab, dtype):
         assert ds.chunks == (65536,) and ds.compression is None
         np.testing.assert_array_equal(ds[:], toks)
         assert dict(f.attrs) == {
-            "format_version": 1, "vocab_size": vocab, "eos_id": vocab - 1, "tokenizer": "t",
-            "n_tokens": 200_000, "max_token_id": vocab - 1,
+            "format_version": 1,
+            "vocab_size": vocab,
+            "eos_id": vocab - 1,
+            "tokenizer": "t",
+            "n_tokens": 200_000,
+            "max_token_id": vocab - 1,
         }
     read = read_shard_info(p, deep=True)
     assert read == info
@@ -125,8 +129,14 @@ def _raw(path, data, attrs=None, **create):
     with h5py.File(path, "w") as f:
         if data is not None:
             f.create_dataset("tokens", data=data, **create)
-        base = {"format_version": 1, "vocab_size": 257, "eos_id": 256, "tokenizer": "bytes",
-                "n_tokens": 0 if data is None else len(data), "max_token_id": 0 if data is None or not len(data) else int(np.max(data))}
+        base = {
+            "format_version": 1,
+            "vocab_size": 257,
+            "eos_id": 256,
+            "tokenizer": "bytes",
+            "n_tokens": 0 if data is None else len(data),
+            "max_token_id": 0 if data is None or not len(data) else int(np.max(data)),
+        }
         base.update(attrs or {})
         for k, v in base.items():
             if v is not None:

@@ -45,7 +45,9 @@ def test_bytes_tokenizer_json_is_a_hugging_face_tokenizer_with_the_same_ids(tmp_
 def test_bytes_tokenizer_json_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     save_tokenizer(ByteTokenizer(), tmp_path)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token="<|endoftext|>"
+    )
     plain = TEXT.replace("<|endoftext|>", "")
     assert fast.encode(plain, add_special_tokens=False) == list(plain.encode())
     assert fast.eos_token_id == 256

@@ -14,10 +14,10 @@ from pathlib import Path
 import lightning as L
 from torch.utils.data import DataLoader
 
+from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
-from steadylm.compat import batches_processed
 from steadylm.errors import DataError
 
 PREPARE_HINT = "run `make data` or `python -m steadylm.data.prepare data.dir={dir}`"
@@ -78,9 +78,7 @@ class ShardDataModule(L.LightningDataModule):
     def _discover(self, split: str) -> list[Path]:
         files = sorted(self.dir.glob(f"{split}-*.h5"))
         if not files:
-            raise DataError(
-                f"{self.dir}: no {split} shards ({split}-*.h5) found; " + PREPARE_HINT.format(dir=self.dir)
-            )
+            raise DataError(f"{self.dir}: no {split} shards ({split}-*.h5) found; " + PREPARE_HINT.format(dir=self.dir))
         return files
 
     def _validate(self, infos: list[ShardInfo]) -> None:
@@ -128,10 +126,12 @@ class ShardDataModule(L.LightningDataModule):
         for split, inf in infos.items():
             self._check_windows(split, inf)
         self.infos = infos
-        self.train_set = TokenWindows(paths["train"], self.context_length, infos=infos["train"],
-                                      model_vocab_size=self.model_vocab_size)
-        self.val_set = TokenWindows(paths["val"], self.context_length, infos=infos["val"],
-                                    model_vocab_size=self.model_vocab_size)
+        self.train_set = TokenWindows(
+            paths["train"], self.context_length, infos=infos["train"], model_vocab_size=self.model_vocab_size
+        )
+        self.val_set = TokenWindows(
+            paths["val"], self.context_length, infos=infos["val"], model_vocab_size=self.model_vocab_size
+        )
         if self.drop_last and len(self.train_set) < self.batch_size * self._world()[1]:
             raise DataError(
                 f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch "
@@ -159,8 +159,13 @@ class ShardDataModule(L.LightningDataModule):
         self.setup("fit")
         rank, world = self._world()
         self._train_sampler = EpochBatchSampler(
-            len(self.train_set), self.batch_size, rank=rank, world_size=world,
-            seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+            len(self.train_set),
+            self.batch_size,
+            rank=rank,
+            world_size=world,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
         )
         if self._pending_state is not None:
             self._train_sampler.load_state_dict(self._pending_state)
@@ -171,8 +176,13 @@ class ShardDataModule(L.LightningDataModule):
         self.setup("validate")
         rank, world = self._world()
         sampler = EpochBatchSampler(
-            len(self.val_set), self.batch_size, rank=rank, world_size=world,
-            seed=self.seed, shuffle=False, drop_last=False,
+            len(self.val_set),
+            self.batch_size,
+            rank=rank,
+            world_size=world,
+            seed=self.seed,
+            shuffle=False,
+            drop_last=False,
         )
         return self._loader(self.val_set, sampler)
 

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from itertools import chain, islice
 from pathlib import Path
-from typing import Iterable, Iterator
 
-import multiprocessing as mp
 import numpy as np
 from tqdm import tqdm
 
@@ -144,8 +144,9 @@ def encode_unit(job: dict) -> dict:
                     n_docs += 1
             batch.clear()
 
-        for text, end in read_unit(unit, text_field=job["text_field"], lenient=job["lenient"],
-                                   skip=job["skip"], stats=stats):
+        for text, end in read_unit(
+            unit, text_field=job["text_field"], lenient=job["lenient"], skip=job["skip"], stats=stats
+        ):
             batch.append((text, end))
             chars += len(text)
             if chars >= BATCH_CHARS:
@@ -161,8 +162,14 @@ def encode_unit(job: dict) -> dict:
         n_tokens += 1
     np.asarray(lens, dtype=np.int64).tofile(len_path)
     os.replace(tok_path.with_suffix(".tok.partial"), tok_path)
-    meta = {"k": k, "docs": n_docs, "tokens": n_tokens, "bytes_in": unit.nbytes,
-            "skipped": stats.skipped, "first_skip": stats.first_skip}
+    meta = {
+        "k": k,
+        "docs": n_docs,
+        "tokens": n_tokens,
+        "bytes_in": unit.nbytes,
+        "skipped": stats.skipped,
+        "first_skip": stats.first_skip,
+    }
     meta_path.with_suffix(".json.partial").write_text(json.dumps(meta))
     os.replace(meta_path.with_suffix(".json.partial"), meta_path)
     return meta
@@ -221,8 +228,14 @@ class _SplitWriter:
         else:
             n_bytes = int(np.take(self.token_bytes, data).sum(dtype=np.int64))
         name = f"{self.split}-{len(self.names):05d}.h5"
-        write_shard(self.stage / name, data, vocab_size=self.tok.vocab_size, eos_id=self.tok.eos_id,
-                    tokenizer=self.spec, n_bytes=n_bytes)
+        write_shard(
+            self.stage / name,
+            data,
+            vocab_size=self.tok.vocab_size,
+            eos_id=self.tok.eos_id,
+            tokenizer=self.spec,
+            n_bytes=n_bytes,
+        )
         self.names.append(name)
         self.n_tokens += int(data.size)
         self.n_bytes += n_bytes
@@ -282,8 +295,10 @@ def _make_tokenizer(spec: str, vocab_size, stage: Path, pieces, bpe_sample_bytes
             return load_tokenizer(stage)
         vocab = DEFAULT_BPE_VOCAB if vocab_size is None else int(vocab_size)
         if progress:
-            print(f"prepare: training a byte-level BPE (vocab {vocab}) on up to {bpe_sample_bytes / 1e6:.0f} MB of the input",
-                  file=sys.stderr)
+            print(
+                f"prepare: training a byte-level BPE (vocab {vocab}) on up to {bpe_sample_bytes / 1e6:.0f} MB of the input",
+                file=sys.stderr,
+            )
         texts = (t for t, _ in cap_pieces(pieces(), bpe_sample_bytes))
         tok = train_bpe(texts, vocab)
     else:
@@ -335,8 +350,16 @@ def prepare(
     skip = on_bad_record == "skip"
 
     out = Path(out_dir).expanduser()
-    settings = {"format": FORMAT_VERSION, "tokenizer": spec, "vocab_size": vocab_size, "text_field": text_field,
-                "lenient": lenient, "skip": skip, "max_bytes": max_bytes, "bpe_sample_bytes": bpe_sample_bytes}
+    settings = {
+        "format": FORMAT_VERSION,
+        "tokenizer": spec,
+        "vocab_size": vocab_size,
+        "text_field": text_field,
+        "lenient": lenient,
+        "skip": skip,
+        "max_bytes": max_bytes,
+        "bpe_sample_bytes": bpe_sample_bytes,
+    }
     if spec not in ("bytes", "bpe") and Path(spec).expanduser().is_file():
         settings["tokenizer_sha"] = hashlib.sha256(Path(spec).expanduser().read_bytes()).hexdigest()
     key = _fingerprint(inputs, settings)
@@ -348,7 +371,9 @@ def prepare(
         stage = out / (STAGE_PREFIX + key)
         (stage / "units").mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"{out}: output folder is not writable ({e.strerror or e}); set data.dir to a writable folder") from None
+        raise DataError(
+            f"{out}: output folder is not writable ({e.strerror or e}); set data.dir to a writable folder"
+        ) from None
 
     def units() -> Iterator[Unit]:
         if max_bytes is None:
@@ -357,8 +382,11 @@ def prepare(
 
     def capped() -> Iterator[tuple[str, bool]]:
         stats = ReadStats()
-        pieces = (p for u in plan_units(inputs, text_field)
-                  for p in read_unit(u, text_field=text_field, lenient=lenient, skip=skip, stats=stats))
+        pieces = (
+            p
+            for u in plan_units(inputs, text_field)
+            for p in read_unit(u, text_field=text_field, lenient=lenient, skip=skip, stats=stats)
+        )
         return cap_pieces(pieces, max_bytes)
 
     def all_pieces() -> Iterator[tuple[str, bool]]:
@@ -367,8 +395,17 @@ def prepare(
     t0 = time.perf_counter()
     try:
         tok = _make_tokenizer(spec, vocab_size, stage, all_pieces, int(bpe_sample_bytes), progress)
-        metas, resumed, procs = _encode_all(units(), stage, text_field, lenient, skip, procs, progress, out.name,
-                                            pool_min_units=4 if isinstance(tok, ByteTokenizer) else 2)
+        metas, resumed, procs = _encode_all(
+            units(),
+            stage,
+            text_field,
+            lenient,
+            skip,
+            procs,
+            progress,
+            out.name,
+            pool_min_units=4 if isinstance(tok, ByteTokenizer) else 2,
+        )
         n_docs = sum(m["docs"] for m in metas)
         if n_docs == 0:
             raise DataError(f"{out}: the input holds no documents (every file empty or skipped); check data.input")
@@ -396,8 +433,10 @@ def prepare(
         shutil.rmtree(stage, ignore_errors=True)  # bad input or settings: the next run starts clean
         raise
     except OSError as e:
-        raise DataError(f"{out}: could not write prepared data ({e.strerror or e}); free space or fix permissions, "
-                        "then re-run (it resumes)") from None
+        raise DataError(
+            f"{out}: could not write prepared data ({e.strerror or e}); free space or fix permissions, "
+            "then re-run (it resumes)"
+        ) from None
     # Anything else (Ctrl-C, a killed worker) leaves the staging folder for the next identical run to resume.
 
     seconds = time.perf_counter() - t0
@@ -433,16 +472,33 @@ def prepare(
     return summary
 
 
-def _encode_all(units: Iterator[Unit], stage: Path, text_field: str, lenient: bool, skip: bool, procs: int,
-                progress: bool, label: str, pool_min_units: int = 2) -> tuple[list[dict], int, int]:
+def _encode_all(
+    units: Iterator[Unit],
+    stage: Path,
+    text_field: str,
+    lenient: bool,
+    skip: bool,
+    procs: int,
+    progress: bool,
+    label: str,
+    pool_min_units: int = 2,
+) -> tuple[list[dict], int, int]:
     """Encode every unit (skipping those a previous identical run finished).
 
     Returns their metas in order, the number resumed, and the number of processes used.
     """
     metas: dict[int, dict] = {}
     resumed = 0
-    bar = tqdm(desc=f"prepare {label}", unit="B", unit_scale=True, file=sys.stderr, disable=not progress,
-               dynamic_ncols=True, mininterval=0.5, delay=1.0)  # delay: a quick failure prints only its error
+    bar = tqdm(
+        desc=f"prepare {label}",
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        delay=1.0,
+    )  # delay: a quick failure prints only its error
     docs = tokens = 0
 
     def done(meta: dict) -> None:
@@ -464,8 +520,15 @@ def _encode_all(units: Iterator[Unit], stage: Path, text_field: str, lenient: bo
                     continue
                 except (OSError, ValueError, KeyError):
                     pass
-            yield {"stage": str(stage), "k": k, "unit": unit, "tok_dir": str(stage), "text_field": text_field,
-                   "lenient": lenient, "skip": skip}
+            yield {
+                "stage": str(stage),
+                "k": k,
+                "unit": unit,
+                "tok_dir": str(stage),
+                "text_field": text_field,
+                "lenient": lenient,
+                "skip": skip,
+            }
 
     # Starting a process takes ~0.5 s: worth it only with several units (bytes encodes ~150 MB/s inline).
     units = iter(units)
@@ -618,8 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
-              file=sys.stderr)
+        print(
+            "prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

@@ -23,9 +23,9 @@ import io
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from steadylm.errors import DataError
 
@@ -53,7 +53,9 @@ def _arrow_files(folder: Path, probe: bool = False) -> list[Path]:
         try:
             splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
         except (OSError, ValueError, KeyError, TypeError):
-            raise DataError(f"{folder / 'dataset_dict.json'}: unreadable dataset_dict.json; re-save the dataset") from None
+            raise DataError(
+                f"{folder / 'dataset_dict.json'}: unreadable dataset_dict.json; re-save the dataset"
+            ) from None
         splits = ["train"] if "train" in splits else list(splits)
         return [f for s in splits for f in _arrow_files(folder / s, probe)]
     state = folder / "state.json"
@@ -64,7 +66,9 @@ def _arrow_files(folder: Path, probe: bool = False) -> list[Path]:
     try:
         names = [d["filename"] for d in json.loads(state.read_text())["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
-        raise DataError(f"{state}: unreadable state.json (not a `datasets` save_to_disk folder?); re-save the dataset") from None
+        raise DataError(
+            f"{state}: unreadable state.json (not a `datasets` save_to_disk folder?); re-save the dataset"
+        ) from None
     return [folder / n for n in names]
 
 
@@ -75,7 +79,7 @@ def resolve_inputs(input) -> list[tuple[str, Path | str]]:
     for item in items:
         s = str(item)
         if s.startswith(HF_PREFIX):
-            out.append(("hub", s[len(HF_PREFIX):]))
+            out.append(("hub", s[len(HF_PREFIX) :]))
             continue
         if glob.has_magic(s):
             matches = [Path(m) for m in sorted(glob.glob(os.path.expanduser(s), recursive=True))]
@@ -138,7 +142,9 @@ def plan_units(inputs: list[tuple[str, Path | str]], text_field: str = "text") -
                 group, group_bytes = [], 0
         elif kind == "jsonl":
             for start in range(0, max(size, 1), UNIT_BYTES):
-                yield Unit(kind, (str(path),), start, min(start + UNIT_BYTES, size), nbytes=min(UNIT_BYTES, size - start))
+                yield Unit(
+                    kind, (str(path),), start, min(start + UNIT_BYTES, size), nbytes=min(UNIT_BYTES, size - start)
+                )
         elif kind == "parquet":
             pf = _parquet(path)
             n = pf.metadata.num_row_groups
@@ -176,7 +182,9 @@ def _size(path) -> int:
     try:
         return os.path.getsize(path)
     except OSError as e:
-        raise DataError(f"{path}: cannot read input file ({e.strerror or e}); check it exists and is readable") from None
+        raise DataError(
+            f"{path}: cannot read input file ({e.strerror or e}); check it exists and is readable"
+        ) from None
 
 
 def _parquet(path):
@@ -185,24 +193,32 @@ def _parquet(path):
     try:
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
-        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0]}); check the file") from None
+        raise DataError(
+            f"{path}: not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0]}); check the file"
+        ) from None
 
 
 def _hub_documents(name: str, text_field: str) -> Iterator[tuple[str, bool]]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"hf:{name}: reading a hub dataset needs the datasets extra: pip install 'steadylm[datasets]'") from None
+        raise DataError(
+            f"hf:{name}: reading a hub dataset needs the datasets extra: pip install 'steadylm[datasets]'"
+        ) from None
     try:
         ds = datasets.load_dataset(name, split="train", streaming=True)
     except Exception as e:
-        raise DataError(f"hf:{name}: could not open the hub dataset ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                        "check the name and the network") from None
+        raise DataError(
+            f"hf:{name}: could not open the hub dataset ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "check the name and the network"
+        ) from None
     for i, row in enumerate(ds):
         text = row.get(text_field) if isinstance(row, dict) else None
         if not isinstance(text, str):
-            raise DataError(f"hf:{name}: row {i} has no string field {text_field!r} (data.text_field); "
-                            f"its fields are {', '.join(row) if isinstance(row, dict) else type(row).__name__}")
+            raise DataError(
+                f"hf:{name}: row {i} has no string field {text_field!r} (data.text_field); "
+                f"its fields are {', '.join(row) if isinstance(row, dict) else type(row).__name__}"
+            )
         yield text, True
 
 
@@ -319,8 +335,10 @@ class _Reader:
                 try:
                     line = stream.readline()
                 except (OSError, EOFError, zlib.error, ValueError) as e:
-                    self.bad(f"{path}: corrupt compressed stream after line {records} "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'truncated'})")
+                    self.bad(
+                        f"{path}: corrupt compressed stream after line {records} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'truncated'})"
+                    )
                     return
                 except Exception as e:  # zstandard.ZstdError
                     if type(e).__name__ != "ZstdError":
@@ -341,7 +359,9 @@ class _Reader:
                     self.bad(f"{path}:{lineno or _line_at(path, start)}: is not UTF-8 text ({e.reason})")
                     continue
                 except ValueError as e:
-                    self.bad(f"{path}:{lineno or _line_at(path, start)}: invalid JSON ({e}); each line must be one JSON object")
+                    self.bad(
+                        f"{path}:{lineno or _line_at(path, start)}: invalid JSON ({e}); each line must be one JSON object"
+                    )
                     continue
                 text = obj.get(self.field) if type(obj) is dict else None
                 if type(text) is str:
@@ -356,7 +376,9 @@ class _Reader:
         path = unit.paths[0]
         pf = _parquet(path)
         if self.field not in pf.schema_arrow.names:
-            self.bad(f"{path}: no column {self.field!r} (data.text_field); columns are {', '.join(pf.schema_arrow.names)}")
+            self.bad(
+                f"{path}: no column {self.field!r} (data.text_field); columns are {', '.join(pf.schema_arrow.names)}"
+            )
             return
         row = sum(pf.metadata.row_group(i).num_rows for i in range(unit.start))
         for rg in range(unit.start, unit.end):
@@ -381,7 +403,9 @@ class _Reader:
             self.bad(f"{path}: not a readable Arrow file ({type(e).__name__}: {str(e).splitlines()[0]})")
             return
         if self.field not in reader.schema.names:
-            self.bad(f"{path}: no column {self.field!r} (data.text_field); columns are {', '.join(reader.schema.names)}")
+            self.bad(
+                f"{path}: no column {self.field!r} (data.text_field); columns are {', '.join(reader.schema.names)}"
+            )
             return
         col, row = reader.schema.get_field_index(self.field), 0
         try:
@@ -396,7 +420,9 @@ class _Reader:
     def _column(self, path, column, first_row: int, what: str) -> Iterator[tuple[str, bool]]:
         for i, value in enumerate(column.to_pylist()):
             if not isinstance(value, str):
-                self.bad(f"{path}: {what} {first_row + i}: field {self.field!r} is {type(value).__name__}, not a string")
+                self.bad(
+                    f"{path}: {what} {first_row + i}: field {self.field!r} is {type(value).__name__}, not a string"
+                )
                 continue
             yield value, True
 
@@ -428,8 +454,9 @@ def _line_at(path: str, offset: int) -> int:
     return n + 1
 
 
-def read_unit(unit: Unit, *, text_field: str = "text", lenient: bool = False, skip: bool = False,
-              stats: ReadStats | None = None) -> Iterator[tuple[str, bool]]:
+def read_unit(
+    unit: Unit, *, text_field: str = "text", lenient: bool = False, skip: bool = False, stats: ReadStats | None = None
+) -> Iterator[tuple[str, bool]]:
     """Yield `(text, ends_document)` for a unit, in order; a long `.txt` comes in several pieces."""
     r = _Reader(text_field, lenient, skip, stats if stats is not None else ReadStats())
     if unit.kind == "txt":

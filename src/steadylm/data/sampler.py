@@ -81,7 +81,7 @@ class _EpochHook:
     """Lightning calls `set_epoch` on `loader.sampler` and `loader.batch_sampler.sampler`, never on
     the batch sampler itself; exposing this as `.sampler` routes that call to us."""
 
-    def __init__(self, owner: "EpochBatchSampler"):
+    def __init__(self, owner: EpochBatchSampler):
         self.owner = owner
 
     def set_epoch(self, epoch: int) -> None:

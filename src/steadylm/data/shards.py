@@ -66,7 +66,9 @@ def write_shard(
     try:
         arr = np.asarray(tokens)
         if arr.ndim != 1 or arr.size == 0:
-            raise DataError(f"{path}: refusing to write a shard of shape {arr.shape}; tokens must be a non-empty 1-D array")
+            raise DataError(
+                f"{path}: refusing to write a shard of shape {arr.shape}; tokens must be a non-empty 1-D array"
+            )
         if arr.dtype.kind not in "ui":
             raise DataError(f"{path}: refusing to write tokens of dtype {arr.dtype}; token ids must be integers")
         lo, hi = int(arr.min()), int(arr.max())
@@ -106,8 +108,17 @@ def write_shard(
             f"{path}: could not write shard ({type(e).__name__}: {e}); nothing was left behind, "
             "free disk space or fix the output folder and re-run prepare"
         ) from e
-    return ShardInfo(path, int(data.size), int(vocab_size), int(eos_id), str(tokenizer), hi, dtype.name,
-                     None if n_bytes is None else int(n_bytes), version)
+    return ShardInfo(
+        path,
+        int(data.size),
+        int(vocab_size),
+        int(eos_id),
+        str(tokenizer),
+        hi,
+        dtype.name,
+        None if n_bytes is None else int(n_bytes),
+        version,
+    )
 
 
 def _attr(f: h5py.File, path: Path, name: str):
@@ -140,7 +151,9 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
             if ds.ndim != 1:
                 raise DataError(f"{path}: {DATASET!r} has shape {ds.shape} but must be 1-D; {fix}")
             if ds.dtype.kind != "u":
-                raise DataError(f"{path}: {DATASET!r} has dtype {ds.dtype} but token ids must be unsigned integers; {fix}")
+                raise DataError(
+                    f"{path}: {DATASET!r} has dtype {ds.dtype} but token ids must be unsigned integers; {fix}"
+                )
             n = int(ds.shape[0])
             if n == 0:
                 raise DataError(f"{path}: {DATASET!r} is empty (0 tokens); delete it or {fix}")
@@ -158,9 +171,13 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
             n_tokens = int(_attr(f, path, "n_tokens"))
             max_id = int(_attr(f, path, "max_token_id"))
             if n_tokens != n:
-                raise DataError(f"{path}: attribute n_tokens={n_tokens} but {DATASET!r} holds {n} tokens (incomplete write?); {fix}")
+                raise DataError(
+                    f"{path}: attribute n_tokens={n_tokens} but {DATASET!r} holds {n} tokens (incomplete write?); {fix}"
+                )
             if max_id >= vocab_size:
-                raise DataError(f"{path}: max_token_id {max_id} >= vocab_size {vocab_size} (out-of-vocabulary ids); {fix}")
+                raise DataError(
+                    f"{path}: max_token_id {max_id} >= vocab_size {vocab_size} (out-of-vocabulary ids); {fix}"
+                )
             if not 0 <= eos_id < vocab_size:
                 raise DataError(f"{path}: eos_id {eos_id} is outside vocab_size {vocab_size}; {fix}")
             if ds.compression is not None:
@@ -172,7 +189,9 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
             if deep:
                 real_max = scan_tokens(ds, path, vocab_size, "vocab_size", progress=progress)
                 if real_max != max_id:
-                    raise DataError(f"{path}: attribute max_token_id={max_id} but the largest id stored is {real_max}; {fix}")
+                    raise DataError(
+                        f"{path}: attribute max_token_id={max_id} but the largest id stored is {real_max}; {fix}"
+                    )
             dtype = ds.dtype.name
     except DataError:
         raise
@@ -192,7 +211,9 @@ def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> i
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=n, desc=f"scan {Path(path).name}", unit="tok", unit_scale=True, leave=False, dynamic_ncols=True)
+        bar = tqdm(
+            total=n, desc=f"scan {Path(path).name}", unit="tok", unit_scale=True, leave=False, dynamic_ncols=True
+        )
     try:
         for start in range(0, n, _SCAN_BLOCK):
             try:
@@ -232,8 +253,10 @@ def open_tokens(path) -> h5py.Dataset:
     try:
         ds = f[DATASET]
         if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype.kind != "u":
-            raise DataError(f"{path}: {DATASET!r} is not a 1-D unsigned-integer dataset "
-                            f"({getattr(ds, 'dtype', type(ds).__name__)}); {fix}")
+            raise DataError(
+                f"{path}: {DATASET!r} is not a 1-D unsigned-integer dataset "
+                f"({getattr(ds, 'dtype', type(ds).__name__)}); {fix}"
+            )
         return ds
     except KeyError:
         f.close()

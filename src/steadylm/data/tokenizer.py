@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -126,13 +127,15 @@ class HFTokenizer:
         self.eos_id = int(eos)
 
     @classmethod
-    def from_file(cls, path, *, name: str | None = None) -> "HFTokenizer":
+    def from_file(cls, path, *, name: str | None = None) -> HFTokenizer:
         path = Path(path)
         tk = _hf_tokenizers()
         try:
             tok = tk.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception subclass for every parse error
-            raise DataError(f"{path}: not a loadable tokenizer.json ({str(e).splitlines()[0]}); check data.tokenizer") from None
+            raise DataError(
+                f"{path}: not a loadable tokenizer.json ({str(e).splitlines()[0]}); check data.tokenizer"
+            ) from None
         return cls(tok, name=name or str(path), path=path)
 
     def encode(self, text: str) -> list[int]:
@@ -311,7 +314,10 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
         raise SteadyError(f"{p}: not a valid tokenizer.json ({e}); re-run prepare to rewrite it") from None
     if isinstance(obj, dict) and "name" in obj and "model" not in obj:  # the short form (older shards, tiktoken)
         tok = get_tokenizer(obj["name"])
-        if (int(obj.get("vocab_size", tok.vocab_size)), int(obj.get("eos_id", tok.eos_id))) != (tok.vocab_size, tok.eos_id):
+        if (int(obj.get("vocab_size", tok.vocab_size)), int(obj.get("eos_id", tok.eos_id))) != (
+            tok.vocab_size,
+            tok.eos_id,
+        ):
             raise SteadyError(
                 f"{p}: vocab_size/eos_id {obj.get('vocab_size')}/{obj.get('eos_id')} do not match "
                 f"tokenizer {obj['name']!r} ({tok.vocab_size}/{tok.eos_id}); re-run prepare"

@@ -40,8 +40,14 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
     how = "every token rescanned" if deep else "attrs only; --deep rescans tokens"
     n = sum(i.n_tokens for i in infos)
     versions = "/".join(str(v) for v in sorted({i.format_version for i in infos}))
-    return [Check("data: shards", OK, f"{len(infos)} shards in {folder} open, format {versions}, {n:,} tokens, vocab "
-                                      f"{infos[0].vocab_size}, max id {max(i.max_token_id for i in infos)} ({how})")]
+    return [
+        Check(
+            "data: shards",
+            OK,
+            f"{len(infos)} shards in {folder} open, format {versions}, {n:,} tokens, vocab "
+            f"{infos[0].vocab_size}, max id {max(i.max_token_id for i in infos)} ({how})",
+        )
+    ]
 
 
 def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, torch.Tensor] | None]:
@@ -49,17 +55,30 @@ def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, 
     dm = instantiate(cfg.data)
     dm.setup("fit")
     T, V = dm.context_length, cfg.model.vocab_size
-    rows = [Check("data: fits the model", OK,
-                  f"shard vocab {dm.vocab_size} <= model.vocab_size {V}, tokenizer {dm.tokenizer_name}; "
-                  f"{len(dm.train_set):,} train / {len(dm.val_set):,} val windows of {T + 1} tokens")]
+    rows = [
+        Check(
+            "data: fits the model",
+            OK,
+            f"shard vocab {dm.vocab_size} <= model.vocab_size {V}, tokenizer {dm.tokenizer_name}; "
+            f"{len(dm.train_set):,} train / {len(dm.val_set):,} val windows of {T + 1} tokens",
+        )
+    ]
     t = cfg.trainer
     ranks = (int(t.devices) if str(t.devices).isdigit() else 1) * int(t.get("num_nodes", 1))
     per_step = dm.batch_size * int(t.get("accumulate_grad_batches", 1)) * ranks
     epochs = int(t.max_steps) * per_step / len(dm.train_set)
-    evidence = f"{t.max_steps} steps x {per_step} windows ({ranks} rank(s)) = {epochs:.2f} epochs of {len(dm.train_set):,}"
+    evidence = (
+        f"{t.max_steps} steps x {per_step} windows ({ranks} rank(s)) = {epochs:.2f} epochs of {len(dm.train_set):,}"
+    )
     if epochs > 20:
-        rows.append(Check("data: enough tokens", WARN, f"{evidence}: each window is seen {epochs:.0f} times (overfits)",
-                          "prepare more data or lower trainer.max_steps"))
+        rows.append(
+            Check(
+                "data: enough tokens",
+                WARN,
+                f"{evidence}: each window is seen {epochs:.0f} times (overfits)",
+                "prepare more data or lower trainer.max_steps",
+            )
+        )
     else:
         rows.append(Check("data: enough tokens", OK, evidence))
     n = min(dm.batch_size, 4)
