@@ -54,10 +54,18 @@ class RawLoop:
         self.device = next(net.parameters()).device
         self.x, self.y = (t.to(self.device) for t in batch)
         o = cfg.optim
-        self.opt = torch.optim.AdamW(net.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                     weight_decay=o.weight_decay, fused=self.device.type in ("cuda", "cpu"))
+        self.opt = torch.optim.AdamW(
+            net.parameters(),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=self.device.type in ("cuda", "cpu"),
+        )
         bf16 = str(cfg.trainer.precision).startswith("bf16")
-        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        )
         self.clip = cfg.trainer.gradient_clip_val
 
     def step(self) -> float:
@@ -132,8 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few short rounds, for the test suite; ratios are rough")
     ap.add_argument("--rounds", type=int, help="default 4 (--quick: 2)")
-    ap.add_argument("--steps", type=int, help="steps per path per round, the first 3 not timed; default 40 (--quick: 8)")
-    ap.add_argument("--models", default="tiny,llama_tiny", help="comma-separated model presets; the first is the baseline")
+    ap.add_argument(
+        "--steps", type=int, help="steps per path per round, the first 3 not timed; default 40 (--quick: 8)"
+    )
+    ap.add_argument(
+        "--models", default="tiny,llama_tiny", help="comma-separated model presets; the first is the baseline"
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every preset, e.g. data.batch_size=32")
     args = ap.parse_args(argv)
@@ -146,16 +158,28 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shards"
-        prepare(input=None, out_dir=data, max_bytes=300_000 if args.quick else 2_000_000, val_fraction=0.05, progress=False)
+        prepare(
+            input=None, out_dir=data, max_bytes=300_000 if args.quick else 2_000_000, val_fraction=0.05, progress=False
+        )
         setups = {}
         for name in models:
-            cfg = compose([
-                f"model={name}", f"trainer={'gpu' if gpu else 'cpu'}", f"trainer.precision={'bf16-mixed' if gpu else '32-true'}",
-                f"data.dir={data}", f"paths.output_dir={Path(tmp) / name}", "logger=none", "trainer.limit_val_batches=0",
-                "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "optim.warmup_steps=1",
-                "callbacks.checkpoint.every_n_train_steps=100000", "callbacks.checkpoint.save_last=false",
-                *args.overrides,
-            ])
+            cfg = compose(
+                [
+                    f"model={name}",
+                    f"trainer={'gpu' if gpu else 'cpu'}",
+                    f"trainer.precision={'bf16-mixed' if gpu else '32-true'}",
+                    f"data.dir={data}",
+                    f"paths.output_dir={Path(tmp) / name}",
+                    "logger=none",
+                    "trainer.limit_val_batches=0",
+                    "trainer.enable_progress_bar=false",
+                    "trainer.enable_model_summary=false",
+                    "optim.warmup_steps=1",
+                    "callbacks.checkpoint.every_n_train_steps=100000",
+                    "callbacks.checkpoint.save_last=false",
+                    *args.overrides,
+                ]
+            )
             objs = build(cfg)
             batch = next(iter(objs["datamodule"].train_dataloader()))
             setups[name] = (cfg, objs, batch)
@@ -175,10 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
         tokens = batch[0].numel()
         lightning, raw = zip(*pairs[name])
         results[name] = {
-            "params": objs["module"].net.num_params(), "tokens_per_step": tokens,
+            "params": objs["module"].net.num_params(),
+            "tokens_per_step": tokens,
             "tokens_per_s": {"steadylm": tokens / statistics.median(lightning), "raw": tokens / statistics.median(raw)},
             # per-pair ratios: each pair ran back to back under the same machine load
-            "steadylm_over_raw": statistics.median(r / l for l, r in pairs[name]),
+            "steadylm_over_raw": statistics.median(raw_t / lit_t for lit_t, raw_t in pairs[name]),
             "raw_alternating_tokens_per_s": tokens / statistics.median(alternating[name]),
         }
     base = models[0]
@@ -197,16 +222,22 @@ def main(argv: list[str] | None = None) -> dict:
 
 def report(results: dict, models: list[str], device: str, args) -> None:
     base = models[0]
-    print(f"\nmodel_bench on {device}: median of {args.rounds} rounds x {args.steps - WARMUP} timed steps per path"
-          + (" (--quick: rough)" if args.quick else ""))
-    print(f"{'model':<14}{'params':>12}{'steadylm tok/s':>17}{'raw tok/s':>12}{'steadylm/raw':>14}"
-          f"{'  tok/s vs ' + base + ' (steadylm, raw)':>34}")
+    print(
+        f"\nmodel_bench on {device}: median of {args.rounds} rounds x {args.steps - WARMUP} timed steps per path"
+        + (" (--quick: rough)" if args.quick else "")
+    )
+    print(
+        f"{'model':<14}{'params':>12}{'steadylm tok/s':>17}{'raw tok/s':>12}{'steadylm/raw':>14}"
+        f"{'  tok/s vs ' + base + ' (steadylm, raw)':>34}"
+    )
     for name in models:
         r = results[name]
         vs = r.get("vs_" + base)
         rel = f"{vs['steadylm']:.3f}, {vs['raw']:.3f}" if vs else "1, 1"
-        print(f"{name:<14}{r['params']:>12,}{r['tokens_per_s']['steadylm']:>17,.0f}{r['tokens_per_s']['raw']:>12,.0f}"
-              f"{r['steadylm_over_raw']:>14.3f}{rel:>34}")
+        print(
+            f"{name:<14}{r['params']:>12,}{r['tokens_per_s']['steadylm']:>17,.0f}{r['tokens_per_s']['raw']:>12,.0f}"
+            f"{r['steadylm_over_raw']:>14.3f}{rel:>34}"
+        )
     sys.stdout.flush()
 
 

@@ -18,15 +18,34 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 TEXT = "def f(x):\n    return x ** 2  # héllo, wörld — 日本語 ✓\n\n\tclass A: pass"
-SMALL = ["trainer=cpu", "model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.context_length=32",
-         "data.batch_size=4", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.val_check_interval=3",
-         "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "callbacks=minimal"]
+SMALL = [
+    "trainer=cpu",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=32",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "trainer.max_steps=3",
+    "optim.warmup_steps=1",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false",
+    "callbacks=minimal",
+]
 FAMILIES = {
     "gpt2": ([], "GPT2LMHeadModel"),
     "gpt2-nobias-untied": (["model.bias=false", "model.tie_embeddings=false"], "GPT2LMHeadModel"),
     "llama": (["model=llama_tiny", "model.n_kv_head=2"], "LlamaForCausalLM"),
-    "llama-bias-untied": (["model=llama_tiny", "model.n_kv_head=1", "model.bias=true", "model.tie_embeddings=false",
-                           "model.rope_theta=500000"], "LlamaForCausalLM"),
+    "llama-bias-untied": (
+        [
+            "model=llama_tiny",
+            "model.n_kv_head=1",
+            "model.bias=true",
+            "model.tie_embeddings=false",
+            "model.rope_theta=500000",
+        ],
+        "LlamaForCausalLM",
+    ),
     "llama-qk_norm": (["model=llama_tiny", "model.n_kv_head=2", "model.qk_norm=true"], "Qwen3ForCausalLM"),
 }
 
@@ -43,7 +62,9 @@ def trained(request, shards_dir, tmp_path_factory):
 
 def test_exported_folder_loads_in_transformers_and_logits_equal_ours(trained):
     ckpt, folder, cls = trained
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in folder.iterdir()
+    }
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(hf).__name__ == cls
     ours, tok = load_checkpoint(ckpt)
@@ -66,18 +87,25 @@ def test_exported_tokenizer_encodes_like_ours_and_generates(trained):
     assert out.shape == (1, ids.shape[1] + 5)
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"qk_norm": True}, "model.qk_norm=true cannot be exported as GPT2LMHeadModel"),
-    ({"qk_norm": True, "pos": "rope", "norm": "rmsnorm", "mlp": "swiglu"}, "model.bias=true cannot be exported as "
-                                                                          "Qwen3ForCausalLM"),
-    ({"qk_norm": True, "pos": "rope", "mlp": "swiglu", "bias": False}, "model.norm=layernorm cannot be exported as "
-                                                                       "Qwen3ForCausalLM"),
-    ({"norm": "rmsnorm"}, "model.norm=rmsnorm cannot be exported as GPT2LMHeadModel"),
-    ({"mlp": "swiglu"}, "model.mlp=swiglu cannot be exported as GPT2LMHeadModel"),
-    ({"n_kv_head": 2}, "model.n_kv_head=2 cannot be exported as GPT2LMHeadModel"),
-    ({"pos": "rope", "mlp": "swiglu"}, "model.norm=layernorm cannot be exported as LlamaForCausalLM"),
-    ({"pos": "rope", "norm": "rmsnorm"}, "model.mlp=gelu cannot be exported as LlamaForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"qk_norm": True}, "model.qk_norm=true cannot be exported as GPT2LMHeadModel"),
+        (
+            {"qk_norm": True, "pos": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
+            "model.bias=true cannot be exported as Qwen3ForCausalLM",
+        ),
+        (
+            {"qk_norm": True, "pos": "rope", "mlp": "swiglu", "bias": False},
+            "model.norm=layernorm cannot be exported as Qwen3ForCausalLM",
+        ),
+        ({"norm": "rmsnorm"}, "model.norm=rmsnorm cannot be exported as GPT2LMHeadModel"),
+        ({"mlp": "swiglu"}, "model.mlp=swiglu cannot be exported as GPT2LMHeadModel"),
+        ({"n_kv_head": 2}, "model.n_kv_head=2 cannot be exported as GPT2LMHeadModel"),
+        ({"pos": "rope", "mlp": "swiglu"}, "model.norm=layernorm cannot be exported as LlamaForCausalLM"),
+        ({"pos": "rope", "norm": "rmsnorm"}, "model.mlp=gelu cannot be exported as LlamaForCausalLM"),
+    ],
+)
 def test_a_switch_the_class_cannot_express_is_refused_naming_it(kw, message):
     with pytest.raises(ConfigError, match=message):
         hf_family(GPTConfig(n_head=4, d_model=32, **kw))
@@ -87,22 +115,38 @@ def test_refusal_on_the_command_line_is_one_line_and_exit_2_with_nothing_written
     cfg = dict(n_layer=1, n_head=2, d_model=16, context_length=8, vocab_size=320, qk_norm=True)
     net = GPT(GPTConfig(**cfg))
     ckpt = tmp_path / "qk.ckpt"
-    torch.save({"hyper_parameters": {"model": cfg}, "steadylm": {"config": {}, "tokenizer": "bytes"},
-                "state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}}, ckpt)
+    torch.save(
+        {
+            "hyper_parameters": {"model": cfg},
+            "steadylm": {"config": {}, "tokenizer": "bytes"},
+            "state_dict": {f"net.{k}": v for k, v in net.state_dict().items()},
+        },
+        ckpt,
+    )
     with pytest.raises(SystemExit) as info:
         main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: model.qk_norm=true cannot be exported as GPT2LMHeadModel")
+    assert (
+        info.value.code == 2
+        and err.count("\n") == 1
+        and err.startswith("error: model.qk_norm=true cannot be exported as GPT2LMHeadModel")
+    )
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["out=x"], "error: ckpt= is required"),
-    (["ckpt=/nowhere.ckpt", "out=x"], "error: ckpt=/nowhere.ckpt: no such checkpoint file"),
-    (["ckpt=a", "out=b", "fmt=gguf"], "error: fmt is not a config key"),
-    (["ckpt=a", "out=b", "overwrite=maybe"], "error: overwrite='maybe' is not allowed; it must be true or false"),
-    (["ckpt=/nowhere.ckpt", "out=b", "dtype=int8"], "error: dtype='int8' is not allowed; use one of: float32, bfloat16, float16"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["out=x"], "error: ckpt= is required"),
+        (["ckpt=/nowhere.ckpt", "out=x"], "error: ckpt=/nowhere.ckpt: no such checkpoint file"),
+        (["ckpt=a", "out=b", "fmt=gguf"], "error: fmt is not a config key"),
+        (["ckpt=a", "out=b", "overwrite=maybe"], "error: overwrite='maybe' is not allowed; it must be true or false"),
+        (
+            ["ckpt=/nowhere.ckpt", "out=b", "dtype=int8"],
+            "error: dtype='int8' is not allowed; use one of: float32, bfloat16, float16",
+        ),
+    ],
+)
 def test_bad_arguments_are_one_line(argv, expected, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -127,10 +171,27 @@ def test_existing_folder_is_not_overwritten_unless_asked(trained, capsys):
 def test_a_bpe_run_exports_its_trained_tokenizer(tmp_path):
     from steadylm.data.prepare import prepare
 
-    prepare(input=None, out_dir=tmp_path / "data", tokenizer="bpe", vocab_size=512, max_bytes=200_000,
-            val_fraction=0.05, progress=False)
-    train(compose(["model=llama_tiny", "model.vocab_size=512", *SMALL, f"data.dir={tmp_path / 'data'}",
-                   "data.tokenizer=bpe", f"paths.output_dir={tmp_path / 'run'}"]))
+    prepare(
+        input=None,
+        out_dir=tmp_path / "data",
+        tokenizer="bpe",
+        vocab_size=512,
+        max_bytes=200_000,
+        val_fraction=0.05,
+        progress=False,
+    )
+    train(
+        compose(
+            [
+                "model=llama_tiny",
+                "model.vocab_size=512",
+                *SMALL,
+                f"data.dir={tmp_path / 'data'}",
+                "data.tokenizer=bpe",
+                f"paths.output_dir={tmp_path / 'run'}",
+            ]
+        )
+    )
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
     from steadylm.data.tokenizer import load_tokenizer

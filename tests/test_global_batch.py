@@ -19,16 +19,22 @@ def test_recipe_tokens_per_step_are_the_same_on_any_number_of_devices(world, acc
 
 def test_a_total_that_is_not_whole_micro_steps_is_refused_with_the_arithmetic():
     cfg = compose(["experiment=gpt2_124m"])
-    with pytest.raises(ConfigError, match=r"data\.global_batch_tokens=524288 is not a multiple of "
-                                          r"devices×batch×context = 3×16×1024 = 49,152; use 491,520 or 540,672"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.global_batch_tokens=524288 is not a multiple of "
+        r"devices×batch×context = 3×16×1024 = 49,152; use 491,520 or 540,672",
+    ):
         apply_global_batch(cfg, 3)
     with pytest.raises(ConfigError, match="must be a whole number of tokens > 0"):
         apply_global_batch(compose(["data.global_batch_tokens=0"]), 1)
 
 
 def test_an_explicit_accumulation_that_disagrees_is_refused_and_one_that_agrees_is_kept():
-    with pytest.raises(ConfigError, match=r"trainer\.accumulate_grad_batches=2 contradicts data\.global_batch_tokens=524288, "
-                                          r"which needs 32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer\.accumulate_grad_batches=2 contradicts data\.global_batch_tokens=524288, "
+        r"which needs 32",
+    ):
         apply_global_batch(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=2"]), 1)
     with pytest.raises(ConfigError, match="accumulate_grad_batches=1 contradicts"):  # explicit 1 counts too
         apply_global_batch(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=1"]), 1)
@@ -43,10 +49,16 @@ def test_null_leaves_accumulation_alone():
     assert cfg.data.global_batch_tokens is None and cfg.trainer.accumulate_grad_batches == 3
 
 
-@pytest.mark.parametrize("overrides,world", [
-    (["trainer=cpu"], 1), (["trainer=cpu", "trainer.devices=2"], 2), (["trainer=cpu", "trainer.devices=2", "trainer.num_nodes=3"], 6),
-    (["trainer.accelerator=cpu", "trainer.devices='0,1,2'"], 3), (["trainer.accelerator=cpu", "trainer.devices=[0,1]"], 2),
-])
+@pytest.mark.parametrize(
+    "overrides,world",
+    [
+        (["trainer=cpu"], 1),
+        (["trainer=cpu", "trainer.devices=2"], 2),
+        (["trainer=cpu", "trainer.devices=2", "trainer.num_nodes=3"], 6),
+        (["trainer.accelerator=cpu", "trainer.devices='0,1,2'"], 3),
+        (["trainer.accelerator=cpu", "trainer.devices=[0,1]"], 2),
+    ],
+)
 def test_expected_world_size(overrides, world):
     assert expected_world_size(compose(overrides)) == world
 

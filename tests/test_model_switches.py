@@ -16,8 +16,17 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.model.rope import apply_rope, rope_tables
 
 V, T = 64, 16
-SWITCHES = list(itertools.product(("learned", "rope"), ("layernorm", "rmsnorm"), ("gelu", "swiglu"), (None, 2),
-                                  (True, False), (True, False), (False, True)))
+SWITCHES = list(
+    itertools.product(
+        ("learned", "rope"),
+        ("layernorm", "rmsnorm"),
+        ("gelu", "swiglu"),
+        (None, 2),
+        (True, False),
+        (True, False),
+        (False, True),
+    )
+)
 
 
 def small(**kw) -> GPT:
@@ -26,8 +35,7 @@ def small(**kw) -> GPT:
     return GPT(GPTConfig(**{**base, **kw}))
 
 
-@pytest.mark.parametrize("pos,norm_,mlp,kv,tie,bias,qk", SWITCHES,
-                         ids=["-".join(map(str, s)) for s in SWITCHES])
+@pytest.mark.parametrize("pos,norm_,mlp,kv,tie,bias,qk", SWITCHES, ids=["-".join(map(str, s)) for s in SWITCHES])
 def test_every_combination_is_causal_and_learns(pos, norm_, mlp, kv, tie, bias, qk):
     model = small(pos=pos, norm=norm_, mlp=mlp, n_kv_head=kv, tie_embeddings=tie, bias=bias, qk_norm=qk)
     x = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1))
@@ -71,22 +79,25 @@ def test_mlp_hidden_size_rounds_up_to_the_stated_multiple():
     assert GPTConfig(d_model=128).hidden == 512
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"n_kv_head": 3}, "model.n_kv_head=3 does not divide model.n_head=4"),
-    ({"n_kv_head": 0}, "model.n_kv_head=0 must be a whole number > 0"),
-    ({"pos": "alibi"}, "model.pos='alibi' is not allowed; use one of: learned, rope"),
-    ({"norm": "batchnorm"}, "model.norm='batchnorm' is not allowed; use one of: layernorm, rmsnorm"),
-    ({"mlp": "relu"}, "model.mlp='relu' is not allowed; use one of: gelu, swiglu"),
-    ({"init": "he"}, "model.init='he' is not allowed"),
-    ({"d_model": 30}, "model.d_model=30 is not divisible by model.n_head=4"),
-    ({"n_layer": 0}, "model.n_layer=0 must be a whole number > 0"),
-    ({"vocab_size": -1}, "model.vocab_size=-1 must be a whole number > 0"),
-    ({"context_length": 0}, "model.context_length=0 must be a whole number > 0"),
-    ({"mlp_hidden": 0}, "model.mlp_hidden=0 must be a whole number > 0"),
-    ({"pos": "rope", "d_model": 36, "n_head": 4}, "model.pos=rope needs an even head size"),
-    ({"pos": "rope", "rope_theta": 0.0}, "model.rope_theta=0.0 must be > 0"),
-    ({"dropout": 1.0}, "model.dropout=1.0 must be in"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"n_kv_head": 3}, "model.n_kv_head=3 does not divide model.n_head=4"),
+        ({"n_kv_head": 0}, "model.n_kv_head=0 must be a whole number > 0"),
+        ({"pos": "alibi"}, "model.pos='alibi' is not allowed; use one of: learned, rope"),
+        ({"norm": "batchnorm"}, "model.norm='batchnorm' is not allowed; use one of: layernorm, rmsnorm"),
+        ({"mlp": "relu"}, "model.mlp='relu' is not allowed; use one of: gelu, swiglu"),
+        ({"init": "he"}, "model.init='he' is not allowed"),
+        ({"d_model": 30}, "model.d_model=30 is not divisible by model.n_head=4"),
+        ({"n_layer": 0}, "model.n_layer=0 must be a whole number > 0"),
+        ({"vocab_size": -1}, "model.vocab_size=-1 must be a whole number > 0"),
+        ({"context_length": 0}, "model.context_length=0 must be a whole number > 0"),
+        ({"mlp_hidden": 0}, "model.mlp_hidden=0 must be a whole number > 0"),
+        ({"pos": "rope", "d_model": 36, "n_head": 4}, "model.pos=rope needs an even head size"),
+        ({"pos": "rope", "rope_theta": 0.0}, "model.rope_theta=0.0 must be > 0"),
+        ({"dropout": 1.0}, "model.dropout=1.0 must be in"),
+    ],
+)
 def test_bad_model_config_is_one_config_error_naming_key_value_and_fix(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         GPTConfig(**{"n_head": 4, "d_model": 32, **kw})
@@ -104,8 +115,9 @@ def test_grouped_query_attention_equals_full_attention_with_each_kv_head_repeate
         sd[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, rep(k), rep(v)])
         b = sd[f"blocks.{i}.attn.qkv.bias"]
         qb, kb, vb = b.split([H * D, KV * D, KV * D])
-        sd[f"blocks.{i}.attn.qkv.bias"] = torch.cat([qb, kb.view(KV, D).repeat_interleave(2, 0).flatten(),
-                                                     vb.view(KV, D).repeat_interleave(2, 0).flatten()])
+        sd[f"blocks.{i}.attn.qkv.bias"] = torch.cat(
+            [qb, kb.view(KV, D).repeat_interleave(2, 0).flatten(), vb.view(KV, D).repeat_interleave(2, 0).flatten()]
+        )
     mha.load_state_dict(sd)
     x = torch.randint(0, V, (2, T))
     with torch.no_grad():
@@ -132,13 +144,16 @@ def test_rope_model_accepts_no_more_than_its_context():
         small(pos="rope")(torch.zeros(1, 17, dtype=torch.long))
 
 
-@pytest.mark.parametrize("preset,total,non_embedding", [
-    ("tiny", 454_144, 437_760),
-    ("small", 124_475_904, 123_689_472),  # GPT-2 124M (vocab padded to 50304)
-    ("llama_tiny", 434_816, 434_816),
-    ("llama_small", 123_587_328, 123_587_328),
-    ("llama_1b", 1_235_814_400, 1_235_814_400),  # Llama-3.2-1B: 1.24B
-])
+@pytest.mark.parametrize(
+    "preset,total,non_embedding",
+    [
+        ("tiny", 454_144, 437_760),
+        ("small", 124_475_904, 123_689_472),  # GPT-2 124M (vocab padded to 50304)
+        ("llama_tiny", 434_816, 434_816),
+        ("llama_small", 123_587_328, 123_587_328),
+        ("llama_1b", 1_235_814_400, 1_235_814_400),  # Llama-3.2-1B: 1.24B
+    ],
+)
 def test_preset_parameter_counts(preset, total, non_embedding):
     from omegaconf import OmegaConf
 
@@ -157,8 +172,14 @@ def test_untied_head_counts_in_the_6n_rule_and_the_token_table_does_not():
     assert untied.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False),
-                                dict(pos="rope", mlp="swiglu", tie_embeddings=False)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False),
+        dict(pos="rope", mlp="swiglu", tie_embeddings=False),
+    ],
+)
 def test_flops_per_token_matches_a_flop_counter(kw):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -180,8 +201,7 @@ def test_stability_suite_on_the_llama_family_with_qk_norm_z_loss_and_xavier_init
     from tests.test_train import scalars
 
     truth = Truth()
-    fit(make_cfg(*LLAMA, *FAST, "optim.lr=1e-2", "model.qk_norm=true", "optim.z_loss=1e-4", "model.init=xavier"),
-        truth)
+    fit(make_cfg(*LLAMA, *FAST, "optim.lr=1e-2", "model.qk_norm=true", "optim.z_loss=1e-4", "model.init=xavier"), truth)
     tags = scalars(tmp_path / "run")
     at = lambda tag: tags[tag][1]  # noqa: E731
     names = list(truth.before)
@@ -197,8 +217,13 @@ def test_first_non_finite_module_is_named_in_the_llama_family(make_cfg, tmp_path
     from steadylm.stability import read_events
     from tests.test_stability import FAST, faults, fit
 
-    cfg = make_cfg(*LLAMA, *FAST, "callbacks.guard.max_consecutive=2", "callbacks.guard.action=stop",
-                   faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}))
+    cfg = make_cfg(
+        *LLAMA,
+        *FAST,
+        "callbacks.guard.max_consecutive=2",
+        "callbacks.guard.action=stop",
+        faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}),
+    )
     fit(cfg)
     events = read_events(tmp_path / "run")
     named = [e for e in events if e["detail"].get("module")]
@@ -206,8 +231,17 @@ def test_first_non_finite_module_is_named_in_the_llama_family(make_cfg, tmp_path
     assert events[-1]["kind"] == "stop"
 
 
-@pytest.mark.parametrize("switch", ["model.pos=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_head=1",
-                                    "model.tie_embeddings=false", "model.bias=false"])
+@pytest.mark.parametrize(
+    "switch",
+    [
+        "model.pos=rope",
+        "model.norm=rmsnorm",
+        "model.mlp=swiglu",
+        "model.n_kv_head=1",
+        "model.tie_embeddings=false",
+        "model.bias=false",
+    ],
+)
 def test_each_switch_trains_under_the_full_suite_with_qk_norm_z_loss_and_xavier(make_cfg, tmp_path, switch):
     """The real Trainer, default callbacks: every per-block stat and the attention-logit monitor reported."""
     from tests.test_stability import FAST, fit

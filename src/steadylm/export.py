@@ -95,21 +95,37 @@ def gpt2_state(net: GPT) -> tuple[dict, dict]:
     out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]}
     for i in range(c.n_layer):
         p, h = f"blocks.{i}.", f"transformer.h.{i}."
-        out.update({
-            h + "ln_1.weight": sd[p + "ln_1.weight"], h + "ln_1.bias": bias(p + "ln_1.bias", c.d_model),
-            h + "attn.c_attn.weight": _t(sd[p + "attn.qkv.weight"]), h + "attn.c_attn.bias": bias(p + "attn.qkv.bias", 3 * c.d_model),
-            h + "attn.c_proj.weight": _t(sd[p + "attn.proj.weight"]), h + "attn.c_proj.bias": bias(p + "attn.proj.bias", c.d_model),
-            h + "ln_2.weight": sd[p + "ln_2.weight"], h + "ln_2.bias": bias(p + "ln_2.bias", c.d_model),
-            h + "mlp.c_fc.weight": _t(sd[p + "mlp.fc.weight"]), h + "mlp.c_fc.bias": bias(p + "mlp.fc.bias", c.hidden),
-            h + "mlp.c_proj.weight": _t(sd[p + "mlp.proj.weight"]), h + "mlp.c_proj.bias": bias(p + "mlp.proj.bias", c.d_model),
-        })
+        out.update(
+            {
+                h + "ln_1.weight": sd[p + "ln_1.weight"],
+                h + "ln_1.bias": bias(p + "ln_1.bias", c.d_model),
+                h + "attn.c_attn.weight": _t(sd[p + "attn.qkv.weight"]),
+                h + "attn.c_attn.bias": bias(p + "attn.qkv.bias", 3 * c.d_model),
+                h + "attn.c_proj.weight": _t(sd[p + "attn.proj.weight"]),
+                h + "attn.c_proj.bias": bias(p + "attn.proj.bias", c.d_model),
+                h + "ln_2.weight": sd[p + "ln_2.weight"],
+                h + "ln_2.bias": bias(p + "ln_2.bias", c.d_model),
+                h + "mlp.c_fc.weight": _t(sd[p + "mlp.fc.weight"]),
+                h + "mlp.c_fc.bias": bias(p + "mlp.fc.bias", c.hidden),
+                h + "mlp.c_proj.weight": _t(sd[p + "mlp.proj.weight"]),
+                h + "mlp.c_proj.bias": bias(p + "mlp.proj.bias", c.d_model),
+            }
+        )
     out["transformer.ln_f.weight"] = sd["ln_f.weight"]
     out["transformer.ln_f.bias"] = bias("ln_f.bias", c.d_model)
     out["lm_head.weight"] = sd["lm_head.weight"]
     config = dict(
-        vocab_size=c.vocab_size, n_positions=c.context_length, n_embd=c.d_model, n_layer=c.n_layer, n_head=c.n_head,
-        n_inner=c.hidden, activation_function="gelu_new",  # = F.gelu(approximate="tanh")
-        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=c.norm_eps,
+        vocab_size=c.vocab_size,
+        n_positions=c.context_length,
+        n_embd=c.d_model,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=c.hidden,
+        activation_function="gelu_new",  # = F.gelu(approximate="tanh")
+        resid_pdrop=c.dropout,
+        embd_pdrop=c.dropout,
+        attn_pdrop=c.dropout,
+        layer_norm_epsilon=c.norm_eps,
         tie_word_embeddings=c.tie_embeddings,
     )
     return config, out
@@ -130,11 +146,17 @@ def llama_state(net: GPT) -> tuple[dict, dict]:
         for kind in ("weight", "bias") if c.bias else ("weight",):
             q, k, v = sd[p + f"attn.qkv.{kind}"].split([H, KV, KV])
             gate, up = sd[p + f"mlp.fc.{kind}"].split([D, D])
-            out.update({
-                h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k, h + f"self_attn.v_proj.{kind}": v,
-                h + f"self_attn.o_proj.{kind}": sd[p + f"attn.proj.{kind}"],
-                h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up, h + f"mlp.down_proj.{kind}": sd[p + f"mlp.proj.{kind}"],
-            })
+            out.update(
+                {
+                    h + f"self_attn.q_proj.{kind}": q,
+                    h + f"self_attn.k_proj.{kind}": k,
+                    h + f"self_attn.v_proj.{kind}": v,
+                    h + f"self_attn.o_proj.{kind}": sd[p + f"attn.proj.{kind}"],
+                    h + f"mlp.gate_proj.{kind}": gate,
+                    h + f"mlp.up_proj.{kind}": up,
+                    h + f"mlp.down_proj.{kind}": sd[p + f"mlp.proj.{kind}"],
+                }
+            )
         if c.qk_norm:
             out[h + "self_attn.q_norm.weight"] = sd[p + "attn.q_norm.weight"]
             out[h + "self_attn.k_norm.weight"] = sd[p + "attn.k_norm.weight"]
@@ -143,10 +165,20 @@ def llama_state(net: GPT) -> tuple[dict, dict]:
     out["model.norm.weight"] = sd["ln_f.weight"]
     out["lm_head.weight"] = sd["lm_head.weight"]
     config = dict(
-        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.hidden, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu",
-        max_position_embeddings=c.context_length, rms_norm_eps=c.norm_eps, rope_theta=float(c.rope_theta),
-        tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias, attention_dropout=c.dropout,
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.context_length,
+        rms_norm_eps=c.norm_eps,
+        rope_theta=float(c.rope_theta),
+        tie_word_embeddings=c.tie_embeddings,
+        attention_bias=c.bias,
+        attention_dropout=c.dropout,
     )
     if c.qk_norm:
         config["use_sliding_window"] = False
@@ -175,10 +207,15 @@ def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.
     family = hf_family(net.cfg)
     kwargs, state = (gpt2_state if family == "gpt2" else llama_state)(net)
     ids = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
-    names = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    names = {
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[family]
     if not hasattr(tf, names[1]):
-        raise SteadyError(f"{names[1]} needs a newer transformers (installed: {tf.__version__}); pip install -U transformers")
+        raise SteadyError(
+            f"{names[1]} needs a newer transformers (installed: {tf.__version__}); pip install -U transformers"
+        )
     config = getattr(tf, names[0])(**kwargs, **ids)
     model = getattr(tf, names[1])(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -200,8 +237,11 @@ def write_tokenizer(tok, out: Path, context_length: int) -> bool:
     eos = hf.id_to_token(tok.eos_id)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # the generic fast tokenizer: tokenizer.json is the whole spec
-        "bos_token": eos, "eos_token": eos, "model_max_length": context_length,
-        "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+        "bos_token": eos,
+        "eos_token": eos,
+        "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False,
+        "add_prefix_space": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return True
@@ -212,7 +252,9 @@ def export(args: ExportArgs) -> Path:
         raise SteadyError(f"dtype={args.dtype!r} is not allowed; use one of: {', '.join(DTYPES)}")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise SteadyError(f"out={out} already exists and is not an empty folder; choose another, or pass overwrite=true")
+        raise SteadyError(
+            f"out={out} already exists and is not an empty folder; choose another, or pass overwrite=true"
+        )
     net, meta = load_checkpoint(args.ckpt)
     hf_family(net.cfg)  # refuse before any work or any file
     tok = tokenizer_of_run(meta)  # the run's tokenizer.json in its data.dir, the bytes tokenizer included
@@ -221,7 +263,9 @@ def export(args: ExportArgs) -> Path:
     model.save_pretrained(out)  # config.json, model.safetensors, generation_config.json
     if not write_tokenizer(tok, out, net.cfg.context_length):
         hub = " (the Hub's openai-community/gpt2 tokenizer gives the same ids)" if tok.name == "gpt2" else ""
-        print(f"note: no tokenizer written: tiktoken's {tok.name!r} has no tokenizer.json form here{hub}", file=sys.stderr)
+        print(
+            f"note: no tokenizer written: tiktoken's {tok.name!r} has no tokenizer.json form here{hub}", file=sys.stderr
+        )
     return out
 
 

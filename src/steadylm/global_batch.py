@@ -55,7 +55,9 @@ def apply_global_batch(cfg: DictConfig, world_size: int) -> None:
     micro = world_size * B * T
     shown = f"devices×batch×context = {world_size}×{B}×{T} = {micro:,}"
     if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
-        raise ConfigError(f"data.global_batch_tokens={total!r} must be a whole number of tokens > 0 (e.g. 524288), or null")
+        raise ConfigError(
+            f"data.global_batch_tokens={total!r} must be a whole number of tokens > 0 (e.g. 524288), or null"
+        )
     if total % micro:
         lo, hi = total // micro * micro, -(-total // micro) * micro
         raise ConfigError(

@@ -45,7 +45,9 @@ class GPTConfig:
             _positive(key, getattr(self, key))
         for key, allowed in (("pos", POS), ("norm", NORMS), ("mlp", MLPS), ("init", INITS)):
             if getattr(self, key) not in allowed:
-                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}")
+                raise ConfigError(
+                    f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}"
+                )
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
@@ -64,7 +66,9 @@ class GPTConfig:
                 f"model.pos=rope needs an even head size, got d_model/n_head = {self.head_dim}; change model.n_head"
             )
         if self.pos == "rope" and not self.rope_theta > 0:
-            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)")
+            raise ConfigError(
+                f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)"
+            )
         if self.mlp_hidden is not None:
             _positive("mlp_hidden", self.mlp_hidden)
         if not 0.0 <= self.dropout < 1.0:
