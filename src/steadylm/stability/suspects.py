@@ -62,8 +62,8 @@ def batch_window_ids(trainer, batch_idx: int) -> list[int]:
     sampler = getattr(dm, "_train_sampler", None)
     if sampler is None:
         return []
-    if hasattr(sampler, "window_ids"):
-        return [int(i) for i in sampler.window_ids(batch_idx)]
+    if hasattr(sampler, "batch_windows"):
+        return [int(i) for i in sampler.batch_windows(batch_idx)]
     G = sampler.global_batch
     chunk = sampler.permutation()[batch_idx * G : (batch_idx + 1) * G]
     return [int(i) for i in chunk[sampler.rank :: sampler.world_size].tolist()]
