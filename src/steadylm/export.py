@@ -206,7 +206,8 @@ def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.
     tf = _transformers()
     family = hf_family(net.cfg)
     kwargs, state = (gpt2_state if family == "gpt2" else llama_state)(net)
-    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
+    # One end-of-text id serves as bos, eos and pad (GPT-2's convention): `generate` needs no pad warning.
+    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id} if eos_id is not None else {}
     names = {
         "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -238,6 +239,7 @@ def write_tokenizer(tok, out: Path, context_length: int) -> bool:
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # the generic fast tokenizer: tokenizer.json is the whole spec
         "bos_token": eos,
+        "pad_token": eos,
         "eos_token": eos,
         "model_max_length": context_length,
         "clean_up_tokenization_spaces": False,
