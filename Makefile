@@ -36,11 +36,15 @@ demo: $(VENV)/.installed $(DEMO_DATA) ## fresh clone -> a BPE trained on the emb
 	$(PY) -m steadylm.diagnose logs/demo
 	@echo "demo done: logs/demo (make tensorboard RUN=logs/demo)"
 
-test: $(VENV)/.installed ## run the test suite (fast tests; CI runs this)
+test: $(VENV)/.installed ## run the fast test suite (a few minutes on 2 cores)
 	$(PY) -m pytest -q $(ARGS)
 
-test-slow: $(VENV)/.installed ## run only the slow tests (LR sensitivity, long DDP runs)
+test-slow: $(VENV)/.installed ## run only the slow tests (survival of every fault, false-alarm sweep, DDP, sweeps)
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+lint: $(VENV)/.installed ## ruff: lint and format check (pre-commit runs the same)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 doctor: $(VENV)/.installed ## preflight checks with the same overrides as train.py (ARGS="model=small ...")
 	$(PY) -m steadylm.doctor $(ARGS)
@@ -54,10 +58,12 @@ generate: $(VENV)/.installed ## sample from a run's last checkpoint: make genera
 tensorboard: $(VENV)/.installed ## serve a run (or sweep) dir on 127.0.0.1: make tensorboard RUN=logs/demo
 	$(VENV)/bin/tensorboard --logdir $(RUN) --host 127.0.0.1
 
-bench: $(VENV)/.installed ## side-by-side speed ratios (Lightning+suite vs raw loop, loader, bf16, compile)
-	$(PY) benchmarks/bench.py $(ARGS)
+BENCHES := bench.py model_bench.py snapshot_bench.py prepare_bench.py
+
+bench: $(VENV)/.installed ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, prepare MB/s (ARGS=--quick)
+	@for b in $(BENCHES); do echo "== benchmarks/$$b"; $(PY) benchmarks/$$b $(ARGS) || exit 1; done
 
 clean: ## remove logs and caches (keeps data/ and .venv)
 	rm -rf logs outputs multirun .pytest_cache
 
-.PHONY: help install data demo test test-slow doctor diagnose generate tensorboard bench clean
+.PHONY: help install data demo test test-slow lint doctor diagnose generate tensorboard bench clean
