@@ -381,7 +381,7 @@ def test_interrupted_prepare_leaves_nothing_and_resumes(tmp_path, mixed, monkeyp
         )
     monkeypatch.setattr(prep, "encode_unit", real)
     s = prepare(input=d, out_dir=out, text_field="body", num_proc=1, progress=False, shard_tokens=777)
-    assert s["resumed_units"] == 0 or s["resumed_units"] == s["units"]
+    assert s["resumed_units"] == 0  # the bpe run's staging folder was not reused
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
 
