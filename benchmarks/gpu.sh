@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One-GPU throughput/MFU check: model=small, bf16-mixed, torch.compile; then the same with the stability
-# probe read at the step itself, for the cost of that sync. Extra args go to benchmarks/gpu.py.
+# One-GPU throughput/MFU check of both reference recipes' models (experiment=gpt2_124m, llama_124m), bf16-mixed,
+# torch.compile: model=small, then the same with the stability probe read at the step itself, for the cost of
+# that sync; then model=llama_small. Extra args go to benchmarks/gpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} "$PY" benchmarks/gpu.py --compare-defer "$@"
+PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} "$PY" benchmarks/gpu.py model=llama_small "$@"
