@@ -32,10 +32,11 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
     event = stop_event(run_dir)
     if event is not None:
         detail = event.get("detail") or {}
-        if detail.get("reason"):
-            return f"stopped at step {event.get('step')}: {detail['reason']}"
+        kind = detail.get("kind") if event.get("kind") == "stop" and detail.get("kind") else event.get("kind")
         module = detail.get("module")
-        return f"stopped on {event.get('kind')} at step {event.get('step')}" + (f", first in {module}" if module else "")
+        if module:  # a non-finite streak: the module says it all
+            return f"stopped on {kind} at step {event.get('step')}, first in {module}"
+        return f"stopped on {kind} at step {event.get('step')}" + (f": {detail['reason']}" if detail.get("reason") else "")
     for key in ("train/loss", "val/loss"):
         if key in metrics and not math.isfinite(metrics[key]):
             return f"non-finite {key}"
