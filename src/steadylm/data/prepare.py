@@ -49,7 +49,9 @@ from steadylm.errors import ConfigError, DataError, SteadyError
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 DEFAULT_DIR = "data/stdlib"
 BATCH_CHARS = 1 << 20  # characters per encode_batch call
-BPE_SAMPLE_BYTES = 256 << 20  # text the BPE is trained on (the start of the input): bounds its memory
+# Text the BPE is trained on (the start of the input): bounds its memory. The trainer holds every distinct
+# word: 100 MB of very diverse synthetic text (3 M distinct words) peaked at 0.97 GB RSS, so 64 MB stays under 1 GB.
+BPE_SAMPLE_BYTES = 64 << 20
 STAGE_PREFIX = ".prepare-"
 
 
