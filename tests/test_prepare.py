@@ -465,3 +465,14 @@ def test_cli_composes_the_config_and_exits_2_on_bad_input(tmp_path, corpus, caps
     assert main([f"data.dir={out}", f"data.input={src}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "bin.txt: looks binary" in err[0]
+
+
+def test_demo_experiment_pairs_the_bpe_with_a_model_that_fits_it():
+    from steadylm.config import compose
+    from steadylm.data.prepare import _kwargs_from_argv
+
+    cfg = compose(["experiment=demo"])
+    assert cfg.data.tokenizer == "bpe" and cfg.model.vocab_size >= cfg.data.vocab_size
+    assert cfg.model.vocab_size % 64 == 0 and cfg.data.dir.endswith("stdlib-bpe")
+    kw = _kwargs_from_argv(["experiment=demo"])  # `make demo` prepares with the same composed config
+    assert (kw["tokenizer"], kw["vocab_size"], kw["out_dir"]) == ("bpe", cfg.data.vocab_size, cfg.data.dir)
