@@ -2,6 +2,7 @@
 
 One optimizer step, read from `module.py` on:
 
+0. `on_train_batch_start`: every N steps `recovery` starts copying the state to host memory (a snapshot);
 1. forward, loss, backward (the LightningModule; every micro-batch's loss goes to `suite.probe`);
 2. `on_before_optimizer_step`: the first stability callback asks `suite.probe.due()`, which takes THE one
    measurement of the step (loss + pre-clip grad norm, one all-reduce; deferred: read a step late, the
@@ -10,7 +11,7 @@ One optimizer step, read from `module.py` on:
    persisting loss spike -> `recovery`; a one-off -> logged), `stats`, `loss_scale`, `recovery` (confirms
    the snapshot taken at that step as known-good, or drops it);
 3. clipping (the module, with the probe's norm), the update (AdamW), the LR schedule;
-4. `on_train_batch_end`: logging; `recovery` copies a snapshot to host memory every N steps.
+4. `on_train_batch_end`: logging (`stats` on logging steps).
 
 Everything the parts share lives here: the probe, the steps judged bad (`suspect_steps`), and the
 `Recovery` that rolls back, escalates and stops. Nothing is hung on the Trainer. `attach` hands one suite
