@@ -155,3 +155,14 @@ def test_the_host_reads_the_step_before_each_checkpoint_is_written(make_cfg, rea
     # Logging every 6 steps (5, 11), checkpoints every 4 (after steps 3, 7, 11): both make the host wait.
     fit(make_cfg(*FAST, "trainer.log_every_n_steps=6", "callbacks.stats.every_n_steps=6"), Clock())
     assert {s for s, at in reads if s == at} == {3, 5, 7, 11}
+
+
+def test_one_suite_is_shared_by_every_stability_callback_and_nothing_hangs_on_the_trainer(make_cfg):
+    from steadylm.stability.probe import ProbeUser
+
+    objs = fit(make_cfg(*FAST))
+    users = [cb for cb in objs["trainer"].callbacks if isinstance(cb, ProbeUser)]
+    suite = suite_of(objs["trainer"])
+    assert len(users) == 5 and all(cb.suite is suite for cb in users)  # guard, spike, stats, loss_scale, recovery
+    assert suite.users == users and suite.recovery is users[-1]
+    assert not [k for k in vars(objs["trainer"]) if "steadylm" in k or "probe" in k or "suite" in k]
