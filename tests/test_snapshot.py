@@ -68,3 +68,24 @@ def test_snapshot_bench_quick_prints_the_cost_ratio():
                            "--only", "tiny"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "capture/(every*step)" in proc.stdout and "tiny" in proc.stdout
+
+
+def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_from_before_the_update():
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from types import SimpleNamespace
+
+    net = torch.nn.Linear(1024, 1024, device="cuda")
+    opt = torch.optim.AdamW(net.parameters(), lr=1.0, fused=True)
+    net(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    trainer = SimpleNamespace(optimizers=[opt], global_step=1, lr_scheduler_configs=[], datamodule=None)
+    module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, skipped_steps=0)
+    before = [p.detach().cpu().clone() for p in net.parameters()]
+    snap = capture(trainer, module)
+    assert snap.event is not None and all(t.is_pinned() for t in snap.tensors + snap.flat_optim)
+    opt.step()  # enqueued after the copies on the same stream: it cannot change what they read
+    snap.wait()
+    assert all(torch.equal(a, b) for a, b in zip(before, snap.tensors))
