@@ -61,3 +61,30 @@ def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, work
         "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"
     ), lines
     assert [ln for ln in lines if ln.startswith("error")] == lines[-1:]
+
+
+@pytest.mark.slow  # two DDP processes on CPU (gloo): ~20 s
+@pytest.mark.parametrize("workers", [0, 1])
+def test_poisoned_window_on_one_ddp_rank_stops_every_rank_with_its_line(shards_dir, tmp_path, workers):
+    """Window 3 (offset 96..128 holds offset 100) lands on rank 1 with shuffle off: rank 0 must stop too and
+    report rank 1's line, once, instead of dying in the gradient all-reduce with a gloo traceback."""
+    data = tmp_path / "shards"
+    shutil.copytree(shards_dir, data)
+    bad = data / "train-00000.h5"
+    with h5py.File(bad, "r+") as f:
+        f["tokens"][100] = 400
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "trainer=ddp_sim", f"data.dir={data}", "data.shuffle=false",
+         f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert errors == [
+        f"error: {bad}: token id 400 at token offset 100 is >= model.vocab_size 320; "
+        "the shard is corrupt or was made with another tokenizer: re-run "
+        "`python -m steadylm.data.prepare`"
+    ], errors

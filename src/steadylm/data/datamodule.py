@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
+from steadylm.data.consensus import ConsensusLoader
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
@@ -147,7 +149,9 @@ class ShardDataModule(L.LightningDataModule):
         return int(trainer.global_rank), int(trainer.world_size)
 
     def _loader(self, dataset: TokenWindows, sampler: EpochBatchSampler) -> DataLoader:
-        return DataLoader(
+        # Several ranks: a bad window on one of them stops all of them with its one-line error (consensus.py).
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return (ConsensusLoader if distributed else DataLoader)(
             dataset,
             batch_sampler=sampler,
             num_workers=self.num_workers,

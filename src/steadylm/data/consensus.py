@@ -1,0 +1,105 @@
+"""A bad window found on one rank stops every rank, with the same one-line error.
+
+Under DDP a rank that raised while reading its batch would leave the others blocked in the step's
+gradient all-reduce until the transport noticed the dead peer ("Connection closed by peer"), a traceback
+on every other rank. `ConsensusLoader` keeps the ranks in step instead: the failing rank records the
+error and trains that one step on a stand-in batch (its previous batch; padding if it has none), and each
+fetch posts a one-int "did my read fail" flag to an asynchronous all-reduce on a CPU (gloo) group. The next
+fetch (or the end of the epoch) waits for that flag, long complete by then, so ordinary steps never wait
+on it; if any rank failed, every rank gathers the messages, rank 0 raises the first as `ShardReadError`
+and the other ranks exit with status 2 without a message of their own.
+Used only when a process group with more than one rank exists; it must never change which batches a
+healthy run sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from steadylm.data.dataset import PAD_INDEX, ShardReadError
+
+_GROUP: list = []  # one gloo group per process, created collectively on first use
+
+
+def _cpu_group():
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+class _Consensus:
+    def __init__(self, it, loader: ConsensusLoader):
+        self.it, self.loader = it, loader
+        self.pending = None
+        self.message: str | None = None
+        self.last = None
+
+    def __iter__(self):
+        return self
+
+    def _settle(self) -> None:
+        if self.pending is None:
+            return
+        work, flag = self.pending
+        self.pending = None
+        work.wait()
+        if int(flag[0]) > 0:  # a host tensor: reading it never waits for a device
+            messages = [None] * dist.get_world_size(self.loader.group)
+            dist.all_gather_object(messages, self.message, group=self.loader.group)
+            if dist.get_rank() != 0:
+                # Rank 0 reports it; the others leave quietly with the same exit status, so the user reads
+                # one line rather than one per rank interleaved on a shared terminal.
+                raise SystemExit(2)
+            raise ShardReadError(next(m for m in messages if m))
+
+    def __next__(self):
+        self._settle()
+        try:
+            batch = next(self.it)
+            failed = 0
+        except StopIteration:
+            raise
+        except ShardReadError as err:
+            self.message, failed = str(err), 1
+            batch = self.last if self.last is not None else self.loader.padding_batch()
+        self.last = batch
+        flag = torch.tensor([failed], dtype=torch.int32)
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.loader.group, async_op=True), flag)
+        return batch
+
+
+class ConsensusLoader(DataLoader):
+    """A DataLoader whose iterator stops all ranks together on a `ShardReadError` (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = _cpu_group()
+
+    def padding_batch(self):
+        n = getattr(self.batch_sampler, "batch_size", None) or 1
+        return self.collate_fn([self.dataset[PAD_INDEX] for _ in range(n)])
+
+    def __iter__(self):
+        return _EndSettles(_Consensus(super().__iter__(), self))
+
+
+class _EndSettles:
+    """At the end of the epoch, the last batch's flag is settled before StopIteration (all ranks end together)."""
+
+    def __init__(self, inner: _Consensus):
+        self.inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.inner)
+        except StopIteration:
+            self.inner._settle()
+            raise
+
+    def __len__(self):
+        return len(self.inner.loader)
