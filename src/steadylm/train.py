@@ -26,6 +26,7 @@ from steadylm.global_batch import apply_global_batch, expected_world_size
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
 from steadylm.preflight import check_environment, hydra_errors_as_messages
+from steadylm.stability.suite import attach as attach_stability_suite
 from steadylm.sweep import finish_job
 
 log = logging.getLogger("steadylm")
@@ -86,6 +87,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         logger=instantiate_named(cfg.get("logger")) or False,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
+    attach_stability_suite(trainer.callbacks)  # the one StabilitySuite the stability callbacks share (docs/stability.md)
     return trainer
 
 
