@@ -27,10 +27,10 @@ def own_keys(name: str) -> dict:
     return {k: v for k, v in raw.items() if k != "defaults"}
 
 
-def usage(name: str, summary: str) -> str:
+def usage(name: str, summary: str, prog: str) -> str:
     from steadylm.config import CONF_DIR
 
-    lines = [f"usage: python -m steadylm.{name} key=value ...", "", summary, "", "keys (default):"]
+    lines = [f"usage: {prog} key=value ...", "", summary.strip(), "", "keys (default):"]
     for key, value in own_keys(name).items():
         shown = "required" if value == "???" else repr(value)
         lines.append(f"  {key:<18} {shown}")
@@ -39,7 +39,7 @@ def usage(name: str, summary: str) -> str:
     return "\n".join(lines)
 
 
-def compose_command(name: str, overrides: list[str]) -> DictConfig:
+def compose_command(name: str, overrides: list[str], prog: str | None = None) -> DictConfig:
     """The command's config with the overrides applied; Hydra's errors become one-line `SteadyError`s."""
     from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -51,11 +51,11 @@ def compose_command(name: str, overrides: list[str]) -> DictConfig:
         cfg = compose(overrides, config_name=name)
         for key, default in own_keys(name).items():
             if default == "???" and OmegaConf.is_missing(cfg, key):
-                raise SteadyError(f"{key}= is required; see python -m steadylm.{name} --help")
+                raise SteadyError(f"{key}= is required; see {prog or 'python -m steadylm.' + name} --help")
             check_type(key, default, cfg[key])
     except (HydraException, OmegaConfBaseException) as err:
         if isinstance(err, MissingMandatoryValue):
-            raise SteadyError(f"{err.full_key}= is required; see python -m steadylm.{name} --help") from None
+            raise SteadyError(f"{err.full_key}= is required; see {prog or 'python -m steadylm.' + name} --help") from None
         raise SteadyError(hydra_error_message(err)) from None
     return cfg
 
@@ -75,14 +75,23 @@ def check_type(key: str, default, value) -> None:
             return
 
 
-def run_command(name: str, summary: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> None:
-    """Parse, compose, run `task(cfg)`; exit with its return code (0 when None), or 2 on a user's mistake."""
-    argv = sys.argv[1:] if argv is None else argv
+def run_command(
+    name: str, summary: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None,
+    prog: str | None = None, positional: str | None = None,
+) -> None:
+    """Parse, compose, run `task(cfg)`; exit with its return code (0 when None), or 2 on a user's mistake.
+
+    `positional`: the key a lone argument without `=` sets (`python -m steadylm.diagnose RUN_DIR` = `run=RUN_DIR`).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or f"python -m steadylm.{name}"
     if any(a in HELP_FLAGS for a in argv):
-        print(usage(name, summary))
+        print(usage(name, summary, prog))
         return
+    if positional and argv and "=" not in argv[0]:
+        argv[0] = f"{positional}={argv[0]}"
     try:
-        code = task(compose_command(name, argv))
+        code = task(compose_command(name, argv, prog))
     except SteadyError as err:
         exit_with(err)
     if code:

@@ -7,38 +7,29 @@ decoded `tokens[start:end]` of that shard, exactly what the model read.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-USAGE = "usage: python -m steadylm.diagnose.window shard=PATH start=N end=M [data.dir=DIR]"
+from omegaconf import DictConfig
+
+from steadylm.cli import run_command
+from steadylm.errors import SteadyError
+
+
+def show(cfg: DictConfig) -> None:
+    shard = Path(str(cfg.shard))
+    if cfg.data.dir and not shard.is_absolute():
+        shard = Path(cfg.data.dir) / shard
+    if not shard.is_file():
+        raise SteadyError(f"{shard}: shard file not found; pass the full path, or data.dir=<the run's data.dir>")
+    if not isinstance(cfg.start, int) or not isinstance(cfg.end, int) or not 0 <= cfg.start < cfg.end:
+        raise SteadyError(f"start={cfg.start!r} end={cfg.end!r}: token offsets must be whole numbers, 0 <= start < end")
+    from steadylm.stability.suspects import window_text
+
+    print(window_text(shard, cfg.start, cfg.end))
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = {}
-    for a in sys.argv[1:] if argv is None else argv:
-        key, sep, value = a.partition("=")
-        if not sep:
-            print(f"error: {a!r} is not key=value\n{USAGE}", file=sys.stderr)
-            sys.exit(2)
-        args[key] = value
-    missing = [k for k in ("shard", "start", "end") if k not in args]
-    if missing:
-        print(f"error: missing {', '.join(missing)}\n{USAGE}", file=sys.stderr)
-        sys.exit(2)
-    shard = Path(args["shard"])
-    if "data.dir" in args and not shard.is_absolute():
-        shard = Path(args["data.dir"]) / shard
-    if not shard.is_file():
-        print(f"error: {shard}: shard file not found; pass the full path, or data.dir=<the run's data.dir>", file=sys.stderr)
-        sys.exit(2)
-    try:
-        start, end = int(args["start"]), int(args["end"])
-    except ValueError:
-        print(f"error: start and end must be integers\n{USAGE}", file=sys.stderr)
-        sys.exit(2)
-    from steadylm.stability.suspects import window_text
-
-    print(window_text(shard, start, end))
+    run_command("window", __doc__, show, argv, prog="python -m steadylm.diagnose.window")
 
 
 if __name__ == "__main__":
