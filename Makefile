@@ -16,10 +16,15 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# The dev extra (pytest, ruff, transformers for the export tests, ...): only what tests, lint and bench need.
+$(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed ## create .venv and install steadylm with dev extras
+install: $(VENV)/.dev ## create .venv and install steadylm with dev extras
 
 DEMO_DATA := data/stdlib-bpe/tokenizer.json
 
@@ -32,17 +37,17 @@ $(DEMO_DATA): | $(VENV)/.installed
 demo: $(VENV)/.installed $(DEMO_DATA) ## fresh clone -> a BPE trained on the embedded corpus, a tiny model trained on it, TensorBoard logs, checkpoint, samples, report
 	rm -rf logs/demo
 	$(PY) train.py experiment=demo hydra.run.dir=logs/demo $(ARGS)
-	$(PY) -m steadylm.generate ckpt=logs/demo/checkpoints/last.ckpt prompt='def ' max_new_tokens=80
+	$(PY) -m steadylm.generate ckpt=logs/demo/checkpoints/last.ckpt 'prompt="def "' max_new_tokens=80
 	$(PY) -m steadylm.diagnose logs/demo
 	@echo "demo done: logs/demo (make tensorboard RUN=logs/demo)"
 
-test: $(VENV)/.installed ## run the fast test suite (a few minutes on 2 cores)
+test: $(VENV)/.dev ## run the fast test suite (a few minutes on 2 cores)
 	$(PY) -m pytest -q $(ARGS)
 
-test-slow: $(VENV)/.installed ## run only the slow tests (survival of every fault, false-alarm sweep, DDP, sweeps)
+test-slow: $(VENV)/.dev ## run only the slow tests (survival of every fault, false-alarm sweep, DDP, sweeps)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-lint: $(VENV)/.installed ## ruff: lint and format check (pre-commit runs the same)
+lint: $(VENV)/.dev ## ruff: lint and format check (pre-commit runs the same)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -60,7 +65,7 @@ tensorboard: $(VENV)/.installed ## serve a run (or sweep) dir on 127.0.0.1: make
 
 BENCHES := bench.py model_bench.py snapshot_bench.py prepare_bench.py
 
-bench: $(VENV)/.installed ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, prepare MB/s (ARGS=--quick)
+bench: $(VENV)/.dev ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, prepare MB/s (ARGS=--quick)
 	@for b in $(BENCHES); do echo "== benchmarks/$$b"; $(PY) benchmarks/$$b $(ARGS) || exit 1; done
 
 clean: ## remove logs and caches (keeps data/ and .venv)
