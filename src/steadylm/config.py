@@ -16,6 +16,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from steadylm.compat import config_child
 from steadylm.errors import ConfigError
 
+# `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
+OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
+
 CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parents[2] / "conf"))
 
 
