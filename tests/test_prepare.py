@@ -6,10 +6,10 @@ import h5py
 import numpy as np
 import pytest
 
-from steadylm.data.prepare import main, parse_overrides, prepare, stdlib_files
+from steadylm.data.prepare import main, prepare, prepare_kwargs, stdlib_files
 from steadylm.data.shards import read_shard_info
 from steadylm.data.tokenizer import load_tokenizer
-from steadylm.errors import ConfigError, DataError
+from steadylm.errors import ConfigError, DataError, SteadyError
 
 
 def _docs_from_shards(paths, tok):
@@ -168,34 +168,37 @@ def test_bad_val_fraction(tmp_path, corpus):
         prepare(input=corpus[0], out_dir=tmp_path / "o", val_fraction=0.9, progress=False)
 
 
-def test_parse_overrides():
-    kw = parse_overrides(
-        [
-            "data.dir=/x",
-            "data.input=[a.txt, b.jsonl]",
-            "data.val_fraction=0.1",
-            "data.shard_tokens=5",
-            "data.max_bytes=null",
-            "data.batch_size=4",
-        ]
-    )
-    assert kw == {
-        "out_dir": "/x",
-        "input": ["a.txt", "b.jsonl"],
-        "val_fraction": 0.1,
-        "shard_tokens": 5,
-        "max_bytes": None,
+def test_prepare_kwargs_come_from_the_composed_config():
+    from steadylm.cli import compose_command
+
+    cfg = compose_command("prepare", ["data.dir=/x", "data.input=[a.txt,b.jsonl]", "data.val_fraction=0.1",
+                                      "data.shard_tokens=5", "data.max_bytes=null", "data.batch_size=4",
+                                      "data.text_field=body", "data.vocab_size=4096", "data.num_proc=3",
+                                      "data.on_bad_record=skip", "data.tokenizer=bpe", "data.bpe_sample_bytes=1000"])
+    assert prepare_kwargs(cfg) == {
+        "out_dir": "/x", "input": ["a.txt", "b.jsonl"], "val_fraction": 0.1, "shard_tokens": 5, "text_field": "body",
+        "vocab_size": 4096, "num_proc": 3, "on_bad_record": "skip", "tokenizer": "bpe", "bpe_sample_bytes": 1000,
     }
-    with pytest.raises(ConfigError, match="model.x"):
-        parse_overrides(["model.x=1"])
+    with pytest.raises(SteadyError, match="model.x is not a config key"):
+        compose_command("prepare", ["model.x=1"])
+    with pytest.raises(SteadyError, match="data.shard_tokens='many' is not allowed; it must be a whole number"):
+        compose_command("prepare", ["data.shard_tokens=many"])
+
+
+def run_main(argv) -> int:
+    try:
+        main(argv)
+    except SystemExit as e:
+        return int(e.code)
+    return 0
 
 
 def test_cli(tmp_path, corpus, capsys):
     src, _ = corpus
     out = tmp_path / "cli"
-    assert main([f"data.dir={out}", f"data.input={src}", "data.val_fraction=0.25", "data.max_bytes=10000"]) == 0
+    assert run_main([f"data.dir={out}", f"data.input={src}", "data.val_fraction=0.25", "data.max_bytes=10000"]) == 0
     assert (out / "train-00000.h5").exists() and (out / "val-00000.h5").exists()
-    assert main([f"data.dir={out}", f"data.input={tmp_path / 'nope.txt'}"]) == 2
+    assert run_main([f"data.dir={out}", f"data.input={tmp_path / 'nope.txt'}"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "nope.txt" in err and "Traceback" not in err
 
@@ -420,25 +423,7 @@ def test_bpe_end_to_end_and_tokenizer_json_reuse(tmp_path, mixed):
     assert read_shard_info(tmp_path / "again" / "val-00000.h5").tokenizer == spec
 
 
-def test_parse_overrides_new_keys():
-    kw = parse_overrides(
-        [
-            "data.text_field=body",
-            "data.vocab_size=4096",
-            "data.num_proc=3",
-            "data.on_bad_record=skip",
-            "data.tokenizer=bpe",
-            "data.bpe_sample_bytes=1000",
-        ]
-    )
-    assert kw == {
-        "text_field": "body",
-        "vocab_size": 4096,
-        "num_proc": 3,
-        "on_bad_record": "skip",
-        "tokenizer": "bpe",
-        "bpe_sample_bytes": 1000,
-    }
+def test_bad_on_bad_record_value():
     with pytest.raises(ConfigError, match="data.on_bad_record='maybe' must be error or skip"):
         prepare(input="x", out_dir="y", on_bad_record="maybe")
 
@@ -447,7 +432,7 @@ def test_cli_composes_the_config_and_exits_2_on_bad_input(tmp_path, corpus, caps
     src, _ = corpus
     out = tmp_path / "cli"
     assert (
-        main(
+        run_main(
             [
                 f"data.dir={out}",
                 f"data.input={src}",
@@ -462,17 +447,17 @@ def test_cli_composes_the_config_and_exits_2_on_bad_input(tmp_path, corpus, caps
     assert 257 < read_shard_info(out / "train-00000.h5").vocab_size <= 300  # a tiny corpus runs out of merges
     (src / "bin.txt").write_bytes(b"\x00\x00")
     capsys.readouterr()
-    assert main([f"data.dir={out}", f"data.input={src}"]) == 2
+    assert run_main([f"data.dir={out}", f"data.input={src}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "bin.txt: looks binary" in err[0]
 
 
 def test_demo_experiment_pairs_the_bpe_with_a_model_that_fits_it():
+    from steadylm.cli import compose_command
     from steadylm.config import compose
-    from steadylm.data.prepare import _kwargs_from_argv
 
     cfg = compose(["experiment=demo"])
     assert cfg.data.tokenizer == "bpe" and cfg.model.vocab_size >= cfg.data.vocab_size
     assert cfg.model.vocab_size % 64 == 0 and cfg.data.dir.endswith("stdlib-bpe")
-    kw = _kwargs_from_argv(["experiment=demo"])  # `make demo` prepares with the same composed config
+    kw = prepare_kwargs(compose_command("prepare", ["experiment=demo"]))  # `make demo` prepares with the same config
     assert (kw["tokenizer"], kw["vocab_size"], kw["out_dir"]) == ("bpe", cfg.data.vocab_size, cfg.data.dir)

@@ -24,7 +24,15 @@ def own_keys(name: str) -> dict:
     from steadylm.config import CONF_DIR
 
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{name}.yaml"), resolve=False)  # "???" kept as written
-    return {k: v for k, v in raw.items() if k != "defaults"}
+    raw.pop("defaults", None)
+
+    def flat(node: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in node.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return flat(raw)
 
 
 def usage(name: str, summary: str, prog: str) -> str:
@@ -50,9 +58,11 @@ def compose_command(name: str, overrides: list[str], prog: str | None = None) ->
     try:
         cfg = compose(overrides, config_name=name)
         for key, default in own_keys(name).items():
-            if default == "???" and OmegaConf.is_missing(cfg, key):
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if default == "???" and OmegaConf.is_missing(node, leaf):
                 raise SteadyError(f"{key}= is required; see {prog or 'python -m steadylm.' + name} --help")
-            check_type(key, default, cfg[key])
+            check_type(key, default, node[leaf])
     except (HydraException, OmegaConfBaseException) as err:
         if isinstance(err, MissingMandatoryValue):
             raise SteadyError(f"{err.full_key}= is required; see {prog or 'python -m steadylm.' + name} --help") from None

@@ -32,8 +32,10 @@ from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
+from omegaconf import DictConfig
 from tqdm import tqdm
 
+from steadylm.cli import run_command
 from steadylm.data.readers import ReadStats, Unit, doc_units, plan_units, read_unit, resolve_inputs
 from steadylm.data.shards import FORMAT_VERSION, token_dtype, write_shard
 from steadylm.data.tokenizer import (
@@ -591,105 +593,43 @@ def _encode_all(
 
 # --- command line -------------------------------------------------------------------------
 
-_KEYS = {
-    "data.dir": ("out_dir", str),
-    "data.input": ("input", None),
-    "data.tokenizer": ("tokenizer", str),
-    "data.val_fraction": ("val_fraction", float),
-    "data.text_field": ("text_field", str),
-    "data.vocab_size": ("vocab_size", int),
-    "data.num_proc": ("num_proc", int),
-    "data.on_bad_record": ("on_bad_record", str),
-    "data.shard_tokens": ("shard_tokens", int),
-    "data.max_bytes": ("max_bytes", int),
-    "data.bpe_sample_bytes": ("bpe_sample_bytes", int),
+# data.<key> -> prepare()'s argument (the rest of the composed config belongs to training)
+ARGUMENTS = {
+    "dir": "out_dir", "input": "input", "tokenizer": "tokenizer", "val_fraction": "val_fraction",
+    "text_field": "text_field", "vocab_size": "vocab_size", "num_proc": "num_proc", "on_bad_record": "on_bad_record",
+    "shard_tokens": "shard_tokens", "max_bytes": "max_bytes", "bpe_sample_bytes": "bpe_sample_bytes",
 }
+USAGE = """Tokenize text into HDF5 shards, with the same `key=value` overrides as train.py (conf/prepare.yaml).
+
+  data.dir=DIR                      where the shards and tokenizer.json go (training reads the same key)
+  data.input=PATH|GLOB|hf:NAME|[A,B] .txt .jsonl .jsonl.gz .jsonl.zst .parquet, datasets folders; null: the stdlib
+  data.text_field=text              the JSON key / column of each document
+  data.tokenizer=bytes|bpe|PATH/tokenizer.json|gpt2
+  data.vocab_size=8192              for data.tokenizer=bpe
+  data.num_proc=N                   reading/encoding processes (null: all cores; the shards are identical for any N)
+  data.on_bad_record=error|skip     data.val_fraction=0.01   experiment=demo (the demo's BPE data)"""
 
 
-def _parse_value(raw: str):
-    if raw.lower() in ("null", "none", "~", ""):
-        return None
-    if raw.startswith("[") and raw.endswith("]"):
-        return [v.strip().strip("'\"") for v in raw[1:-1].split(",") if v.strip()]
-    return raw
-
-
-def parse_overrides(argv: list[str]) -> dict:
-    """`data.key=value` overrides -> keyword arguments for `prepare` (swap for Hydra compose)."""
-    kwargs: dict = {}
-    for arg in argv:
-        key, sep, raw = arg.lstrip("+").partition("=")
-        if not sep:
-            raise ConfigError(f"{arg!r}: expected key=value, e.g. data.dir=data/stdlib")
-        if key not in _KEYS:
-            if key.startswith("data."):
-                continue  # other data.* keys (batch_size, ...) belong to training; ignore here
-            raise ConfigError(f"{key!r}: unknown key for prepare; valid keys are {', '.join(_KEYS)}")
-        name, conv = _KEYS[key]
-        value = _parse_value(raw)
-        try:
-            kwargs[name] = value if value is None or conv is None else conv(value)
-        except ValueError:
-            raise ConfigError(f"{key}={raw!r}: expected a {conv.__name__}") from None
-    return kwargs
-
-
-PREPARE_ONLY = ("data.shard_tokens", "data.max_bytes", "data.bpe_sample_bytes")  # not part of the training data config
-
-
-def _kwargs_from_argv(argv: list[str]) -> dict:
-    """Use the project's Hydra config (`steadylm.config.compose`) when it exists, else parse here.
-
-    `data.shard_tokens` / `data.max_bytes` / `data.bpe_sample_bytes` are read by prepare alone, so they are
-    parsed here unless the composed config declares them.
-    """
-    try:
-        from steadylm.config import compose
-    except ImportError:
-        return parse_overrides(argv)
-    own = [a for a in argv if a.lstrip("+").partition("=")[0] in PREPARE_ONLY]
-    rest = [a for a in argv if a not in own]
-    try:
-        data = compose(rest).data
-        kwargs = {}
-        for key, (name, conv) in _KEYS.items():
-            field = key.split(".", 1)[1]
-            if field in data and data[field] is not None:
-                v = data[field]
-                kwargs[name] = v if conv is None else conv(v)
-    except SteadyError:
-        raise
-    except Exception as e:  # Hydra composition/interpolation errors: show the message, not a traceback
-        raise ConfigError(f"could not compose the config from {rest}: {e}".replace("\n", " ")) from None
-    if "input" in kwargs and not isinstance(kwargs["input"], (str, os.PathLike)):
+def prepare_kwargs(cfg: DictConfig) -> dict:
+    """`prepare()`'s arguments from the composed config's `data` group (unset keys keep prepare's defaults)."""
+    kwargs = {name: cfg.data[key] for key, name in ARGUMENTS.items() if cfg.data.get(key) is not None}
+    if "input" in kwargs and not isinstance(kwargs["input"], str):
         kwargs["input"] = [str(v) for v in kwargs["input"]]
-    kwargs.update(parse_overrides(own))
     return kwargs
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(
-            "usage: python -m steadylm.data.prepare [data.dir=DIR] [data.input=PATH|GLOB|hf:NAME|[A,B]] "
-            "[data.text_field=text] [data.tokenizer=bytes|bpe|PATH/tokenizer.json|gpt2] [data.vocab_size=8192] "
-            "[data.num_proc=N] [data.on_bad_record=error|skip] [data.val_fraction=0.01] [data.shard_tokens=N] "
-            "[data.max_bytes=N] [data.bpe_sample_bytes=N]"
-        )
+def main(argv: list[str] | None = None) -> None:
+    def task(cfg: DictConfig) -> int:
+        try:
+            prepare(**prepare_kwargs(cfg))
+        except KeyboardInterrupt:
+            print("prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
+                  file=sys.stderr)
+            return 130
         return 0
-    try:
-        prepare(**_kwargs_from_argv(argv))
-    except SteadyError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(
-            "prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
-            file=sys.stderr,
-        )
-        return 130
-    return 0
+
+    run_command("prepare", USAGE, task, argv, prog="python -m steadylm.data.prepare")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
