@@ -19,7 +19,9 @@ from steadylm.errors import ConfigError
 # `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
 
-CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parents[2] / "conf"))
+# Inside the package, so an installed copy composes the same configs outside the repo (`conf/` at the top of
+# the repo is a link to it). STEADYLM_CONF points every command at another config folder.
+CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent / "conf"))
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
