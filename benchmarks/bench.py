@@ -38,8 +38,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import lightning as L
 import torch
@@ -126,9 +126,7 @@ class PairedSteps(L.Callback):
 
 
 class Gate(L.Callback):
-    """Runs one stability callback's per-step hooks only on the steps `PairedSteps` tossed "on".
-
-    """
+    """Runs one stability callback's per-step hooks only on the steps `PairedSteps` tossed "on"."""
 
     def __init__(self, inner: L.Callback, paired: PairedSteps) -> None:
         self.inner, self.paired = inner, paired
@@ -146,8 +144,14 @@ def _forward(hook: str):
     return call
 
 
-STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-              "on_before_zero_grad", "on_train_batch_end")
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
 for _hook in STEP_HOOKS:
     setattr(Gate, _hook, _forward(_hook))
 
@@ -219,8 +223,8 @@ def overhead_samples(runs: list[PairedSteps]) -> dict[str, Blocks]:
         lightning, raw, on = run.samples()
         for i in range(0, len(lightning), CHUNK):
             pairs = list(zip(lightning[i : i + CHUNK], raw[i : i + CHUNK], on[i : i + CHUNK]))
-            groups["on"].append([l for l, _, o in pairs if o])
-            groups["off"].append([l for l, _, o in pairs if not o])
+            groups["on"].append([step for step, _, o in pairs if o])
+            groups["off"].append([step for step, _, o in pairs if not o])
             groups["raw"].append([r for _, r, _ in pairs])
     return groups
 
@@ -230,7 +234,7 @@ def interleave(rounds: int, runners: dict[str, Callable[[], list[Sample]]]) -> d
     samples: dict[str, Blocks] = {name: [] for name in runners}
     names = list(runners)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             gc.collect()
             gc.disable()
             try:
@@ -250,7 +254,9 @@ def suite_hook_share(cfg, module, datamodule, steps: int) -> float:
     trainer.profiler = profiler = SimpleProfiler()
     trainer.fit(module, datamodule=datamodule)
     d = profiler.recorded_durations
-    in_suite = sum(sum(v) for k, v in d.items() if k.startswith("[Callback]") and k[10:].split(".")[0].split("{")[0] in suite)
+    in_suite = sum(
+        sum(v) for k, v in d.items() if k.startswith("[Callback]") and k[10:].split(".")[0].split("{")[0] in suite
+    )
     return in_suite / sum(d["run_training_batch"])
 
 
@@ -294,8 +300,11 @@ def python_calls(cfg, module, datamodule, raw: Callable[[], None], steps: int) -
             for _ in range(n):
                 raw()
 
-    return {"raw": calls_per_step(raw_steps, steps), "minimal": calls_per_step(fit(False), steps),
-            "suite": calls_per_step(fit(True), steps)}
+    return {
+        "raw": calls_per_step(raw_steps, steps),
+        "minimal": calls_per_step(fit(False), steps),
+        "suite": calls_per_step(fit(True), steps),
+    }
 
 
 def loader_tokens_per_sec(datamodule, batches: int) -> float:
@@ -327,15 +336,27 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="steadylm-bench-"))
     data_dir = work / "data"
     prepare(input=None, out_dir=data_dir, max_bytes=300_000 if args.quick else 3_000_000, progress=False)
-    cfg = compose([
-        "trainer=cpu", f"data.dir={data_dir}", f"paths.output_dir={work / 'run'}", "logger=none",
-        "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0", "trainer.enable_model_summary=false",
-        "trainer.val_check_interval=1000000", "optim.warmup_steps=1", "trainer.max_steps=100000",
-        # Two AdamWs (Lightning's and the raw loop's) share the weights: a low LR keeps them finite and
-        # quiet, so every timed step takes the healthy path. Timing does not depend on the LR.
-        "optim.lr=1e-4", "optim.min_lr=1e-5",
-        "callbacks=default", "~callbacks.checkpoint", *args.overrides,
-    ])
+    cfg = compose(
+        [
+            "trainer=cpu",
+            f"data.dir={data_dir}",
+            f"paths.output_dir={work / 'run'}",
+            "logger=none",
+            "trainer.enable_progress_bar=false",
+            "trainer.limit_val_batches=0",
+            "trainer.enable_model_summary=false",
+            "trainer.val_check_interval=1000000",
+            "optim.warmup_steps=1",
+            "trainer.max_steps=100000",
+            # Two AdamWs (Lightning's and the raw loop's) share the weights: a low LR keeps them finite and
+            # quiet, so every timed step takes the healthy path. Timing does not depend on the LR.
+            "optim.lr=1e-4",
+            "optim.min_lr=1e-5",
+            "callbacks=default",
+            "~callbacks.checkpoint",
+            *args.overrides,
+        ]
+    )
     objects = build(cfg)
     module, datamodule = objects["module"], objects["datamodule"]
     opt_cfg = module.configure_optimizers()  # the raw loop's own AdamW, built by the same recipe
@@ -411,21 +432,37 @@ def report(r: dict) -> None:
         low, high = r["intervals"][key]
         print(f"{name:40} {r[key]:7.3f}  [{low:.3f}, {high:.3f}]  <= {limit}  {verdict(low, high, limit)}")
     share, loader = r["suite_hook_share_of_step"], r["loader_over_training_tokens_per_sec"]
-    print(f"{'suite hook time / step time (profiler)':40} {share:7.3f}  {'':15}  <= 0.02  {'met' if share <= 0.02 else 'missed'}")
-    print(f"{'tokens/s: data loader / training':40} {loader:7.1f}  {'':15}  >= 50    {'met' if loader >= 50 else 'missed'}")
-    print(f"{'step time: bf16 autocast / fp32 (CPU)':40} {r['bf16_over_fp32_cpu']:7.3f}  {'':15}  < 1 where the CPU has bf16 units")
+    print(
+        f"{'suite hook time / step time (profiler)':40} {share:7.3f}  {'':15}  <= 0.02  {'met' if share <= 0.02 else 'missed'}"
+    )
+    print(
+        f"{'tokens/s: data loader / training':40} {loader:7.1f}  {'':15}  >= 50    {'met' if loader >= 50 else 'missed'}"
+    )
+    print(
+        f"{'step time: bf16 autocast / fp32 (CPU)':40} {r['bf16_over_fp32_cpu']:7.3f}  {'':15}  < 1 where the CPU has bf16 units"
+    )
     compiled = r["compiled_over_eager"]
-    print(f"{'step time: torch.compile / eager':40} {'skipped' if compiled is None else f'{compiled:7.3f}':>7}  {'':15}  < 1")
+    print(
+        f"{'step time: torch.compile / eager':40} {'skipped' if compiled is None else f'{compiled:7.3f}':>7}  {'':15}  < 1"
+    )
     print(f"\nmodel: {r['params']:,} params, {r['flops_per_token']:,} FLOPs/token (6N + 12·L·d·T)")
-    print(f"raw step {r['step_ms']:.1f} ms on {r['threads']} threads; Lightning + suite adds {r['overhead_ms_per_step']:+.2f} ms")
+    print(
+        f"raw step {r['step_ms']:.1f} ms on {r['threads']} threads; Lightning + suite adds {r['overhead_ms_per_step']:+.2f} ms"
+    )
     c = r["python_calls_per_step"]
-    print(f"Python calls per ordinary step: raw loop {c['raw']:,.0f}, Lightning with callbacks=minimal "
-          f"{c['minimal']:,.0f}, with the suite {c['suite']:,.0f}")
+    print(
+        f"Python calls per ordinary step: raw loop {c['raw']:,.0f}, Lightning with callbacks=minimal "
+        f"{c['minimal']:,.0f}, with the suite {c['suite']:,.0f}"
+    )
     extra = c["suite"] - c["raw"]
     if extra > 0 and r["overhead_ms_per_step"] > 0:
-        print(f"  {extra:,.0f} calls more than the raw loop: {1e3 * r['overhead_ms_per_step'] / extra:.1f} µs each "
-              "would make up the whole overhead")
-    print(f"training: {r['train_tokens_per_sec']:,.0f} tokens/s = {r['model_flops_per_sec'] / 1e9:.2f} GFLOP/s achieved")
+        print(
+            f"  {extra:,.0f} calls more than the raw loop: {1e3 * r['overhead_ms_per_step'] / extra:.1f} µs each "
+            "would make up the whole overhead"
+        )
+    print(
+        f"training: {r['train_tokens_per_sec']:,.0f} tokens/s = {r['model_flops_per_sec'] / 1e9:.2f} GFLOP/s achieved"
+    )
     print(f"{r['steps_timed']} paired steps; 'unresolved' = the noise spans the target: run more --rounds")
 
 

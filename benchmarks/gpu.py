@@ -98,11 +98,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="steadylm-gpu-"))
     prepare(input=None, out_dir=work / "data", max_bytes=4_000_000, progress=False)
     overrides = [
-        "model=small", "trainer=gpu", "trainer.precision=bf16-mixed", f"compile={not args.no_compile}",
-        f"data.dir={work / 'data'}", f"data.batch_size={args.batch}", "data.num_workers=2", "data.pin_memory=true",
-        f"paths.output_dir={work / 'run'}", f"trainer.max_steps={args.steps}", "optim.warmup_steps=10",
-        "trainer.limit_val_batches=0", "trainer.val_check_interval=1000000", "logger=none", "~callbacks.checkpoint",
-        "trainer.enable_progress_bar=false", *args.overrides,
+        "model=small",
+        "trainer=gpu",
+        "trainer.precision=bf16-mixed",
+        f"compile={not args.no_compile}",
+        f"data.dir={work / 'data'}",
+        f"data.batch_size={args.batch}",
+        "data.num_workers=2",
+        "data.pin_memory=true",
+        f"paths.output_dir={work / 'run'}",
+        f"trainer.max_steps={args.steps}",
+        "optim.warmup_steps=10",
+        "trainer.limit_val_batches=0",
+        "trainer.val_check_interval=1000000",
+        "logger=none",
+        "~callbacks.checkpoint",
+        "trainer.enable_progress_bar=false",
+        *args.overrides,
     ]
     cfg = compose(overrides)
     objects, times, all_syncs = fit_and_time(cfg)
@@ -113,7 +125,9 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     peak = peak_flops(name)
     print(f"device: {name}; params {net.num_params():,}; FLOPs/token {net.flops_per_token():,}")
-    print(f"flash attention usable: {flash_attention_usable(net.cfg.d_model // net.cfg.n_head, net.cfg.context_length)}")
+    print(
+        f"flash attention usable: {flash_attention_usable(net.cfg.d_model // net.cfg.n_head, net.cfg.context_length)}"
+    )
     print(f"step time (median of {len(times)}): {statistics.median(times) * 1e3:.1f} ms; tokens/s: {tps:,.0f}")
     achieved = tps * net.flops_per_token()
     mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.throughput.PEAK_FLOPS)"
@@ -121,11 +135,15 @@ def main() -> None:
     every = cfg.trainer.log_every_n_steps
     logging = [n for i, n in enumerate(all_syncs) if i >= SETTLE and (i + 1) % every == 0]
     ordinary = [n for i, n in enumerate(all_syncs) if i >= SETTLE and (i + 1) % every]
-    print(f"synchronizing CUDA calls per ordinary step: median {statistics.median(ordinary)}, max {max(ordinary)}; "
-          f"per logging step (every {every}th): median {statistics.median(logging) if logging else 'n/a'}")
+    print(
+        f"synchronizing CUDA calls per ordinary step: median {statistics.median(ordinary)}, max {max(ordinary)}; "
+        f"per logging step (every {every}th): median {statistics.median(logging) if logging else 'n/a'}"
+    )
     if args.compare_defer:
         _, same_step, _ = fit_and_time(compose([*overrides, "callbacks.guard.defer=false"]))
-        print(f"step time: probe read at the step itself / deferred = {statistics.median(same_step) / statistics.median(times):.3f}")
+        print(
+            f"step time: probe read at the step itself / deferred = {statistics.median(same_step) / statistics.median(times):.3f}"
+        )
 
 
 if __name__ == "__main__":

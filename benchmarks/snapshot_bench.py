@@ -72,7 +72,7 @@ def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devic
     snap.wait()
     steps, snaps, with_, without = [], [], [], []
     for r in range(rounds):
-        for snapshot_first in ((True, False) if r % 2 == 0 else (False, True)):
+        for snapshot_first in (True, False) if r % 2 == 0 else (False, True):
             sync(device)
             t0 = time.perf_counter()
             for i in range(every):
@@ -90,9 +90,16 @@ def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devic
             (with_ if snapshot_first else without).append(time.perf_counter() - t0)
     step_t, snap_t = statistics.median(steps), statistics.median(snaps)
     paired = statistics.median(w / wo - 1 for w, wo in zip(with_, without))
-    return {"preset": name, "params_M": sum(p.numel() for p in net.parameters()) / 1e6, "snapshot_MB": snap.nbytes() / 2**20,
-            "step_ms": step_t * 1e3, "snapshot_ms": snap_t * 1e3, "every": every,
-            "ratio": snap_t / (every * step_t), "paired": paired}
+    return {
+        "preset": name,
+        "params_M": sum(p.numel() for p in net.parameters()) / 1e6,
+        "snapshot_MB": snap.nbytes() / 2**20,
+        "step_ms": step_t * 1e3,
+        "snapshot_ms": snap_t * 1e3,
+        "every": every,
+        "ratio": snap_t / (every * step_t),
+        "paired": paired,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -121,9 +128,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r = bench(name, cfg, batch, every, rounds, args.device)
         results.append(r)
         verdict = "met" if max(r["ratio"], r["paired"]) <= TARGET else "missed"
-        print(f"  {name:12s} {r['params_M']:7.1f}M params  snapshot {r['snapshot_MB']:8.1f} MB  step {r['step_ms']:8.2f} ms  "
-              f"capture {r['snapshot_ms']:7.2f} ms  capture/(every*step) {r['ratio']:6.2%}  paired {r['paired']:+6.2%}  {verdict}",
-              flush=True)
+        print(
+            f"  {name:12s} {r['params_M']:7.1f}M params  snapshot {r['snapshot_MB']:8.1f} MB  step {r['step_ms']:8.2f} ms  "
+            f"capture {r['snapshot_ms']:7.2f} ms  capture/(every*step) {r['ratio']:6.2%}  paired {r['paired']:+6.2%}  {verdict}",
+            flush=True,
+        )
     return results
 
 

@@ -28,8 +28,15 @@ from steadylm.train import main, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "trainer=cpu", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.context_length=32",
-    "data.batch_size=4", "trainer.max_steps=2", "optim.warmup_steps=1", "trainer.enable_progress_bar=false",
+    "trainer=cpu",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.d_model=32",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "trainer.max_steps=2",
+    "optim.warmup_steps=1",
+    "trainer.enable_progress_bar=false",
     "callbacks.checkpoint.every_n_train_steps=2",
 ]
 
@@ -81,8 +88,14 @@ def _raw(path: Path, data, **attrs) -> None:
     with h5py.File(path, "w") as f:
         if data is not None:
             f.create_dataset("tokens", data=data)
-        base = {"format_version": 1, "vocab_size": 257, "eos_id": 256, "tokenizer": "bytes",
-                "n_tokens": 0 if data is None else len(data), "max_token_id": 0 if data is None or not len(data) else int(np.max(data))}
+        base = {
+            "format_version": 1,
+            "vocab_size": 257,
+            "eos_id": 256,
+            "tokenizer": "bytes",
+            "n_tokens": 0 if data is None else len(data),
+            "max_token_id": 0 if data is None or not len(data) else int(np.max(data)),
+        }
         for k, v in {**base, **attrs}.items():
             f.attrs[k] = v
 
@@ -102,13 +115,37 @@ DATA_CASES = {
     "empty_shard": (lambda d: _raw(d / "train-00001.h5", np.zeros(0, np.uint16)), [], r"train-00001\.h5.*empty"),
     "truncated": (_truncate, [], r"train-00000\.h5: not a readable HDF5 file \(truncated or corrupt"),
     "no_tokens_dataset": (lambda d: _raw(d / "train-00001.h5", None), [], r"train-00001\.h5: has no 'tokens' dataset"),
-    "float_tokens": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.float32)), [], r"train-00001\.h5.*dtype float32.*unsigned"),
-    "oov_ids": (lambda d: _raw(d / "train-00001.h5", np.array([1, 300, 2], np.uint16), vocab_size=257), [], r"train-00001\.h5: max_token_id 300 >= vocab_size 257"),
-    "format_version": (lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.uint16), format_version=3), [], r"train-00001\.h5: format_version 3 is not supported"),
+    "float_tokens": (
+        lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.float32)),
+        [],
+        r"train-00001\.h5.*dtype float32.*unsigned",
+    ),
+    "oov_ids": (
+        lambda d: _raw(d / "train-00001.h5", np.array([1, 300, 2], np.uint16), vocab_size=257),
+        [],
+        r"train-00001\.h5: max_token_id 300 >= vocab_size 257",
+    ),
+    "format_version": (
+        lambda d: _raw(d / "train-00001.h5", np.arange(99, dtype=np.uint16), format_version=3),
+        [],
+        r"train-00001\.h5: format_version 3 is not supported",
+    ),
     "too_short": (_only_short_train, [], r"train-00000\.h5.*20 tokens, fewer than model\.context_length \+ 1 = 33"),
-    "val_missing": (lambda d: (d / "val-00000.h5").unlink(), [], r"no val shards \(val-\*\.h5\) found; run `make data`"),
-    "vocab_too_small": (lambda d: None, ["model.vocab_size=128"], r"train-00000\.h5: shard vocab_size 257 exceeds model\.vocab_size 128; set model\.vocab_size >= 257"),
-    "context_mismatch": (lambda d: None, ["data.context_length=16"], r"data\.context_length=16 differs from model\.context_length=32"),
+    "val_missing": (
+        lambda d: (d / "val-00000.h5").unlink(),
+        [],
+        r"no val shards \(val-\*\.h5\) found; run `make data`",
+    ),
+    "vocab_too_small": (
+        lambda d: None,
+        ["model.vocab_size=128"],
+        r"train-00000\.h5: shard vocab_size 257 exceeds model\.vocab_size 128; set model\.vocab_size >= 257",
+    ),
+    "context_mismatch": (
+        lambda d: None,
+        ["data.context_length=16"],
+        r"data\.context_length=16 differs from model\.context_length=32",
+    ),
 }
 
 
@@ -128,15 +165,33 @@ def test_bad_data_and_config(case, shards_dir, tmp_path, monkeypatch, capsys):
 # --- the command line and the environment ---------------------------------------------------------
 
 CLI_CASES = {
-    "unknown_preset": (["model=huge"], r"Could not find 'model/huge'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny"),
-    "typo_override": (["trainer.max_stepz=3"], r"trainer\.max_stepz is not a config key; did you mean trainer\.max_steps\b.*\+trainer\.max_stepz="),
+    "unknown_preset": (
+        ["model=huge"],
+        r"Could not find 'model/huge'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny",
+    ),
+    "typo_override": (
+        ["trainer.max_stepz=3"],
+        r"trainer\.max_stepz is not a config key; did you mean trainer\.max_steps\b.*\+trainer\.max_stepz=",
+    ),
     "bad_override_syntax": (["model.n_layer=["], r"no viable alternative at input '\['"),
-    "too_many_gpus": (["trainer.accelerator=gpu", "trainer.devices=64"], r"trainer\.(accelerator=gpu but no CUDA GPU is visible|devices=64 asks for 64 GPUs)"),
-    "run_dir_unwritable": (["hydra.run.dir={file}/run"], r"cannot create .*a-file/run \(Not a directory\); pass hydra\.run\.dir="),
-    "output_dir_unwritable": (["paths.output_dir={file}/out"], r"paths\.output_dir=.*a-file/out is not writable \(Not a directory\)"),
+    "too_many_gpus": (
+        ["trainer.accelerator=gpu", "trainer.devices=64"],
+        r"trainer\.(accelerator=gpu but no CUDA GPU is visible|devices=64 asks for 64 GPUs)",
+    ),
+    "run_dir_unwritable": (
+        ["hydra.run.dir={file}/run"],
+        r"cannot create .*a-file/run \(Not a directory\); pass hydra\.run\.dir=",
+    ),
+    "output_dir_unwritable": (
+        ["paths.output_dir={file}/out"],
+        r"paths\.output_dir=.*a-file/out is not writable \(Not a directory\)",
+    ),
     "resume_bogus": (["resume=yes"], r"resume=yes is not supported; use resume=auto"),
     "resume_and_ckpt": (["resume=auto", "ckpt_path=x.ckpt"], r"both ckpt_path and resume=auto are set"),
-    "guard_action": (["callbacks.guard.action=bogus"], r"callbacks\.guard\.action='bogus' is not one of rollback, stop"),
+    "guard_action": (
+        ["callbacks.guard.action=bogus"],
+        r"callbacks\.guard\.action='bogus' is not one of rollback, stop",
+    ),
     "guard_defer": (["callbacks.guard.defer=maybe"], r"callbacks\.guard\.defer='maybe' must be true or false"),
 }
 
@@ -148,7 +203,9 @@ def test_bad_command_line_and_environment(case, shards_dir, tmp_path, monkeypatc
     blocker.write_text("a file where a folder is expected")
     before = snapshot(tmp_path)
     args = [a.format(file=blocker) for a in args]
-    code, err = run_main(monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args)
+    code, err = run_main(
+        monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args
+    )
     assert_one_clear_error(code, err, pattern)
     assert_unchanged(before, tmp_path)
 
@@ -157,30 +214,61 @@ def test_bad_command_line_and_environment(case, shards_dir, tmp_path, monkeypatc
 
 VALUE_CASES = {
     "batch_size_0": (["data.batch_size=0"], r"data\.batch_size=0 is not allowed; it must be a whole number > 0"),
-    "batch_size_text": (["data.batch_size=abc"], r"data\.batch_size='abc' is not allowed; it must be a whole number > 0"),
+    "batch_size_text": (
+        ["data.batch_size=abc"],
+        r"data\.batch_size='abc' is not allowed; it must be a whole number > 0",
+    ),
     "num_workers": (["data.num_workers=-1"], r"data\.num_workers=-1 is not allowed; it must be a whole number >= 0"),
-    "n_head_does_not_divide": (["model.n_head=3"], r"model\.d_model=32 .*model\.n_head=3|model\.n_head=3.*model\.d_model=32"),
+    "n_head_does_not_divide": (
+        ["model.n_head=3"],
+        r"model\.d_model=32 .*model\.n_head=3|model\.n_head=3.*model\.d_model=32",
+    ),
     "n_kv_head_does_not_divide": (["model.n_kv_head=3"], r"model\.n_kv_head=3"),
     "d_model_0": (["model.d_model=0"], r"model\.d_model=0"),
     "n_layer_0": (["model.n_layer=0"], r"model\.n_layer=0"),
-    "precision_unknown": (["trainer.precision=fp8"], r"trainer\.precision='fp8' is not allowed; it must be one of auto, 32-true"),
-    "fp16_on_a_cpu": (["trainer.precision=16-mixed"], r"trainer\.precision=16-mixed \(fp16 with a loss scaler\) needs a CUDA GPU"),
-    "accelerator_unknown": (["trainer.accelerator=tpu9"], r"trainer\.accelerator='tpu9' is not allowed; it must be one of auto, cpu"),
+    "precision_unknown": (
+        ["trainer.precision=fp8"],
+        r"trainer\.precision='fp8' is not allowed; it must be one of auto, 32-true",
+    ),
+    "fp16_on_a_cpu": (
+        ["trainer.precision=16-mixed"],
+        r"trainer\.precision=16-mixed \(fp16 with a loss scaler\) needs a CUDA GPU",
+    ),
+    "accelerator_unknown": (
+        ["trainer.accelerator=tpu9"],
+        r"trainer\.accelerator='tpu9' is not allowed; it must be one of auto, cpu",
+    ),
     "lr_zero": (["optim.lr=0"], r"optim\.lr=0 is not allowed; it must be a learning rate > 0"),
     "lr_negative": (["optim.lr=-0.1"], r"optim\.lr=-0\.1 is not allowed"),
-    "min_lr_above_lr": (["optim.min_lr=1.0"], r"optim\.min_lr=1\.0 is not allowed; it must be between 0 and optim\.lr=0\.003"),
-    "warmup_not_below_max_steps": (["optim.warmup_steps=2"], r"optim\.warmup_steps=2 is not allowed; it must be .*< optim\.total_steps=2"),
-    "max_steps_0": (["trainer.max_steps=0"], r"trainer\.max_steps=0 is not allowed; it must be a whole number of optimizer steps > 0"),
+    "min_lr_above_lr": (
+        ["optim.min_lr=1.0"],
+        r"optim\.min_lr=1\.0 is not allowed; it must be between 0 and optim\.lr=0\.003",
+    ),
+    "warmup_not_below_max_steps": (
+        ["optim.warmup_steps=2"],
+        r"optim\.warmup_steps=2 is not allowed; it must be .*< optim\.total_steps=2",
+    ),
+    "max_steps_0": (
+        ["trainer.max_steps=0"],
+        r"trainer\.max_steps=0 is not allowed; it must be a whole number of optimizer steps > 0",
+    ),
     "accumulate_0": (["trainer.accumulate_grad_batches=0"], r"trainer\.accumulate_grad_batches=0 is not allowed"),
     "devices_0": (["trainer.devices=0"], r"trainer\.devices=0 is not allowed"),
-    "betas": (["optim.betas=[0.9,1.5]"], r"optim\.betas=\[0\.9, 1\.5\] is not allowed; it must be two numbers in \[0, 1\)"),
+    "betas": (
+        ["optim.betas=[0.9,1.5]"],
+        r"optim\.betas=\[0\.9, 1\.5\] is not allowed; it must be two numbers in \[0, 1\)",
+    ),
     "clip_negative": (["trainer.gradient_clip_val=-1"], r"trainer\.gradient_clip_val=-1 is not allowed"),
-    "cpu_processes_by_accident": (["trainer.accelerator=auto", "trainer.devices=4"],
-                                  r"trainer\.devices=4 asks for 4 GPUs but 0 are visible on this machine; .*"
-                                  r"trainer\.accelerator=cpu to run 4 CPU processes on purpose"),
-    "does_not_fit": (["trainer.devices=4", "model.n_layer=48", "model.d_model=4096", "model.n_head=32"],
-                     r"this run does not fit: ~[\d.]+ GiB per process x 4 processes \(weights\+grads\+adamw .*\) vs "
-                     r"[\d.]+ GiB RAM available; lower data\.batch_size"),
+    "cpu_processes_by_accident": (
+        ["trainer.accelerator=auto", "trainer.devices=4"],
+        r"trainer\.devices=4 asks for 4 GPUs but 0 are visible on this machine; .*"
+        r"trainer\.accelerator=cpu to run 4 CPU processes on purpose",
+    ),
+    "does_not_fit": (
+        ["trainer.devices=4", "model.n_layer=48", "model.d_model=4096", "model.n_head=32"],
+        r"this run does not fit: ~[\d.]+ GiB per process x 4 processes \(weights\+grads\+adamw .*\) vs "
+        r"[\d.]+ GiB RAM available; lower data\.batch_size",
+    ),
 }
 
 
@@ -189,7 +277,9 @@ def test_bad_values_are_one_line_and_exit_2(case, shards_dir, tmp_path, monkeypa
     if torch.cuda.is_available() and case in ("fp16_on_a_cpu", "cpu_processes_by_accident"):
         pytest.skip("about a machine without a GPU")
     args, pattern = VALUE_CASES[case]
-    code, err = run_main(monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args)
+    code, err = run_main(
+        monkeypatch, capsys, *TINY, f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}", *args
+    )
     assert_one_clear_error(code, err, pattern)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -215,8 +305,12 @@ def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
     truncated = ckpts / "truncated.ckpt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     cases = [
-        (good, ["model.d_model=32"], r"last\.ckpt: was written for a different model shape \(shape mismatch \(checkpoint vs config\): "
-         r"net\.wte\.weight \(320, 64\) vs \(320, 32\).*use the model overrides it was trained with: .*model\.d_model=64"),
+        (
+            good,
+            ["model.d_model=32"],
+            r"last\.ckpt: was written for a different model shape \(shape mismatch \(checkpoint vs config\): "
+            r"net\.wte\.weight \(320, 64\) vs \(320, 32\).*use the model overrides it was trained with: .*model\.d_model=64",
+        ),
         (good, ["model.n_layer=3"], r"different model shape \(missing: net\.blocks\.2\."),
         (evil, [], r"evil\.ckpt: refused to load: it carries pickled code.*(getcwd|Payload|partial)"),
         (truncated, [], r"truncated\.ckpt: not a complete checkpoint \(truncated or corrupt\)"),
@@ -227,8 +321,14 @@ def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
     for ckpt, extra, pattern in cases:
         overrides = ["trainer=cpu", "model.n_head=2", "model.d_model=64", "model.context_length=64", "model.n_layer=2"]
         code, err = run_main(
-            monkeypatch, capsys, *overrides, *extra, "trainer.enable_progress_bar=false", f"data.dir={make_cfg().data.dir}",
-            f"hydra.run.dir={run_dir}", f"ckpt_path={ckpt}",
+            monkeypatch,
+            capsys,
+            *overrides,
+            *extra,
+            "trainer.enable_progress_bar=false",
+            f"data.dir={make_cfg().data.dir}",
+            f"hydra.run.dir={run_dir}",
+            f"ckpt_path={ckpt}",
         )
         assert_one_clear_error(code, err, pattern)
         assert not (run_dir / "checkpoints").exists()
@@ -255,7 +355,11 @@ def test_cli_subprocess_reports_one_line(tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "model=huge", "trainer.max_stepz=1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -9,8 +9,11 @@ from steadylm.train import train
 
 
 def final_weights(make_cfg, tmp_path, name: str, *overrides: str) -> dict[str, torch.Tensor]:
-    _, objects = train(make_cfg("optim.lr=0.05", "trainer.max_steps=12", "trainer.log_every_n_steps=2", *overrides,
-                                out=tmp_path / name))
+    _, objects = train(
+        make_cfg(
+            "optim.lr=0.05", "trainer.max_steps=12", "trainer.log_every_n_steps=2", *overrides, out=tmp_path / name
+        )
+    )
     return {k: v.detach().clone() for k, v in objects["module"].state_dict().items()}
 
 

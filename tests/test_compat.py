@@ -59,11 +59,24 @@ def test_trainer_internals_during_a_fit(make_cfg):
 
     class Spy(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append((compat.will_log(trainer), compat.logged_step(trainer), compat.batches_processed(trainer),
-                         compat.attached_trainer(pl_module) is trainer))
+            seen.append(
+                (
+                    compat.will_log(trainer),
+                    compat.logged_step(trainer),
+                    compat.batches_processed(trainer),
+                    compat.attached_trainer(pl_module) is trainer,
+                )
+            )
 
-    objects = build(make_cfg("trainer.max_steps=4", "trainer.log_every_n_steps=2", "optim.warmup_steps=1",
-                             "trainer.limit_val_batches=0", "callbacks=minimal"))
+    objects = build(
+        make_cfg(
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=2",
+            "optim.warmup_steps=1",
+            "trainer.limit_val_batches=0",
+            "callbacks=minimal",
+        )
+    )
     assert compat.attached_trainer(objects["module"]) is None
     objects["trainer"].callbacks.append(Spy())
     objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
@@ -102,8 +115,11 @@ def test_no_private_library_attribute_outside_compat(path):
                 found.append(f"line {node.lineno}: .{node.attr}")
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "lightning"):
             found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.startswith("_")]
-        if isinstance(node, ast.ImportFrom) and node.module and any(
-                part.startswith("_") and not part.startswith("__") for part in node.module.split(".")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and any(part.startswith("_") and not part.startswith("__") for part in node.module.split("."))
+        ):
             found.append(f"line {node.lineno}: from {node.module}")
     assert not found, f"{path.relative_to(SRC)} reaches private attributes outside compat.py: {found}"
 

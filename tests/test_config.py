@@ -1,7 +1,5 @@
 """Config composition and the startup refusals that need only the config."""
 
-from pathlib import Path
-
 import pytest
 from hydra.utils import instantiate
 
@@ -16,7 +14,11 @@ def group_options(group: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "group,option",
-    [(g, o) for g in ("model", "data", "optim", "trainer", "callbacks", "logger", "paths", "hydra") for o in group_options(g)],
+    [
+        (g, o)
+        for g in ("model", "data", "optim", "trainer", "callbacks", "logger", "paths", "hydra")
+        for o in group_options(g)
+    ],
 )
 def test_every_config_option_composes_and_resolves(group, option, tmp_path):
     cfg = compose([f"{group}={option}", f"paths.output_dir={tmp_path}"])
@@ -27,9 +29,16 @@ def test_every_config_option_composes_and_resolves(group, option, tmp_path):
 
 def test_presets_have_documented_shapes():
     small = compose(["model=small", "paths.output_dir=/tmp/x"]).model
-    assert (small.n_layer, small.n_head, small.d_model, small.context_length, small.vocab_size) == (12, 12, 768, 1024, 50304)
-    from steadylm.model import GPT, GPTConfig
+    assert (small.n_layer, small.n_head, small.d_model, small.context_length, small.vocab_size) == (
+        12,
+        12,
+        768,
+        1024,
+        50304,
+    )
     import torch
+
+    from steadylm.model import GPT, GPTConfig
 
     with torch.device("meta"):
         n = GPT(GPTConfig(**small)).num_params(non_embedding=False)

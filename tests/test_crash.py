@@ -93,10 +93,21 @@ def _cli(*args: str) -> list[str]:
 def test_sigkill_mid_run_then_resume_auto_finishes(shards_dir, tmp_path):
     run = tmp_path / "run"
     args = [
-        "trainer=cpu", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32",
-        "data.batch_size=4", "trainer.max_steps=300", "optim.warmup_steps=5", "trainer.val_check_interval=50",
-        "trainer.limit_val_batches=2", "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false",
-        "callbacks.checkpoint.every_n_train_steps=10", f"data.dir={shards_dir}", f"hydra.run.dir={run}",
+        "trainer=cpu",
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.context_length=32",
+        "data.batch_size=4",
+        "trainer.max_steps=300",
+        "optim.warmup_steps=5",
+        "trainer.val_check_interval=50",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=5",
+        "trainer.enable_progress_bar=false",
+        "callbacks.checkpoint.every_n_train_steps=10",
+        f"data.dir={shards_dir}",
+        f"hydra.run.dir={run}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
     proc = subprocess.Popen(_cli(*args), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -116,7 +127,9 @@ def test_sigkill_mid_run_then_resume_auto_finishes(shards_dir, tmp_path):
     killed_at = max(safe_load(p)["global_step"] for p in ckpts)
     assert 10 <= killed_at < 300
 
-    done = subprocess.run(_cli(*args, "resume=auto"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        _cli(*args, "resume=auto"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resume=auto: continuing from" in done.stdout + done.stderr
     assert "dataloader is not resumable" not in done.stderr  # it is, through the datamodule's state

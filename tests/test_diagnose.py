@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("loss", "lr", "grad_norm", "block_grad_norm", "update_ratio", "attn_logit")
 
 
-def write_run(run: Path, scalars: dict[str, list[float]], events=(), config: dict | None = None, torn: bool = False) -> Path:
+def write_run(
+    run: Path, scalars: dict[str, list[float]], events=(), config: dict | None = None, torn: bool = False
+) -> Path:
     writer = SummaryWriter(str(run / "tensorboard"))
     for tag, values in scalars.items():
         for step, value in enumerate(values):
@@ -28,7 +30,7 @@ def write_run(run: Path, scalars: dict[str, list[float]], events=(), config: dic
     if events or torn:
         (run / "stability").mkdir(parents=True, exist_ok=True)
         lines = [json.dumps({"step": s, "kind": k, "action": a, "detail": d, "time": 0.0}) for s, k, a, d in events]
-        (run / "stability" / "events.jsonl").write_text("\n".join(lines) + ("\n{\"step\": 9" if torn else "\n"))
+        (run / "stability" / "events.jsonl").write_text("\n".join(lines) + ('\n{"step": 9' if torn else "\n"))
     if config is not None:
         (run / ".hydra").mkdir(parents=True)
         (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
@@ -69,7 +71,7 @@ def test_healthy_run_reports_no_instability_and_draws_every_plot(tmp_path):
 
 def test_grad_norm_growth_at_peak_lr_without_clipping(tmp_path):
     curves = healthy_curves()
-    curves["optim/grad_norm"] = [1.0] * 40 + [1.0 * 1.08 ** i for i in range(50)] + [math.nan] * 10
+    curves["optim/grad_norm"] = [1.0] * 40 + [1.0 * 1.08**i for i in range(50)] + [math.nan] * 10
     curves["train/loss"] = curves["train/loss"][:85] + [9.0, 12.0] + [math.nan] * 13
     config = {**CONFIG, "trainer": {"gradient_clip_val": None, "precision": "32-true"}}
     diagnosis, text = report(write_run(tmp_path / "run", curves, config=config))
@@ -115,12 +117,17 @@ def test_crashed_run_with_partial_logs_still_gets_a_report(tmp_path):
 
 def test_cli_on_an_empty_folder_and_a_missing_one(tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "steadylm.diagnose", str(tmp_path / "empty")], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "steadylm.diagnose", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "no instability found" in proc.stdout
     assert "no TensorBoard event files" in (tmp_path / "empty" / "report.md").read_text()
-    proc = subprocess.run([sys.executable, "-m", "steadylm.diagnose", str(tmp_path / "nope")], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "steadylm.diagnose", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 
@@ -132,8 +139,13 @@ PRESETS = [
     ("corrupted_batch", ["trainer.max_steps=50"], "bad data batch", 45, "data window"),
     ("lr_spike", ["trainer.max_steps=80"], "oversized update (LR spike)", 49, "update/param ratio"),
     ("high_lr", ["trainer.max_steps=40"], "attention logit growth", None, "max attention logit"),
-    ("no_clip_no_warmup", ["trainer.max_steps=40", "optim.warmup_steps=0"], "no clipping, no warmup", None,
-     "no clipping and no warmup"),
+    (
+        "no_clip_no_warmup",
+        ["trainer.max_steps=40", "optim.warmup_steps=0"],
+        "no clipping, no warmup",
+        None,
+        "no clipping and no warmup",
+    ),
 ]
 
 

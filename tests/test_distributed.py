@@ -16,9 +16,17 @@ from steadylm.train import build, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TINY = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
-    "trainer.max_steps=6", "optim.warmup_steps=2", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "trainer.max_steps=6",
+    "optim.warmup_steps=2",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
 ]
 
 
@@ -53,7 +61,9 @@ def test_devices_nodes_precision_pass_straight_through(make_cfg):
 
 def test_multirun_with_a_relaunching_strategy_is_refused_before_training(make_cfg, tmp_path):
     cfg = make_cfg("trainer=ddp_sim", "hydra.mode=MULTIRUN")
-    with pytest.raises(ConfigError, match=r"multirun \(-m\) cannot start trainer.devices=2 processes.*hydra/launcher=slurm"):
+    with pytest.raises(
+        ConfigError, match=r"multirun \(-m\) cannot start trainer.devices=2 processes.*hydra/launcher=slurm"
+    ):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing started, nothing written
 
@@ -76,8 +86,14 @@ def test_fsdp_trains_with_norm_clipping(make_cfg):
 
 @pytest.mark.slow
 def test_two_process_ddp_shares_rank0_run_dir_and_writes_once(shards_dir, tmp_path):
-    proc = run_cli("trainer=ddp_sim", f"data.dir={shards_dir}", "+callbacks.probe._target_=test_distributed.RankProbe",
-                   "callbacks.checkpoint.every_n_train_steps=3", *CLI_TINY, cwd=tmp_path)
+    proc = run_cli(
+        "trainer=ddp_sim",
+        f"data.dir={shards_dir}",
+        "+callbacks.probe._target_=test_distributed.RankProbe",
+        "callbacks.checkpoint.every_n_train_steps=3",
+        *CLI_TINY,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
     assert len(runs) == 1  # the child got rank 0's ${now}-stamped dir, not its own

@@ -14,15 +14,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from steadylm.data.shards import write_shard
 from steadylm.config import compose
+from steadylm.data.shards import write_shard
 from steadylm.doctor import run_checks
 from steadylm.doctor.check import FAIL, OK, WARN, guarded
 from steadylm.doctor.config_checks import check_schedule, config_checks
 from steadylm.doctor.data_checks import data_checks
-from steadylm.doctor.model_checks import check_activations, check_backward, check_causal, grad_norm_ceiling, model_checks
-from steadylm.model.gpt import CausalSelfAttention
+from steadylm.doctor.model_checks import (
+    check_activations,
+    check_backward,
+    check_causal,
+    grad_norm_ceiling,
+    model_checks,
+)
 from steadylm.memory import count_params, plan
+from steadylm.model.gpt import CausalSelfAttention
 from steadylm.module import LMModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +46,18 @@ def test_healthy_config_passes_and_plots_the_lr_curve(make_cfg, tmp_path):
     rows = run_checks(make_cfg(), out_dir=tmp_path / "doc")
     assert not failing(rows), [r for r in rows if r.status != OK]
     names = {r.name for r in rows}
-    for name in ("config: gradient clipping", "config: precision", "data: shards", "data: fits the model",
-                 "model: causal mask", "model: initial loss", "model: init grad norm", "model: activation RMS",
-                 "model: size and memory", "schedule: LR curve"):
+    for name in (
+        "config: gradient clipping",
+        "config: precision",
+        "data: shards",
+        "data: fits the model",
+        "model: causal mask",
+        "model: initial loss",
+        "model: init grad norm",
+        "model: activation RMS",
+        "model: size and memory",
+        "schedule: LR curve",
+    ):
         assert name in names
     png = tmp_path / "doc" / "lr_schedule.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -64,8 +79,11 @@ def group_rows(cfg, check: str, out_dir: Path, deep: bool = False):
 @pytest.mark.parametrize(
     "overrides,check,message",
     [
-        (["model.context_length=512", "data.context_length=16"], "config: context length, LR range, warmup",
-         "data.context_length=16 differs from model.context_length=512"),
+        (
+            ["model.context_length=512", "data.context_length=16"],
+            "config: context length, LR range, warmup",
+            "data.context_length=16 differs from model.context_length=512",
+        ),
         (["optim.min_lr=1e-2"], "config: context length, LR range, warmup", "optim.min_lr=0.01 is not allowed"),
         (["optim.warmup_steps=30"], "config: context length, LR range, warmup", "optim.warmup_steps=30 is not allowed"),
         (["trainer.gradient_clip_val=0"], "config: gradient clipping", "trainer.gradient_clip_val=0"),
@@ -187,25 +205,36 @@ def test_model_fixtures_fail_their_checks():
 
 
 def test_memory_estimate_counts_adamw_states_per_param(tmp_path):
-    cfg = compose(["model=small", "trainer=cpu", "trainer.precision=32-true", "data.batch_size=8", f"paths.output_dir={tmp_path}"])
+    cfg = compose(
+        ["model=small", "trainer=cpu", "trainer.precision=32-true", "data.batch_size=8", f"paths.output_dir={tmp_path}"]
+    )
     parts = plan(cfg, "32-true", on_gpu=False, n_params=124_000_000).parts
     assert parts["weights+grads+adamw"] == 16 * 124_000_000  # fp32 weight, grad, exp_avg, exp_avg_sq
     assert parts["logits"] == 8 * 1024 * 50304 * (4 + 8)  # 32-true on CPU: logits + fp32 loss copy + grad
     assert parts["activations"] == 8 * 1024 * 12 * 34 * 768 * 2
     bf16 = plan(cfg, "bf16-mixed", on_gpu=False, n_params=124_000_000).parts
     assert bf16["activations"] == parts["activations"] // 2 and bf16["logits"] == 8 * 1024 * 50304 * (2 + 8)
-    assert count_params(cfg.model) == sum(p.numel() for p in LMModule(model=cfg.model, optim=cfg.optim).net.parameters())
+    assert count_params(cfg.model) == sum(
+        p.numel() for p in LMModule(model=cfg.model, optim=cfg.optim).net.parameters()
+    )
 
 
 def run_doctor(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(cwd)}
-    return subprocess.run([sys.executable, "-m", "steadylm.doctor", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "steadylm.doctor", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
-    proc = run_doctor("trainer=cpu", f"data.dir={shards_dir}", "model.context_length=512", "data.context_length=16",
-                      f"out={tmp_path / 'doc'}", cwd=tmp_path)
+    proc = run_doctor(
+        "trainer=cpu",
+        f"data.dir={shards_dir}",
+        "model.context_length=512",
+        "data.context_length=16",
+        f"out={tmp_path / 'doc'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FAIL"))
     assert "data.context_length=16 differs from model.context_length=512" in line
@@ -215,10 +244,19 @@ def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
     assert (tmp_path / "doc" / "lr_schedule.png").stat().st_size > 5000
 
 
-@pytest.mark.parametrize("override,message", [
-    ("optim.lrr=1", "error: optim.lrr is not a config key; did you mean optim.lr? (to add a new key on purpose, write +optim.lrr=...)"),
-    ("model=smal", "error: Could not find 'model/smal'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny (see conf/)"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "optim.lrr=1",
+            "error: optim.lrr is not a config key; did you mean optim.lr? (to add a new key on purpose, write +optim.lrr=...)",
+        ),
+        (
+            "model=smal",
+            "error: Could not find 'model/smal'; available: large, llama_1b, llama_small, llama_tiny, medium, small, tiny (see conf/)",
+        ),
+    ],
+)
 def test_cli_hydra_mistake_is_one_line_and_exit_2(override, message, tmp_path):
     proc = run_doctor(override, cwd=tmp_path)
     assert proc.returncode == 2

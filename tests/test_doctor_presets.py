@@ -19,8 +19,17 @@ EXPERIMENTS = ["gpt2_124m", "llama_124m"]
 
 def doctor_rows(shards_dir, tmp_path, monkeypatch, *overrides):
     monkeypatch.setattr("steadylm.memory.ram_available", lambda: 80 * 2**30)
-    cfg = compose([*overrides, "trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true",
-                   "data.tokenizer=bytes", f"data.dir={shards_dir}", f"paths.output_dir={tmp_path}"])
+    cfg = compose(
+        [
+            *overrides,
+            "trainer.accelerator=cpu",
+            "trainer.devices=1",
+            "trainer.precision=32-true",
+            "data.tokenizer=bytes",
+            f"data.dir={shards_dir}",
+            f"paths.output_dir={tmp_path}",
+        ]
+    )
     return run_checks(cfg, out_dir=tmp_path / "doctor")
 
 
@@ -45,6 +54,15 @@ def test_large_model_preset_passes_doctor(preset, shards_dir, tmp_path, monkeypa
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_reference_experiment_passes_doctor(experiment, shards_dir, tmp_path, monkeypatch):
-    rows = doctor_rows(shards_dir, tmp_path, monkeypatch, f"experiment={experiment}", "compile=false",
-                       "data.num_workers=0", "data.pin_memory=false", "data.batch_size=2", "data.global_batch_tokens=2048")
+    rows = doctor_rows(
+        shards_dir,
+        tmp_path,
+        monkeypatch,
+        f"experiment={experiment}",
+        "compile=false",
+        "data.num_workers=0",
+        "data.pin_memory=false",
+        "data.batch_size=2",
+        "data.global_batch_tokens=2048",
+    )
     assert_passes(rows)

@@ -28,8 +28,13 @@ EXPECTED = {
 
 
 def preset_cfg(name: str, shards_dir: Path, out: Path):
-    overrides = [f"experiment=divergence/{name}", f"data.dir={shards_dir}", f"paths.output_dir={out}",
-                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+    overrides = [
+        f"experiment=divergence/{name}",
+        f"data.dir={shards_dir}",
+        f"paths.output_dir={out}",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+    ]
     if name != "fp16_overflow":
         overrides.insert(0, "trainer=cpu")
     return compose(overrides)

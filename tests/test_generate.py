@@ -22,12 +22,23 @@ def one_thread():
 @pytest.fixture(scope="module")
 def ckpt(shards_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gen_run")
-    cfg = compose([
-        "trainer=cpu", "model.n_layer=1", "model.n_head=2", "model.d_model=32", f"model.context_length={CTX}",
-        "data.batch_size=4", "trainer.max_steps=4", "optim.warmup_steps=1", "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", f"data.dir={shards_dir}",
-        f"paths.output_dir={out}",
-    ])
+    cfg = compose(
+        [
+            "trainer=cpu",
+            "model.n_layer=1",
+            "model.n_head=2",
+            "model.d_model=32",
+            f"model.context_length={CTX}",
+            "data.batch_size=4",
+            "trainer.max_steps=4",
+            "optim.warmup_steps=1",
+            "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            f"data.dir={shards_dir}",
+            f"paths.output_dir={out}",
+        ]
+    )
     train(cfg)
     return out / "checkpoints" / "last.ckpt"
 

@@ -25,7 +25,9 @@ def test_notebook_runs_shows_the_default_surviving_and_names_the_lr_spike(tmp_pa
     NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "\n".join(
         o.get("text", "") + str(o.get("data", {}).get("text/markdown", ""))
-        for c in nb.cells if c.cell_type == "code" for o in c.outputs
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
     )
     assert "survived: onset step 49: oversized update (LR spike)" in text
     assert "log_only: onset step 49: oversized update (LR spike)" in text

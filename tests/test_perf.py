@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from steadylm.throughput import peak_flops
 from steadylm.precision import resolve_precision
+from steadylm.throughput import peak_flops
 from steadylm.train import build, train
 from tests.test_train import scalars
 
@@ -55,16 +55,31 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "runs of 20 steps" in proc.stderr and "GPU available" not in proc.stderr  # progress, no per-fit banners
-    for row in ("Lightning + suite / raw loop", "suite on / suite off", "suite hook time", "data loader / training",
-                "bf16 autocast", "FLOPs/token", "Python calls per ordinary step"):
+    for row in (
+        "Lightning + suite / raw loop",
+        "suite on / suite off",
+        "suite hook time",
+        "data loader / training",
+        "bf16 autocast",
+        "FLOPs/token",
+        "Python calls per ordinary step",
+    ):
         assert row in proc.stdout
     results = json.loads(out.read_text())
-    for key in ("lightning_suite_over_raw", "suite_on_over_off", "suite_hook_share_of_step",
-                "loader_over_training_tokens_per_sec", "bf16_over_fp32_cpu"):
+    for key in (
+        "lightning_suite_over_raw",
+        "suite_on_over_off",
+        "suite_hook_share_of_step",
+        "loader_over_training_tokens_per_sec",
+        "bf16_over_fp32_cpu",
+    ):
         assert results[key] > 0
     for low, high in results["intervals"].values():
         assert 0 < low <= high
@@ -78,8 +93,9 @@ def test_gpu_script_imports_and_refuses_without_a_gpu():
     """It never runs in CI (no GPU), so at least prove it loads and says why it stops."""
     if __import__("torch").cuda.is_available():
         pytest.skip("a GPU is visible: run benchmarks/gpu.sh instead")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py")], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py")], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 1 and "no CUDA GPU visible" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -95,23 +111,29 @@ def test_gpu_script_times_a_fit_and_counts_per_step(make_cfg, monkeypatch):
 
 def test_benchmark_refuses_too_few_rounds_or_steps():
     for args in (["--rounds", "0"], ["--steps", "3"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args], capture_output=True,
-                              text=True, timeout=120, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert proc.returncode == 2 and "--rounds must be >= 1 and --steps >= 10" in proc.stderr, proc.stderr[-2000:]
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 # Where steadylm may read a tensor on an ordinary step: host-side values only (on a GPU none of these waits).
-HOST_SIDE = {("sampler.py", "__iter__"),  # the epoch permutation, a CPU tensor
-             ("probe.py", "__init__"), ("probe.py", "read")}  # the probe's copy, read a step after it was sent
+HOST_SIDE = {
+    ("sampler.py", "__iter__"),  # the epoch permutation, a CPU tensor
+    ("probe.py", "__init__"),
+    ("probe.py", "read"),
+}  # the probe's copy, read a step after it was sent
 
 
 def test_no_steadylm_code_reads_a_tensor_on_the_host_on_ordinary_steps(make_cfg, monkeypatch):
     """On a GPU each such read would make the CPU wait for the device; this finds them on the CPU."""
     import lightning as L
     import torch
-
-    from steadylm.train import build
 
     sites: list[tuple[int, str, str]] = []
     step = [-1]
@@ -131,8 +153,15 @@ def test_no_steadylm_code_reads_a_tensor_on_the_host_on_ordinary_steps(make_cfg,
         def on_train_batch_start(self, trainer, *args):
             step[0] = trainer.global_step
 
-    objs = build(make_cfg("trainer.max_steps=12", "trainer.log_every_n_steps=4", "callbacks.checkpoint.every_n_train_steps=4",
-                          "trainer.limit_val_batches=0", "optim.warmup_steps=2"))
+    objs = build(
+        make_cfg(
+            "trainer.max_steps=12",
+            "trainer.log_every_n_steps=4",
+            "callbacks.checkpoint.every_n_train_steps=4",
+            "trainer.limit_val_batches=0",
+            "optim.warmup_steps=2",
+        )
+    )
     objs["trainer"].callbacks.insert(0, Clock())
     for name in HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))

@@ -17,8 +17,13 @@ CALLBACKS = ["default", "minimal", "none"]
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("callbacks", CALLBACKS)
 def test_trains_validates_checkpoints_and_resumes(make_cfg, tmp_path, precision, callbacks):
-    common = (f"trainer.precision={precision}", f"callbacks={callbacks}", "trainer.val_check_interval=4",
-              "trainer.limit_val_batches=2", "optim.warmup_steps=2")
+    common = (
+        f"trainer.precision={precision}",
+        f"callbacks={callbacks}",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=2",
+        "optim.warmup_steps=2",
+    )
     metrics, objects = train(make_cfg(*common, "trainer.max_steps=4"))
     trainer = objects["trainer"]
     assert trainer.global_step == 4 and trainer.precision == precision

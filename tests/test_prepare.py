@@ -171,13 +171,34 @@ def test_bad_val_fraction(tmp_path, corpus):
 def test_prepare_kwargs_come_from_the_composed_config():
     from steadylm.cli import compose_command
 
-    cfg = compose_command("prepare", ["data.dir=/x", "data.input=[a.txt,b.jsonl]", "data.val_fraction=0.1",
-                                      "data.shard_tokens=5", "data.max_bytes=null", "data.batch_size=4",
-                                      "data.text_field=body", "data.vocab_size=4096", "data.num_proc=3",
-                                      "data.on_bad_record=skip", "data.tokenizer=bpe", "data.bpe_sample_bytes=1000"])
+    cfg = compose_command(
+        "prepare",
+        [
+            "data.dir=/x",
+            "data.input=[a.txt,b.jsonl]",
+            "data.val_fraction=0.1",
+            "data.shard_tokens=5",
+            "data.max_bytes=null",
+            "data.batch_size=4",
+            "data.text_field=body",
+            "data.vocab_size=4096",
+            "data.num_proc=3",
+            "data.on_bad_record=skip",
+            "data.tokenizer=bpe",
+            "data.bpe_sample_bytes=1000",
+        ],
+    )
     assert prepare_kwargs(cfg) == {
-        "out_dir": "/x", "input": ["a.txt", "b.jsonl"], "val_fraction": 0.1, "shard_tokens": 5, "text_field": "body",
-        "vocab_size": 4096, "num_proc": 3, "on_bad_record": "skip", "tokenizer": "bpe", "bpe_sample_bytes": 1000,
+        "out_dir": "/x",
+        "input": ["a.txt", "b.jsonl"],
+        "val_fraction": 0.1,
+        "shard_tokens": 5,
+        "text_field": "body",
+        "vocab_size": 4096,
+        "num_proc": 3,
+        "on_bad_record": "skip",
+        "tokenizer": "bpe",
+        "bpe_sample_bytes": 1000,
     }
     with pytest.raises(SteadyError, match="model.x is not a config key"):
         compose_command("prepare", ["model.x=1"])

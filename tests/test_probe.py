@@ -38,11 +38,14 @@ def reads(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("override, deferred", [
-    ("callbacks.guard.max_consecutive=3", True),  # the default suite
-    ("callbacks.guard.defer=false", False),
-    ("callbacks.spike.action=skip", False),  # a spike skip must be decided before the update
-])
+@pytest.mark.parametrize(
+    "override, deferred",
+    [
+        ("callbacks.guard.max_consecutive=3", True),  # the default suite
+        ("callbacks.guard.defer=false", False),
+        ("callbacks.spike.action=skip", False),  # a spike skip must be decided before the update
+    ],
+)
 def test_the_host_reads_a_step_late_except_on_logging_and_checkpoint_steps(make_cfg, reads, override, deferred):
     objs = fit(make_cfg(*FAST, override), Clock())
     assert suite_of(objs["trainer"]).probe.deferred is deferred
@@ -90,13 +93,18 @@ def _roundtrip(obj):
 
 def test_a_rollback_decided_a_step_late_also_drops_the_step_under_way(make_cfg, tmp_path, reads):
     # Steps 5 and 6 see NaN weights; step 6's value is read while step 7 runs (no checkpoint at the end of 6).
-    cfg = make_cfg(*FAST, "callbacks.guard.max_consecutive=2",
-                   faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}))
+    cfg = make_cfg(
+        *FAST,
+        "callbacks.guard.max_consecutive=2",
+        faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}),
+    )
     objs = fit(cfg, Clock())
     assert (6, 7) in reads
     events = read_events(tmp_path / "run")
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [
-        (5, "nonfinite_loss", "skip"), (6, "nonfinite_loss", "rollback"), (6, "rollback", "rollback"),
+        (5, "nonfinite_loss", "skip"),
+        (6, "nonfinite_loss", "rollback"),
+        (6, "rollback", "rollback"),
     ]
     assert events[-1]["detail"]["to_step"] == 4 and events[-1]["detail"]["module"] == "blocks.1.mlp.fc"
     module = objs["module"]
@@ -110,8 +118,11 @@ def test_a_bad_step_not_yet_read_when_training_dies_is_counted_after_resume(make
     from steadylm.train import train
     from tests.test_crash import crash_training_at
 
-    args = ["trainer.max_steps=8", "callbacks.checkpoint.every_n_train_steps=4",
-            faults({"kind": "inf_grad", "step": 5, "param": "wte.weight"})]
+    args = [
+        "trainer.max_steps=8",
+        "callbacks.checkpoint.every_n_train_steps=4",
+        faults({"kind": "inf_grad", "step": 5, "param": "wte.weight"}),
+    ]
     crash_training_at(monkeypatch, 6)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(make_cfg(*args))
@@ -138,8 +149,11 @@ def test_reduced_values_become_the_mean_loss_and_the_global_grad_norm():
 
 def test_accumulated_micro_batches_are_one_measurement_read_a_step_late(make_cfg, tmp_path, reads):
     snap = Snapshot(step=6)
-    cfg = make_cfg(*FAST, "trainer.accumulate_grad_batches=2",
-                   faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}))
+    cfg = make_cfg(
+        *FAST,
+        "trainer.accumulate_grad_batches=2",
+        faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}),
+    )
     objs = fit(cfg, Clock(), snap)
     assert sorted(s for s, _ in reads) == list(range(12))  # one measurement per optimizer step, not per micro-batch
     assert {s for s, at in reads if s == at} == LOGGED_AND_SAVED

@@ -17,8 +17,13 @@ from steadylm.config import compose, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-COMMANDS = {"doctor": "doctor", "diagnose": "diagnose", "generate": "generate", "export": "export",
-            "data.prepare": "prepare"}
+COMMANDS = {
+    "doctor": "doctor",
+    "diagnose": "diagnose",
+    "generate": "generate",
+    "export": "export",
+    "data.prepare": "prepare",
+}
 
 
 def readme_commands() -> list[str]:

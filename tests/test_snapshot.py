@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def state(trainer, module):
     opt = trainer.optimizers[0]
-    return ([p.detach().clone() for p in module.parameters()],
-            [{k: v.clone() for k, v in opt.state[p].items()} for p in module.parameters()])
+    return (
+        [p.detach().clone() for p in module.parameters()],
+        [{k: v.clone() for k, v in opt.state[p].items()} for p in module.parameters()],
+    )
 
 
 def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written_by_training(make_cfg):
@@ -49,23 +51,40 @@ def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_c
 
     # NaN weights from step 4 on: the snapshot of step 4 is taken before the fault, but its step is non-finite,
     # so it is dropped; the rollback goes to the step-0 snapshot, in memory.
-    objs = fit(make_cfg(*FAST, "callbacks.guard.max_consecutive=2",
-                        faults({"kind": "nan_weight", "step": 4, "param": "blocks.1.mlp.fc.weight"}), out=tmp_path / "nan"))
+    objs = fit(
+        make_cfg(
+            *FAST,
+            "callbacks.guard.max_consecutive=2",
+            faults({"kind": "nan_weight", "step": 4, "param": "blocks.1.mlp.fc.weight"}),
+            out=tmp_path / "nan",
+        )
+    )
     rollback = [e["detail"] for e in read_events(tmp_path / "nan") if e["kind"] == "rollback"]
     assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 0
     assert all(p.isfinite().all() for p in objs["module"].parameters())
 
 
 def test_without_the_recovery_callback_a_rollback_reads_the_checkpoint_on_disk(make_cfg, tmp_path):
-    fit(make_cfg(*FAST, "~callbacks.recovery", "callbacks.guard.max_consecutive=2",
-                 faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"})))
+    fit(
+        make_cfg(
+            *FAST,
+            "~callbacks.recovery",
+            "callbacks.guard.max_consecutive=2",
+            faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
+        )
+    )
     rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
     assert rollback[0]["source"] == "disk" and rollback[0]["to_step"] == 4
 
 
 def test_snapshot_bench_quick_prints_the_cost_ratio():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "snapshot_bench.py"), "--quick", "--rounds", "1",
-                           "--only", "tiny"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "snapshot_bench.py"), "--quick", "--rounds", "1", "--only", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "capture/(every*step)" in proc.stdout and "tiny" in proc.stdout
 

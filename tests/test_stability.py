@@ -21,8 +21,13 @@ from steadylm.train import build
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
-    "trainer.max_steps=12", "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_train_steps=4",
-    "trainer.log_every_n_steps=4", "model.d_model=32", "model.context_length=32", "data.batch_size=4",
+    "trainer.max_steps=12",
+    "trainer.limit_val_batches=0",
+    "callbacks.checkpoint.every_n_train_steps=4",
+    "trainer.log_every_n_steps=4",
+    "model.d_model=32",
+    "model.context_length=32",
+    "data.batch_size=4",
     "callbacks.recovery.every_n_steps=4",
 ]
 
@@ -70,8 +75,11 @@ def fit(cfg, *extra_callbacks, precision_plugin=None):
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "same-step"])
 def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_untouched(make_cfg, tmp_path, defer):
     snap = Snapshot(step=6)
-    cfg = make_cfg(*FAST, f"callbacks.guard.defer={defer}",
-                   faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}))
+    cfg = make_cfg(
+        *FAST,
+        f"callbacks.guard.defer={defer}",
+        faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}),
+    )
     objs = fit(cfg, snap)
     events = read_events(tmp_path / "run")
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [(6, "nonfinite_grad", "skip")]
@@ -91,12 +99,17 @@ def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_un
 
 
 def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(make_cfg, tmp_path):
-    cfg = make_cfg(*FAST, "callbacks.guard.max_consecutive=2",
-                   faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}))
+    cfg = make_cfg(
+        *FAST,
+        "callbacks.guard.max_consecutive=2",
+        faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
+    )
     objs = fit(cfg)
     events = read_events(tmp_path / "run")
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [
-        (6, "nonfinite_loss", "skip"), (7, "nonfinite_loss", "rollback"), (7, "rollback", "rollback"),
+        (6, "nonfinite_loss", "skip"),
+        (7, "nonfinite_loss", "rollback"),
+        (7, "rollback", "rollback"),
     ]
     assert all(e["detail"]["module"] == "blocks.1.mlp.fc" for e in events)
     assert events[-1]["detail"]["to_step"] == 4
@@ -108,8 +121,13 @@ def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(ma
 
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "same-step"])
 def test_nan_weight_with_stop_halts_every_rank_and_writes_forensics(make_cfg, tmp_path, defer):
-    cfg = make_cfg(*FAST, "callbacks.guard.max_consecutive=2", "callbacks.guard.action=stop", f"callbacks.guard.defer={defer}",
-                   faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}))
+    cfg = make_cfg(
+        *FAST,
+        "callbacks.guard.max_consecutive=2",
+        "callbacks.guard.action=stop",
+        f"callbacks.guard.defer={defer}",
+        faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}),
+    )
     objs = fit(cfg)
     # Stopped right after the second skip; deferred, the host learns of it while step 7 runs, and drops that too.
     assert objs["trainer"].global_step == (8 if defer else 7)
@@ -125,8 +143,14 @@ def test_nan_weight_with_stop_halts_every_rank_and_writes_forensics(make_cfg, tm
 
 
 def test_random_labels_fire_the_loss_spike_detector_at_that_step(make_cfg, tmp_path):
-    cfg = make_cfg(*FAST, "trainer.max_steps=30", "optim.lr=1e-2", "callbacks.spike.window=12",
-                   "callbacks.spike.warmup=8", faults({"kind": "corrupt_labels", "step": 26}))
+    cfg = make_cfg(
+        *FAST,
+        "trainer.max_steps=30",
+        "optim.lr=1e-2",
+        "callbacks.spike.window=12",
+        "callbacks.spike.warmup=8",
+        faults({"kind": "corrupt_labels", "step": 26}),
+    )
     fit(cfg)
     spikes = [(e["step"], e["detail"]["value"]) for e in read_events(tmp_path / "run") if e["kind"] == "loss_spike"]
     assert [s for s, _ in spikes] == [26] and spikes[0][1] > 5.0  # ~ln(vocab) on random labels
@@ -211,13 +235,32 @@ def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(sh
         "{kind: nan_loss, step: 3, rank: 1}, {kind: inf_grad, step: 5, rank: 1, param: wte.weight}]}"
     )
     args = [
-        "trainer=cpu", "trainer.devices=2", f"trainer.strategy={ddp}", f"data.dir={shards_dir}", f"hydra.run.dir={out}",
-        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
-        "trainer.max_steps=8", "optim.warmup_steps=2", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=4",
-        "trainer.enable_progress_bar=false", hooks, f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
+        "trainer=cpu",
+        "trainer.devices=2",
+        f"trainer.strategy={ddp}",
+        f"data.dir={shards_dir}",
+        f"hydra.run.dir={out}",
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.context_length=32",
+        "data.batch_size=4",
+        "trainer.max_steps=8",
+        "optim.warmup_steps=2",
+        "trainer.limit_val_batches=0",
+        "trainer.log_every_n_steps=4",
+        "trainer.enable_progress_bar=false",
+        hooks,
+        f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
     ]
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]  # identical weights: both ranks skipped the same steps
@@ -225,7 +268,8 @@ def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(sh
     events = read_events(out)
     # Step 5's inf exists on rank 1 only, after DDP's all-reduce: only the reduced flag can skip rank 0 too.
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [
-        (3, "nonfinite_loss", "skip"), (5, "nonfinite_grad", "skip"),
+        (3, "nonfinite_loss", "skip"),
+        (5, "nonfinite_grad", "skip"),
     ]
 
 
@@ -240,8 +284,16 @@ def test_debug_anomaly_raises_naming_the_first_non_finite_module(make_cfg):
 @pytest.mark.slow
 def test_a_healthy_default_run_of_300_steps_raises_no_alarm(make_cfg, tmp_path):
     tiny = ["model.n_head=4", "model.d_model=128", "model.context_length=128", "data.batch_size=16"]  # model=tiny as is
-    objs = fit(make_cfg(*tiny, "trainer.max_steps=300", "trainer.val_check_interval=300", "optim.warmup_steps=30",
-                        "trainer.log_every_n_steps=10", "callbacks.checkpoint.every_n_train_steps=100"))
+    objs = fit(
+        make_cfg(
+            *tiny,
+            "trainer.max_steps=300",
+            "trainer.val_check_interval=300",
+            "optim.warmup_steps=30",
+            "trainer.log_every_n_steps=10",
+            "callbacks.checkpoint.every_n_train_steps=100",
+        )
+    )
     assert read_events(tmp_path / "run") == []
     assert objs["module"].skipped_steps == 0
     assert objs["trainer"].callback_metrics["train/loss"].item() < 3.0
@@ -251,9 +303,18 @@ def lr_sensitivity(make_cfg, tmp_path, init: str) -> tuple[float, dict[float, fl
     """Wortsman et al. 2023: E over log-spaced LRs of min(L(lr), L_init) - min_lr L(lr)."""
     final, l_init = {}, math.log(320)
     for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1):
-        objs = fit(make_cfg("trainer.max_steps=120", "trainer.val_check_interval=120", "optim.warmup_steps=20",
-                            f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"model.init={init}", "~callbacks.spike",
-                            out=tmp_path / f"{init}-{lr}"))
+        objs = fit(
+            make_cfg(
+                "trainer.max_steps=120",
+                "trainer.val_check_interval=120",
+                "optim.warmup_steps=20",
+                f"optim.lr={lr}",
+                f"optim.min_lr={lr / 10}",
+                f"model.init={init}",
+                "~callbacks.spike",
+                out=tmp_path / f"{init}-{lr}",
+            )
+        )
         loss = objs["trainer"].callback_metrics["val/loss"].item()
         final[lr] = loss if math.isfinite(loss) else l_init
     best = min(final.values())

@@ -29,8 +29,10 @@ class Truth(L.Callback):
             self.before = {n: p.detach().clone() for n, p in net.named_parameters()}
             self.grads = {n: p.grad.detach().clone() for n, p in net.named_parameters()}
             rms = {}
-            hooks = [b.register_forward_hook(lambda m, a, out, i=i: rms.__setitem__(i, float(out.pow(2).mean().sqrt())))
-                     for i, b in enumerate(net.blocks)]
+            hooks = [
+                b.register_forward_hook(lambda m, a, out, i=i: rms.__setitem__(i, float(out.pow(2).mean().sqrt())))
+                for i, b in enumerate(net.blocks)
+            ]
             with torch.no_grad():
                 net(self.batch[0])
             for h in hooks:

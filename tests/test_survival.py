@@ -20,8 +20,14 @@ from tests.test_stability import faults, fit
 
 ROOT = Path(__file__).resolve().parents[1]
 # The conftest tiny model, long enough that the loss curve has flattened when the fault hits.
-LONG = ["trainer.max_steps=300", "trainer.val_check_interval=300", "trainer.limit_val_batches=8",
-        "trainer.log_every_n_steps=10", "optim.warmup_steps=20", "callbacks.checkpoint.every_n_train_steps=100000"]
+LONG = [
+    "trainer.max_steps=300",
+    "trainer.val_check_interval=300",
+    "trainer.limit_val_batches=8",
+    "trainer.log_every_n_steps=10",
+    "optim.warmup_steps=20",
+    "callbacks.checkpoint.every_n_train_steps=100000",
+]
 FAULTS = {
     "lr_spike": {"kind": "lr_spike", "step": 150, "factor": 1000},
     "inf_grad": {"kind": "inf_grad", "step": 150, "param": "blocks.0.attn.qkv.weight"},
@@ -80,8 +86,15 @@ def test_a_transient_nan_activation_names_no_module(make_cfg, tmp_path):
 def test_repeated_rollbacks_escalate_then_stop_every_rank_past_the_budget(make_cfg, tmp_path):
     out = tmp_path / "run"
     spikes = [{"kind": "lr_spike", "step": s, "factor": 1000} for s in (60, 70, 90, 120)]
-    objs = fit(make_cfg(*LONG, "trainer.max_steps=140", "callbacks.recovery.every_n_steps=10",
-                        "callbacks.recovery.max_rollbacks=3", faults(*spikes)))
+    objs = fit(
+        make_cfg(
+            *LONG,
+            "trainer.max_steps=140",
+            "callbacks.recovery.every_n_steps=10",
+            "callbacks.recovery.max_rollbacks=3",
+            faults(*spikes),
+        )
+    )
     rollbacks = [e["detail"] for e in read_events(out) if e["kind"] == "rollback"]
     assert [r["strikes"] for r in rollbacks] == [1, 2, 3]
     assert "skip_more_steps" not in rollbacks[0] and rollbacks[1]["skip_more_steps"] == 10
@@ -114,8 +127,17 @@ def test_at_each_spike_a_poisoned_window_is_ranked_first_and_its_text_can_be_pri
     bad = poison(shards_dir, tmp_path / "poisoned", every=401, T=T)
     out = tmp_path / "run"
     # One garbage window among 4 moves the batch loss by ~0.4 nats: a lower bar than the default makes it a spike.
-    fit(make_cfg(f"data.dir={tmp_path / 'poisoned'}", *LONG, "trainer.max_steps=200", "data.batch_size=4",
-                 "callbacks.spike.sigma=3", "callbacks.spike.warmup=12", out=out))
+    fit(
+        make_cfg(
+            f"data.dir={tmp_path / 'poisoned'}",
+            *LONG,
+            "trainer.max_steps=200",
+            "data.batch_size=4",
+            "callbacks.spike.sigma=3",
+            "callbacks.spike.warmup=12",
+            out=out,
+        )
+    )
     spikes = [e for e in read_events(out) if e["kind"] == "loss_spike"]
     assert spikes, "the poisoned windows caused no spike"
     rows = read_suspects(out)
@@ -125,23 +147,49 @@ def test_at_each_spike_a_poisoned_window_is_ranked_first_and_its_text_can_be_pri
     top = [r for r in rows if r["step"] == spikes[0]["step"]][0]
     text = window_text(tmp_path / "poisoned" / top["shard"], top["start"], top["end"])
     assert text.startswith(top["preview"][:20])
-    proc = subprocess.run([sys.executable, "-m", "steadylm.diagnose.window", f"data.dir={tmp_path / 'poisoned'}",
-                           f"shard={top['shard']}", f"start={top['start']}", f"end={top['end']}"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadylm.diagnose.window",
+            f"data.dir={tmp_path / 'poisoned'}",
+            f"shard={top['shard']}",
+            f"start={top['start']}",
+            f"end={top['end']}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith(top["preview"][:20]), proc.stderr
 
 
-HEALTHY_GRID = [(seed, bs, layers) for seed in (1, 2, 3) for bs, layers in ((4, 2), (4, 12), (16, 8), (64, 2), (64, 12))]
+HEALTHY_GRID = [
+    (seed, bs, layers) for seed in (1, 2, 3) for bs, layers in ((4, 2), (4, 12), (16, 8), (64, 2), (64, 12))
+]
 
 
 @pytest.mark.slow
 def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg, tmp_path):
     for seed, bs, layers in HEALTHY_GRID:
         out = tmp_path / f"s{seed}-b{bs}-l{layers}"
-        objs = fit(make_cfg(f"seed={seed}", f"data.batch_size={bs}", f"model.n_layer={layers}", "model.d_model=32",
-                            "model.n_head=2", "model.context_length=32", "trainer.max_steps=250", "trainer.limit_val_batches=0",
-                            "trainer.log_every_n_steps=10", "optim.warmup_steps=30",
-                            "callbacks.checkpoint.every_n_train_steps=100000", out=out))
+        objs = fit(
+            make_cfg(
+                f"seed={seed}",
+                f"data.batch_size={bs}",
+                f"model.n_layer={layers}",
+                "model.d_model=32",
+                "model.n_head=2",
+                "model.context_length=32",
+                "trainer.max_steps=250",
+                "trainer.limit_val_batches=0",
+                "trainer.log_every_n_steps=10",
+                "optim.warmup_steps=30",
+                "callbacks.checkpoint.every_n_train_steps=100000",
+                out=out,
+            )
+        )
         assert read_events(out) == [], (seed, bs, layers, read_events(out))
         assert objs["module"].skipped_steps == 0
 
@@ -156,15 +204,35 @@ def test_two_process_ddp_rolls_back_every_rank_together_from_memory(shards_dir, 
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     ddp = "{_target_: lightning.pytorch.strategies.DDPStrategy, timeout: {_target_: datetime.timedelta, seconds: 60}}"
     args = [
-        "trainer=cpu", "trainer.devices=2", f"trainer.strategy={ddp}", f"data.dir={shards_dir}", f"hydra.run.dir={out}",
-        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
-        "trainer.max_steps=48", "optim.warmup_steps=5", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=8",
-        "trainer.enable_progress_bar=false", "callbacks.spike.warmup=12", "callbacks.recovery.every_n_steps=10",
-        "callbacks.checkpoint.every_n_train_steps=1000", faults({"kind": "lr_spike", "step": 30, "factor": 1000}),
+        "trainer=cpu",
+        "trainer.devices=2",
+        f"trainer.strategy={ddp}",
+        f"data.dir={shards_dir}",
+        f"hydra.run.dir={out}",
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.context_length=32",
+        "data.batch_size=4",
+        "trainer.max_steps=48",
+        "optim.warmup_steps=5",
+        "trainer.limit_val_batches=0",
+        "trainer.log_every_n_steps=8",
+        "trainer.enable_progress_bar=false",
+        "callbacks.spike.warmup=12",
+        "callbacks.recovery.every_n_steps=10",
+        "callbacks.checkpoint.every_n_train_steps=1000",
+        faults({"kind": "lr_spike", "step": 30, "factor": 1000}),
         f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
     ]
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]  # the same snapshot restored on both ranks, the same steps skipped

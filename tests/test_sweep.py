@@ -13,9 +13,17 @@ from steadylm.sweep import divergence, summarize_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TINY = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
-    "trainer.max_steps=6", "optim.warmup_steps=2", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "trainer.max_steps=6",
+    "optim.warmup_steps=2",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
 ]
 
 
@@ -37,7 +45,9 @@ def test_divergence_names_its_cause(tmp_path):
         {"step": 3, "kind": "loss_spike", "action": "log", "detail": {}},
         {"step": 7, "kind": "nonfinite_grad", "action": "stop", "detail": {}},
     ]
-    (tmp_path / "stability" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"step": 8, "ki')
+    (tmp_path / "stability" / "events.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in events) + '{"step": 8, "ki'
+    )
     assert divergence({"val/loss": 2.0}, tmp_path, None) == "stopped on nonfinite_grad at step 7"
 
 
@@ -45,7 +55,9 @@ def test_summary_marks_diverged_and_missing_jobs(tmp_path):
     ok = dict(status="ok", reason=None, val_loss=2.5)
     write_job(tmp_path, 0, ["optim.lr=0.001"], {**ok, "lr": 1e-3, "overrides": ["optim.lr=0.001"]})
     write_job(tmp_path, 1, ["optim.lr=0.003"], {**ok, "lr": 3e-3, "val_loss": 2.2, "overrides": ["optim.lr=0.003"]})
-    diverged = dict(status="diverged", reason="non-finite val/loss", lr=10.0, val_loss=math.nan, overrides=["optim.lr=10"])
+    diverged = dict(
+        status="diverged", reason="non-finite val/loss", lr=10.0, val_loss=math.nan, overrides=["optim.lr=10"]
+    )
     write_job(tmp_path, 2, ["optim.lr=10"], diverged)
     write_job(tmp_path, 10, ["optim.lr=30"], None)  # killed before it could write a result
     jobs = summarize_sweep(tmp_path)
@@ -62,9 +74,22 @@ def test_summary_marks_diverged_and_missing_jobs(tmp_path):
 def test_three_job_multirun_summary_marks_the_diverged_job(shards_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "-m", "trainer=cpu", "optim.lr=1e-3,3e-3,1e6", "optim.min_lr=0",
-         "trainer.gradient_clip_val=null", f"data.dir={shards_dir}", *CLI_TINY],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "trainer=cpu",
+            "optim.lr=1e-3,3e-3,1e6",
+            "optim.min_lr=0",
+            "trainer.gradient_clip_val=null",
+            f"data.dir={shards_dir}",
+            *CLI_TINY,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
@@ -83,9 +108,21 @@ def test_optuna_search_optimises_val_loss(shards_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional extra: pip install -e '.[sweep]'")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path]), "STEADYLM_ROOT": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2",
-         "hydra.sweeper.sampler.n_startup_trials=1", "trainer=cpu", f"data.dir={shards_dir}", *CLI_TINY],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "hparams_search=lr_optuna",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.sampler.n_startup_trials=1",
+            "trainer=cpu",
+            f"data.dir={shards_dir}",
+            *CLI_TINY,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())

@@ -40,13 +40,31 @@ def scalar_tags(port: int, timeout: float = 60.0) -> set[str]:
 
 
 def test_tensorboard_server_serves_the_contract_tags(make_cfg, tmp_path):
-    train(make_cfg("trainer.max_steps=4", "optim.warmup_steps=2", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
-                   "trainer.log_every_n_steps=1"))
+    train(
+        make_cfg(
+            "trainer.max_steps=4",
+            "optim.warmup_steps=2",
+            "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=1",
+            "trainer.log_every_n_steps=1",
+        )
+    )
     port = free_port()
     server = subprocess.Popen(
-        [str(TENSORBOARD), "--logdir", str(tmp_path / "run"), "--host", "127.0.0.1", "--port", str(port),
-         "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            str(TENSORBOARD),
+            "--logdir",
+            str(tmp_path / "run"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--reload_interval",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         tags = scalar_tags(port)

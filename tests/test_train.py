@@ -89,22 +89,40 @@ def test_all_padding_batch_gives_zero_loss_not_nan():
 def run_cli(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(cwd)}
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 CLI_TINY = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4",
-    "trainer.max_steps=6", "optim.warmup_steps=2", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "trainer.max_steps=6",
+    "optim.warmup_steps=2",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
 ]
 
 
 def test_two_process_cpu_ddp_run(shards_dir, tmp_path):
     out = tmp_path / "ddp"
     proc = run_cli(
-        "trainer=cpu", "trainer.devices=2", "trainer.strategy=ddp", f"data.dir={shards_dir}", f"hydra.run.dir={out}",
-        *CLI_TINY, cwd=tmp_path,
+        "trainer=cpu",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        f"data.dir={shards_dir}",
+        f"hydra.run.dir={out}",
+        *CLI_TINY,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world_size=2" in proc.stderr + proc.stdout or "MEMBER: 2/2" in proc.stderr + proc.stdout
@@ -134,8 +152,14 @@ def test_config_mistake_is_one_message_and_exit_2(shards_dir, tmp_path):
 def test_a_run_the_guard_stops_exits_non_zero_naming_the_cause(shards_dir, tmp_path):
     out = tmp_path / "stopped"
     proc = run_cli(
-        "trainer=cpu", "experiment=divergence/nan_weight", "callbacks.guard.action=stop", "trainer.max_steps=30",
-        "trainer.enable_progress_bar=false", f"data.dir={shards_dir}", f"hydra.run.dir={out}", cwd=tmp_path,
+        "trainer=cpu",
+        "experiment=divergence/nan_weight",
+        "callbacks.guard.action=stop",
+        "trainer.max_steps=30",
+        "trainer.enable_progress_bar=false",
+        f"data.dir={shards_dir}",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

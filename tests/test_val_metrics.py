@@ -37,9 +37,18 @@ def test_val_loss_is_the_exact_token_mean(shards_dir, tmp_path, devices, batch_s
     torch.manual_seed(0)
     module = LMModule(model=MODEL, optim=OPTIM, val_bytes_per_token=val_bytes_per_token(dm))
     expected = brute_force(module, dm.val_set)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
-                        precision="32-true", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, limit_val_batches=1.0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp_spawn" if devices > 1 else "auto",
+        precision="32-true",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=1.0,
+        default_root_dir=tmp_path,
+    )
     metrics = trainer.validate(module, datamodule=dm, verbose=False)[0]
     assert metrics["val/loss"] == pytest.approx(expected, rel=1e-5)
     if module.val_bytes_per_token is not None:

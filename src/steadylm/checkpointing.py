@@ -107,10 +107,12 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = F
             "from a trusted session"
         ) from None
     except (RuntimeError, OSError, EOFError) as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); resume from another file") from None
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); resume from another file"
+        ) from None
 
 
-def load_checkpoint(path: str | os.PathLike, device: str = "cpu"):
+def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, dict]:
     """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`).
 
     The model shape comes from `hyper_parameters.model`; `ckpt["steadylm"]` carries the resolved run
@@ -120,16 +122,22 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu"):
 
     path = Path(path)
     if not path.is_file():
-        raise SteadyError(f"ckpt={path}: no such checkpoint file; pass a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)")
+        raise SteadyError(
+            f"ckpt={path}: no such checkpoint file; pass a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)"
+        )
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
         model_cfg = ckpt["hyper_parameters"]["model"]
         meta = ckpt["steadylm"]
         state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     except (KeyError, TypeError) as e:
-        raise SteadyError(f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py") from None
+        raise SteadyError(
+            f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py"
+        ) from None
     except Exception as e:  # torch.load reports truncated/foreign files through many exception types
-        raise SteadyError(f"ckpt={path}: cannot be read as a checkpoint ({type(e).__name__}); is it truncated?") from None
+        raise SteadyError(
+            f"ckpt={path}: cannot be read as a checkpoint ({type(e).__name__}); is it truncated?"
+        ) from None
     model = GPT(GPTConfig(**model_cfg))
     model.load_state_dict(state)
     return model.to(device).eval(), meta
@@ -143,7 +151,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         atomic_save(checkpoint, path)
 
-    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None) -> dict:
+    def load_checkpoint(
+        self, path, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict:
         return safe_load(path, map_location=map_location)
 
 
@@ -168,7 +178,9 @@ def resolve_ckpt_path(cfg) -> str | None:
     this run's `checkpoints/` (a fresh start if there is none, so one command serves start and restart)."""
     ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
     if resume not in (None, "auto"):
-        raise CheckpointError(f"resume={resume} is not supported; use resume=auto, or ckpt_path=<file> for a given checkpoint")
+        raise CheckpointError(
+            f"resume={resume} is not supported; use resume=auto, or ckpt_path=<file> for a given checkpoint"
+        )
     if resume == "auto" and ckpt_path:
         raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
     if ckpt_path:
@@ -192,12 +204,18 @@ def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Modul
     ours = module.state_dict()
     missing = [k for k in ours if k not in theirs]  # state_dict order: the model's own names first
     unexpected = [k for k in theirs if k not in ours]
-    wrong = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in ours if k in theirs and theirs[k].shape != ours[k].shape]
+    wrong = [
+        f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}"
+        for k in ours
+        if k in theirs and theirs[k].shape != ours[k].shape
+    ]
     if not (missing or unexpected or wrong):
         return
     parts = []
     if wrong:
-        parts.append("shape mismatch (checkpoint vs config): " + ", ".join(wrong[:4]) + (" ..." if len(wrong) > 4 else ""))
+        parts.append(
+            "shape mismatch (checkpoint vs config): " + ", ".join(wrong[:4]) + (" ..." if len(wrong) > 4 else "")
+        )
     if missing:
         parts.append("missing: " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))
     if unexpected:
@@ -232,13 +250,13 @@ class SaveOnException(L.Callback):
         self.path = Path(dirpath) / filename
         self._training = False
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer, pl_module) -> None:
         self._training = True
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module) -> None:
         self._training = False
 
-    def on_exception(self, trainer, pl_module, exception):
+    def on_exception(self, trainer, pl_module, exception) -> None:
         if not self._training or trainer.world_size > 1:
             return
         self._training = False
@@ -247,7 +265,12 @@ class SaveOnException(L.Callback):
         except Exception as err:  # never mask the exception that ended training
             log.error("%s: could not save on %s (%s)", self.path, type(exception).__name__, err)
             return
-        log.warning("%s: saved on %s at step %d; resume with resume=auto", self.path, type(exception).__name__, trainer.global_step)
+        log.warning(
+            "%s: saved on %s at step %d; resume with resume=auto",
+            self.path,
+            type(exception).__name__,
+            trainer.global_step,
+        )
 
 
 def _collect_rng() -> dict:
@@ -306,15 +329,15 @@ class RNGState(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self._pending = state_dict
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending is not None:
             _restore_rng(self._pending)
             self._pending = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._after_step = torch.get_rng_state()  # 5 KB copied on the host; no device sync
 
-    def on_validation_end(self, trainer, pl_module):
+    def on_validation_end(self, trainer, pl_module) -> None:
         if self._after_step is not None:
             torch.set_rng_state(self._after_step)
             self._after_step = None

@@ -10,7 +10,7 @@ command itself) is one `error:` line and exit 2; the command never sees a half-p
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -65,7 +65,9 @@ def compose_command(name: str, overrides: list[str], prog: str | None = None) ->
             check_type(key, default, node[leaf])
     except (HydraException, OmegaConfBaseException) as err:
         if isinstance(err, MissingMandatoryValue):
-            raise SteadyError(f"{err.full_key}= is required; see {prog or 'python -m steadylm.' + name} --help") from None
+            raise SteadyError(
+                f"{err.full_key}= is required; see {prog or 'python -m steadylm.' + name} --help"
+            ) from None
         raise SteadyError(hydra_error_message(err)) from None
     return cfg
 
@@ -86,8 +88,12 @@ def check_type(key: str, default, value) -> None:
 
 
 def run_command(
-    name: str, summary: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None,
-    prog: str | None = None, positional: str | None = None,
+    name: str,
+    summary: str,
+    task: Callable[[DictConfig], int | None],
+    argv: list[str] | None = None,
+    prog: str | None = None,
+    positional: str | None = None,
 ) -> None:
     """Parse, compose, run `task(cfg)`; exit with its return code (0 when None), or 2 on a user's mistake.
 

@@ -8,8 +8,9 @@ Checks that need the data (shard vocab, window length) live in the DataModule.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -54,7 +55,7 @@ def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
     """Every key named `context_length` outside `model`, with its resolved value."""
     copies = []
-    for key, node in _leaves(cfg):
+    for key, _node in _leaves(cfg):
         if key.split(".")[-1] == "context_length" and key != "model.context_length":
             copies.append((key, OmegaConf.select(cfg, key)))
     return copies
@@ -72,26 +73,61 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     rules = [
         ("data.batch_size", d.batch_size, _int(d.batch_size) and d.batch_size > 0, "a whole number > 0"),
         ("data.num_workers", d.num_workers, _int(d.num_workers) and d.num_workers >= 0, "a whole number >= 0"),
-        ("data.val_fraction", d.get("val_fraction", 0.01), 0 < _num(d.get("val_fraction", 0.01)) < 1, "a fraction in (0, 1)"),
+        (
+            "data.val_fraction",
+            d.get("val_fraction", 0.01),
+            0 < _num(d.get("val_fraction", 0.01)) < 1,
+            "a fraction in (0, 1)",
+        ),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.accelerator", t.accelerator, str(t.accelerator) in ACCELERATORS, f"one of {', '.join(ACCELERATORS)}"),
-        ("trainer.max_steps", t.max_steps, _int(t.max_steps) and t.max_steps > 0, "a whole number of optimizer steps > 0"),
-        ("trainer.accumulate_grad_batches", t.accumulate_grad_batches,
-         _int(t.accumulate_grad_batches) and t.accumulate_grad_batches >= 1, "a whole number >= 1"),
-        ("trainer.log_every_n_steps", t.log_every_n_steps, _int(t.log_every_n_steps) and t.log_every_n_steps >= 1,
-         "a whole number >= 1"),
-        ("trainer.gradient_clip_val", clip, clip is None or _num(clip) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
-        ("trainer.gradient_clip_algorithm", t.get("gradient_clip_algorithm"),
-         t.get("gradient_clip_algorithm") in ("norm", "value", None), "norm or value"),
+        (
+            "trainer.max_steps",
+            t.max_steps,
+            _int(t.max_steps) and t.max_steps > 0,
+            "a whole number of optimizer steps > 0",
+        ),
+        (
+            "trainer.accumulate_grad_batches",
+            t.accumulate_grad_batches,
+            _int(t.accumulate_grad_batches) and t.accumulate_grad_batches >= 1,
+            "a whole number >= 1",
+        ),
+        (
+            "trainer.log_every_n_steps",
+            t.log_every_n_steps,
+            _int(t.log_every_n_steps) and t.log_every_n_steps >= 1,
+            "a whole number >= 1",
+        ),
+        (
+            "trainer.gradient_clip_val",
+            clip,
+            clip is None or _num(clip) >= 0,
+            "a norm >= 0 (1.0 is the default; 0 or null: off)",
+        ),
+        (
+            "trainer.gradient_clip_algorithm",
+            t.get("gradient_clip_algorithm"),
+            t.get("gradient_clip_algorithm") in ("norm", "value", None),
+            "norm or value",
+        ),
         ("trainer.devices", t.devices, _devices_ok(t.devices), "auto, -1, a whole number > 0, or a list of device ids"),
         ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
         ("optim.eps", o.eps, _num(o.eps) > 0, "a number > 0, e.g. 1e-8"),
-        ("optim.betas", betas, isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas),
-         "two numbers in [0, 1), e.g. [0.9, 0.95]"),
-        ("optim.warmup_steps", o.warmup_steps, _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps),
-         f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"),
+        (
+            "optim.betas",
+            betas,
+            isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas),
+            "two numbers in [0, 1), e.g. [0.9, 0.95]",
+        ),
+        (
+            "optim.warmup_steps",
+            o.warmup_steps,
+            _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps),
+            f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)",
+        ),
         ("optim.fused", o.get("fused", "auto"), o.get("fused", "auto") in ("auto", True, False), "auto, true or false"),
     ]
     return rules
@@ -135,7 +171,9 @@ def validate_config(cfg: DictConfig) -> None:
 def plain_config(cfg: DictConfig) -> dict:
     """The resolved run config as plain containers (safe for `weights_only` checkpoints), minus `hydra`."""
     return {
-        key: OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg[key], (DictConfig, ListConfig)) else cfg[key]
+        key: OmegaConf.to_container(cfg[key], resolve=True)
+        if isinstance(cfg[key], (DictConfig, ListConfig))
+        else cfg[key]
         for key in cfg.keys()
         if key != "hydra"
     }

@@ -201,7 +201,7 @@ def _transformers():
     return transformers
 
 
-def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.float32):
+def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The equivalent `transformers` model (GPT2LMHeadModel or LlamaForCausalLM), weights copied."""
     tf = _transformers()
     family = hf_family(net.cfg)

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from steadylm import checkpointing
-from steadylm.data.tokenizer import Tokenizer, tokenizer_of_run
 from steadylm.cli import run_command
+from steadylm.data.tokenizer import Tokenizer, tokenizer_of_run
 from steadylm.model import GPT
 
 

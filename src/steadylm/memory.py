@@ -101,7 +101,10 @@ def plan(cfg: DictConfig, precision: str, on_gpu: bool, n_params: int | None = N
         "logits": tokens * int(m.vocab_size) * (elem + 8),
     }
     if on_gpu:
-        available, where = torch.cuda.get_device_properties(0).total_memory, f"GPU memory on {torch.cuda.get_device_name(0)}"
+        available, where = (
+            torch.cuda.get_device_properties(0).total_memory,
+            f"GPU memory on {torch.cuda.get_device_name(0)}",
+        )
     else:
         available, where = ram_available(), "RAM available"
     return MemoryPlan(parts, processes, available, where)

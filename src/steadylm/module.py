@@ -41,7 +41,12 @@ def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
 
 class LMModule(L.LightningModule):
     def __init__(
-        self, model: dict, optim: dict, compile: bool = False, run_config: dict | None = None, tokenizer: str | None = None,
+        self,
+        model: dict,
+        optim: dict,
+        compile: bool = False,
+        run_config: dict | None = None,
+        tokenizer: str | None = None,
         val_bytes_per_token: float | None = None,
     ):
         super().__init__()
@@ -88,7 +93,7 @@ class LMModule(L.LightningModule):
             z = self.z_loss * (torch.logsumexp(flat, dim=-1).pow(2) * valid).sum() / n
         return ce + z, z
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss, z = self.loss(self(x), y)
         # Only on the steps the Trainer writes: `self.log` costs ~1-2 ms of Python, a step's worth on small models.
@@ -103,7 +108,7 @@ class LMModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [summed CE, target count]
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx) -> None:
         x, y = batch
         ce_sum, count = self.token_losses(self(x), y)
         self._val_totals += torch.stack([ce_sum.double(), count.double()])
@@ -121,11 +126,11 @@ class LMModule(L.LightningModule):
         if self.val_bytes_per_token:
             self.log("val/bpb", loss / math.log(2) / self.val_bytes_per_token, sync_dist=False)
 
-    def on_train_batch_start(self, batch, batch_idx):
+    def on_train_batch_start(self, batch, batch_idx) -> None:
         if will_log(self.trainer):
             write_metrics(self.trainer, {"optim/lr": self.lr_schedulers().get_last_lr()[0]})
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> dict:
         o = self.optim_cfg
         # Weight decay only on matrices (linears, embeddings); decaying gains and biases hurts.
         params = [p for p in self.parameters() if p.requires_grad]
@@ -147,7 +152,7 @@ class LMModule(L.LightningModule):
         fp16 = trainer is not None and trainer.precision == "16-mixed"
         return self.device.type in ("cuda", "cpu") and not fp16
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip here, not through the precision plugin: Lightning's mixed-precision plugin refuses any clipping
         next to a fused optimizer, even under bf16 where nothing is scaled. Under fp16 the gradients are already
         unscaled when this runs. The pre-clip norm is the probe's when the stability suite measured it (one pass
@@ -172,7 +177,9 @@ class LMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["steadylm"] = {
-            "config": self.run_config, "tokenizer": self.tokenizer_name, "skipped_steps": self.skipped_steps,
+            "config": self.run_config,
+            "tokenizer": self.tokenizer_name,
+            "skipped_steps": self.skipped_steps,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

@@ -6,8 +6,8 @@ Every function writes one PNG and returns its path; none of them reads run files
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
@@ -50,7 +50,9 @@ def _empty(ax, what: str) -> None:
     ax.set_yticks([])
 
 
-def plot_series(series: dict, path: Path, *, title: str, ylabel: str, marks: Sequence[Mark] = (), logy: bool = False) -> Path:
+def plot_series(
+    series: dict, path: Path, *, title: str, ylabel: str, marks: Sequence[Mark] = (), logy: bool = False
+) -> Path:
     """Line plot of {label: (steps, values)} with event marks; a placeholder when nothing was logged."""
     fig, ax = plt.subplots(figsize=(8, 3.5))
     series = {k: v for k, v in series.items() if len(v[0])}
@@ -67,8 +69,9 @@ def plot_series(series: dict, path: Path, *, title: str, ylabel: str, marks: Seq
     return _save(fig, path)
 
 
-def plot_heatmap(rows: Sequence[tuple[str, Sequence[int], Sequence[float]]], path: Path, *, title: str,
-                 marks: Sequence[Mark] = ()) -> Path:
+def plot_heatmap(
+    rows: Sequence[tuple[str, Sequence[int], Sequence[float]]], path: Path, *, title: str, marks: Sequence[Mark] = ()
+) -> Path:
     """Rows (one per block) of log10 values over steps; columns are the union of logged steps."""
     import numpy as np
 
@@ -82,8 +85,13 @@ def plot_heatmap(rows: Sequence[tuple[str, Sequence[int], Sequence[float]]], pat
     for r, (_, st, vals) in enumerate(rows):
         for s, v in zip(st, vals):
             grid[r, col[int(s)]] = np.log10(v) if v > 0 and np.isfinite(v) else np.nan
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
-                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+    im = ax.imshow(
+        grid,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5),
+    )
     fig.colorbar(im, ax=ax, label="log10")
     ax.set_yticks(range(len(rows)), [label for label, _, _ in rows])
     _marks(ax, marks)

@@ -13,8 +13,8 @@ import difflib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from hydra.errors import HydraException, MissingConfigException

@@ -36,7 +36,9 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
         module = detail.get("module")
         if module:  # a non-finite streak: the module says it all
             return f"stopped on {kind} at step {event.get('step')}, first in {module}"
-        return f"stopped on {kind} at step {event.get('step')}" + (f": {detail['reason']}" if detail.get("reason") else "")
+        return f"stopped on {kind} at step {event.get('step')}" + (
+            f": {detail['reason']}" if detail.get("reason") else ""
+        )
     for key in ("train/loss", "val/loss"):
         if key in metrics and not math.isfinite(metrics[key]):
             return f"non-finite {key}"
@@ -121,7 +123,9 @@ def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
     if diverged:
         ax.plot(diverged, [top] * len(diverged), "x", color="tab:red", markersize=12, mew=3, label="diverged")
         for lr in diverged:
-            ax.annotate("diverged", (lr, top), textcoords="offset points", xytext=(0, -16), ha="center", color="tab:red")
+            ax.annotate(
+                "diverged", (lr, top), textcoords="offset points", xytext=(0, -16), ha="center", color="tab:red"
+            )
         ax.set_ylim(top=top * 1.05)
     lrs = [lr for lr, _ in ok] + diverged
     if lrs and min(lrs) > 0 and len(set(lrs)) > 1:

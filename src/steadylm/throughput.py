@@ -30,7 +30,7 @@ class Throughput(L.Callback):
         self._t0: float | None = None
         self._last_step = -1
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._tokens += batch[0].numel()
         step = trainer.global_step  # optimizer steps: unchanged across accumulated micro-batches
         if step % max(1, trainer.log_every_n_steps) or step == self._last_step:

@@ -87,7 +87,9 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         logger=instantiate_named(cfg.get("logger")) or False,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
-    attach_stability_suite(trainer.callbacks)  # the one StabilitySuite the stability callbacks share (docs/stability.md)
+    attach_stability_suite(
+        trainer.callbacks
+    )  # the one StabilitySuite the stability callbacks share (docs/stability.md)
     return trainer
 
 
@@ -121,8 +123,11 @@ def _app(cfg: DictConfig) -> float | None:
     value, diverged = finish_job(cfg, metrics)
     if diverged and not in_multirun():
         run = cfg.paths.output_dir
-        print(f"error: training diverged ({diverged}); see {run}/stability/events.jsonl "
-              f"or `python -m steadylm.diagnose {run}`", file=sys.stderr)
+        print(
+            f"error: training diverged ({diverged}); see {run}/stability/events.jsonl "
+            f"or `python -m steadylm.diagnose {run}`",
+            file=sys.stderr,
+        )
         sys.exit(3)
     return value
 

@@ -14,6 +14,8 @@ healthy run sees.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -77,7 +79,7 @@ class ConsensusLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.group = _cpu_group()
 
-    def padding_batch(self):
+    def padding_batch(self) -> Any:
         n = getattr(self.batch_sampler, "batch_size", None) or 1
         return self.collate_fn([self.dataset[PAD_INDEX] for _ in range(n)])
 

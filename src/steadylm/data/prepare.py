@@ -595,9 +595,17 @@ def _encode_all(
 
 # data.<key> -> prepare()'s argument (the rest of the composed config belongs to training)
 ARGUMENTS = {
-    "dir": "out_dir", "input": "input", "tokenizer": "tokenizer", "val_fraction": "val_fraction",
-    "text_field": "text_field", "vocab_size": "vocab_size", "num_proc": "num_proc", "on_bad_record": "on_bad_record",
-    "shard_tokens": "shard_tokens", "max_bytes": "max_bytes", "bpe_sample_bytes": "bpe_sample_bytes",
+    "dir": "out_dir",
+    "input": "input",
+    "tokenizer": "tokenizer",
+    "val_fraction": "val_fraction",
+    "text_field": "text_field",
+    "vocab_size": "vocab_size",
+    "num_proc": "num_proc",
+    "on_bad_record": "on_bad_record",
+    "shard_tokens": "shard_tokens",
+    "max_bytes": "max_bytes",
+    "bpe_sample_bytes": "bpe_sample_bytes",
 }
 USAGE = """Tokenize text into HDF5 shards, with the same `key=value` overrides as train.py (conf/prepare.yaml).
 
@@ -623,8 +631,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             prepare(**prepare_kwargs(cfg))
         except KeyboardInterrupt:
-            print("prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
-                  file=sys.stderr)
+            print(
+                "prepare: interrupted; nothing was moved into data.dir, and re-running the same command resumes",
+                file=sys.stderr,
+            )
             return 130
         return 0
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class ByteTokenizer:
     def token_bytes(self) -> np.ndarray:
         return np.array([1] * 256 + [0], dtype=np.int64)
 
-    def to_hf(self):
+    def to_hf(self) -> Any:
         tk = _hf_tokenizers()
         m = byte_to_unicode()
         tok = tk.Tokenizer(tk.models.BPE(vocab={m[b]: b for b in range(256)}, merges=[]))
@@ -163,7 +163,7 @@ class HFTokenizer:
                 out[i] = len(self._tok.decode([i]).encode("utf-8"))
         return out
 
-    def to_hf(self):
+    def to_hf(self) -> Any:
         return self._tok
 
     def __repr__(self) -> str:

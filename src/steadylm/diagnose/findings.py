@@ -62,20 +62,29 @@ def _nonfinite(events: list[dict]) -> Finding | None:
     acted = _actions(hits)
     evidence = first.get("detail", {}).get("evidence") or ""
     if module is None and evidence.startswith("transient"):
-        return Finding(first["step"], "transient non-finite",
-                       f"non-finite {'loss' if first['kind'] == 'nonfinite_loss' else 'gradient'} at step {first['step']}, "
-                       f"{evidence}: no module is named ({acted})",
-                       "a one-off (the step was skipped); if it recurs, run from the last checkpoint with debug=anomaly")
+        return Finding(
+            first["step"],
+            "transient non-finite",
+            f"non-finite {'loss' if first['kind'] == 'nonfinite_loss' else 'gradient'} at step {first['step']}, "
+            f"{evidence}: no module is named ({acted})",
+            "a one-off (the step was skipped); if it recurs, run from the last checkpoint with debug=anomaly",
+        )
     module = module or "an unnamed module"
     if first["kind"] == "nonfinite_loss":
-        return Finding(first["step"], "non-finite forward",
-                       f"first non-finite output in {module} at step {first['step']} ({acted})",
-                       f"a weight or activation in {module} became NaN/inf: read stability/forensics/, "
-                       "re-run from the last good checkpoint with debug=anomaly")
-    return Finding(first["step"], "non-finite gradient",
-                   f"first non-finite gradient in {module} at step {first['step']} with a finite loss ({acted})",
-                   f"the backward pass through {module} overflowed: check its inputs and scale, prefer bf16-mixed "
-                   "over fp16, run with debug=anomaly to name the op")
+        return Finding(
+            first["step"],
+            "non-finite forward",
+            f"first non-finite output in {module} at step {first['step']} ({acted})",
+            f"a weight or activation in {module} became NaN/inf: read stability/forensics/, "
+            "re-run from the last good checkpoint with debug=anomaly",
+        )
+    return Finding(
+        first["step"],
+        "non-finite gradient",
+        f"first non-finite gradient in {module} at step {first['step']} with a finite loss ({acted})",
+        f"the backward pass through {module} overflowed: check its inputs and scale, prefer bf16-mixed "
+        "over fp16, run with debug=anomaly to name the op",
+    )
 
 
 def _fp16(events: list[dict]) -> Finding | None:
@@ -84,10 +93,13 @@ def _fp16(events: list[dict]) -> Finding | None:
         return None
     first, d = hits[0], hits[0].get("detail", {})
     n = int(d.get("consecutive", 1))
-    return Finding(first["step"] - n + 1, "fp16 loss-scale overflow",
-                   f"{n} consecutive fp16 steps skipped (gradients overflowed) ending at step {first['step']}, "
-                   f"loss scale {d.get('loss_scale', float('nan')):g}",
-                   "use trainer.precision=bf16-mixed; with fp16, start the scaler lower and keep clipping on")
+    return Finding(
+        first["step"] - n + 1,
+        "fp16 loss-scale overflow",
+        f"{n} consecutive fp16 steps skipped (gradients overflowed) ending at step {first['step']}, "
+        f"loss scale {d.get('loss_scale', float('nan')):g}",
+        "use trainer.precision=bf16-mixed; with fp16, start the scaler lower and keep clipping on",
+    )
 
 
 def _recovered(log: RunLog, step: int) -> bool:
@@ -105,8 +117,10 @@ def _suspects(log: RunLog, step: int) -> str:
     if not rows:
         return ""
     top = rows[0]
-    return (f"; worst sample: window {top.get('window')} ({top.get('shard')} tokens {top.get('start')}:{top.get('end')}, "
-            f"loss {top.get('loss')})")
+    return (
+        f"; worst sample: window {top.get('window')} ({top.get('shard')} tokens {top.get('start')}:{top.get('end')}, "
+        f"loss {top.get('loss')})"
+    )
 
 
 def _spike(log: RunLog, events: list[dict]) -> Finding | None:
@@ -120,35 +134,64 @@ def _spike(log: RunLog, events: list[dict]) -> Finding | None:
     big_update = [e for e in events if e["kind"] == "update_ratio" and s - EVENT_SLACK <= e["step"] <= s]
     cause, evidence = d.get("cause"), d.get("evidence")
     rolled = [e for e in events if e["kind"] == "rollback" and e.get("detail", {}).get("onset") == s]
-    after = (f"; rolled back to step {rolled[0]['detail'].get('to_step')} ({rolled[0]['detail'].get('source')})"
-             if rolled else "")
+    after = (
+        f"; rolled back to step {rolled[0]['detail'].get('to_step')} ({rolled[0]['detail'].get('source')})"
+        if rolled
+        else ""
+    )
     if cause == "update":
-        ratio = (f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step "
-                 f"{big_update[0]['step']}, " if big_update else "")
-        return Finding(big_update[0]["step"] if big_update else s - 1, "oversized update (LR spike)",
-                       f"{ratio}then {value} at step {s}, persisting; {evidence}{after} ({_actions(hits)})",
-                       "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
-                       "lower optim.lr if it recurs")
+        ratio = (
+            f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step "
+            f"{big_update[0]['step']}, "
+            if big_update
+            else ""
+        )
+        return Finding(
+            big_update[0]["step"] if big_update else s - 1,
+            "oversized update (LR spike)",
+            f"{ratio}then {value} at step {s}, persisting; {evidence}{after} ({_actions(hits)})",
+            "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+            "lower optim.lr if it recurs",
+        )
     if cause == "data":
         windows = d.get("batch")
         on = f" on data window(s) {windows}" if windows else ""
-        return Finding(s, "bad data batch", f"{value} at step {s}{on}, {_actions(hits)}; {evidence}{after}{_suspects(log, s)}",
-                       "inspect the top rows of stability/suspects.jsonl (`python -m steadylm.diagnose.window "
-                       "shard=... start=... end=... data.dir=...`) and clean or drop them from the corpus")
+        return Finding(
+            s,
+            "bad data batch",
+            f"{value} at step {s}{on}, {_actions(hits)}; {evidence}{after}{_suspects(log, s)}",
+            "inspect the top rows of stability/suspects.jsonl (`python -m steadylm.diagnose.window "
+            "shard=... start=... end=... data.dir=...`) and clean or drop them from the corpus",
+        )
     if cause == "inconclusive":
-        return Finding(s, "loss spike (cause inconclusive)", f"{value} at step {s}, {_actions(hits)}; {evidence}{after}"
-                       f"{_suspects(log, s)}", "read stability/suspects.jsonl and the update/param ratio around that step")
+        return Finding(
+            s,
+            "loss spike (cause inconclusive)",
+            f"{value} at step {s}, {_actions(hits)}; {evidence}{after}{_suspects(log, s)}",
+            "read stability/suspects.jsonl and the update/param ratio around that step",
+        )
     if big_update or not _recovered(log, s):
-        ratio = f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step {big_update[0]['step']}, " if big_update else ""
-        return Finding(s - 1 if not big_update else big_update[0]["step"], "oversized update (LR spike)",
-                       f"{ratio}then {value} at step {s} and the loss did not recover: one update moved the weights too far "
-                       f"({_actions(hits)})",
-                       "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
-                       "lower optim.lr; callbacks.spike.action=rollback undoes such a step")
+        ratio = (
+            f"update/param ratio {big_update[0]['detail'].get('value', float('nan')):.3g} at step {big_update[0]['step']}, "
+            if big_update
+            else ""
+        )
+        return Finding(
+            s - 1 if not big_update else big_update[0]["step"],
+            "oversized update (LR spike)",
+            f"{ratio}then {value} at step {s} and the loss did not recover: one update moved the weights too far "
+            f"({_actions(hits)})",
+            "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+            "lower optim.lr; callbacks.spike.action=rollback undoes such a step",
+        )
     windows = d.get("batch")
     on = f" on data window(s) {windows}" if windows else ""
-    return Finding(s, "bad data batch", f"{value} at step {s}{on}, {_actions(hits)}; the loss recovered at once",
-                   "inspect those windows in the shards; callbacks.spike.action=skip (or rollback) keeps them out of the weights")
+    return Finding(
+        s,
+        "bad data batch",
+        f"{value} at step {s}{on}, {_actions(hits)}; the loss recovered at once",
+        "inspect those windows in the shards; callbacks.spike.action=skip (or rollback) keeps them out of the weights",
+    )
 
 
 def _alarms(events: list[dict]) -> list[Finding]:
@@ -157,16 +200,29 @@ def _alarms(events: list[dict]) -> list[Finding]:
     logits = [e for e in events if e["kind"] == "attn_logit"]
     if logits:
         d = logits[0].get("detail", {})
-        found.append(Finding(logits[0]["step"], "attention logit growth",
-                             f"max attention logit {d.get('value', float('nan')):.3g} in blocks.{d.get('block')} at step "
-                             f"{logits[0]['step']} (alarm {d.get('threshold', float('nan')):g})",
-                             "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr", 2))
+        found.append(
+            Finding(
+                logits[0]["step"],
+                "attention logit growth",
+                f"max attention logit {d.get('value', float('nan')):.3g} in blocks.{d.get('block')} at step "
+                f"{logits[0]['step']} (alarm {d.get('threshold', float('nan')):g})",
+                "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr",
+                2,
+            )
+        )
     ratios = [e for e in events if e["kind"] == "update_ratio"]
     if ratios:
         d = ratios[0].get("detail", {})
-        found.append(Finding(ratios[0]["step"], "oversized updates",
-                             f"update/param ratio {d.get('value', float('nan')):.3g} at step {ratios[0]['step']} "
-                             f"(alarm {d.get('threshold', float('nan')):g})", "lower optim.lr or lengthen optim.warmup_steps", 2))
+        found.append(
+            Finding(
+                ratios[0]["step"],
+                "oversized updates",
+                f"update/param ratio {d.get('value', float('nan')):.3g} at step {ratios[0]['step']} "
+                f"(alarm {d.get('threshold', float('nan')):g})",
+                "lower optim.lr or lengthen optim.warmup_steps",
+                2,
+            )
+        )
     return sorted(found, key=lambda f: f.onset)
 
 
@@ -214,27 +270,56 @@ def _curves(log: RunLog, alarms: list[Finding]) -> Finding | None:
     lr = _value_at(log, "optim/lr", onset)
     lrs = log.series("optim/lr")[1]
     peak = float(np.nanmax(lrs)) if len(lrs) else None
-    at = (f"at LR {lr:.3g}" + (" (peak)" if peak and lr >= 0.8 * peak else "")) if lr is not None else "at an unlogged LR"
+    at = (
+        (f"at LR {lr:.3g}" + (" (peak)" if peak and lr >= 0.8 * peak else ""))
+        if lr is not None
+        else "at an unlogged LR"
+    )
     rise = _grad_rise(log, onset)
     grew = rise and rise[1] >= 2 and rise[2] > 0
-    parts = [f"grad norm rose {rise[1]:.0f}x to {rise[0]:.3g} over {rise[2]} steps {at}" if grew
-             else f"grad norm {rise[0]:.3g} {at}" if rise else at]
+    parts = [
+        f"grad norm rose {rise[1]:.0f}x to {rise[0]:.3g} over {rise[2]} steps {at}"
+        if grew
+        else f"grad norm {rise[0]:.3g} {at}"
+        if rise
+        else at
+    ]
     parts += [a.summary for a in alarms]
     parts.append(f"the loss diverged at step {diverged}" if diverged is not None else "the loss had not diverged yet")
     evidence = "; ".join(parts)
     clip, warmup = log.setting("trainer.gradient_clip_val"), log.setting("optim.warmup_steps")
     known = log.config is not None
     if known and not clip and not warmup:
-        return Finding(onset, "no clipping, no warmup", f"{evidence}; no clipping and no warmup",
-                       "enable clipping (trainer.gradient_clip_val=1.0) and warmup (optim.warmup_steps ~ 1-5% of steps)", 1)
+        return Finding(
+            onset,
+            "no clipping, no warmup",
+            f"{evidence}; no clipping and no warmup",
+            "enable clipping (trainer.gradient_clip_val=1.0) and warmup (optim.warmup_steps ~ 1-5% of steps)",
+            1,
+        )
     if known and not clip:
-        return Finding(onset, "no clipping", f"{evidence}; no clipping",
-                       "enable clipping (trainer.gradient_clip_val=1.0) or lower optim.lr", 1)
+        return Finding(
+            onset,
+            "no clipping",
+            f"{evidence}; no clipping",
+            "enable clipping (trainer.gradient_clip_val=1.0) or lower optim.lr",
+            1,
+        )
     if any(a.cause == "attention logit growth" for a in alarms):
-        return Finding(onset, "attention logit growth", evidence,
-                       "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr", 1)
-    return Finding(onset, "learning rate too high", evidence,
-                   "lower optim.lr (e.g. 3x), or add model.qk_norm=true / optim.z_loss=1e-4", 1)
+        return Finding(
+            onset,
+            "attention logit growth",
+            evidence,
+            "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr",
+            1,
+        )
+    return Finding(
+        onset,
+        "learning rate too high",
+        evidence,
+        "lower optim.lr (e.g. 3x), or add model.qk_norm=true / optim.z_loss=1e-4",
+        1,
+    )
 
 
 def _lone_update(log: RunLog, events: list[dict]) -> Finding | None:
@@ -248,11 +333,14 @@ def _lone_update(log: RunLog, events: list[dict]) -> Finding | None:
     quiet = values[(steps < first["step"]) & np.isfinite(values)]
     if len(quiet) == 0 or (quiet > threshold).any():
         return None  # alarms from the first measurement on: the whole recipe is too hot, not one step
-    return Finding(first["step"], "oversized update (LR spike)",
-                   f"update/param ratio {first['detail'].get('value', float('nan')):.3g} at step {first['step']} after "
-                   f"{len(quiet)} quiet measurement(s) (max {quiet.max():.2g}): one update moved the weights too far",
-                   "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
-                   "callbacks.spike.action=rollback undoes such a step")
+    return Finding(
+        first["step"],
+        "oversized update (LR spike)",
+        f"update/param ratio {first['detail'].get('value', float('nan')):.3g} at step {first['step']} after "
+        f"{len(quiet)} quiet measurement(s) (max {quiet.max():.2g}): one update moved the weights too far",
+        "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+        "callbacks.spike.action=rollback undoes such a step",
+    )
 
 
 def analyse(log: RunLog) -> Diagnosis:
@@ -274,23 +362,32 @@ def _facts(log: RunLog) -> list[str]:
     if len(steps):
         finite = loss[np.isfinite(loss)]
         best = f", best {finite.min():.3f}" if len(finite) else ""
-        facts.append(f"train/loss logged for steps {steps[0]}..{steps[-1]}: first {loss[0]:.3f}, last {loss[-1]:.3f}{best}")
+        facts.append(
+            f"train/loss logged for steps {steps[0]}..{steps[-1]}: first {loss[0]:.3f}, last {loss[-1]:.3f}{best}"
+        )
     vsteps, vloss = log.series("val/loss")
     if len(vsteps):
         facts.append(f"val/loss at {len(vsteps)} evaluations, last {vloss[-1]:.3f} at step {vsteps[-1]}")
     if log.config is not None:
-        facts.append(f"config: optim.lr={log.setting('optim.lr')}, optim.warmup_steps={log.setting('optim.warmup_steps')}, "
-                     f"trainer.gradient_clip_val={log.setting('trainer.gradient_clip_val')}, "
-                     f"trainer.precision={log.setting('trainer.precision')}")
+        facts.append(
+            f"config: optim.lr={log.setting('optim.lr')}, optim.warmup_steps={log.setting('optim.warmup_steps')}, "
+            f"trainer.gradient_clip_val={log.setting('trainer.gradient_clip_val')}, "
+            f"trainer.precision={log.setting('trainer.precision')}"
+        )
     rollbacks = [e for e in log.events if e.get("kind") == "rollback"]
     if rollbacks:
         sources = sorted({str(e.get("detail", {}).get("source", "disk")) for e in rollbacks})
-        facts.append(f"{len(rollbacks)} rollback(s) (from {', '.join(sources)}), at step(s) "
-                     + ", ".join(str(e["step"]) for e in rollbacks))
+        facts.append(
+            f"{len(rollbacks)} rollback(s) (from {', '.join(sources)}), at step(s) "
+            + ", ".join(str(e["step"]) for e in rollbacks)
+        )
     stops = [e for e in log.events if e.get("action") == "stop" and e.get("detail", {}).get("reason")]
     if stops:
         d = stops[0]["detail"]
         saved = f"; last good state in {d['last_good_checkpoint']}" if d.get("last_good_checkpoint") else ""
         facts.append(f"status: diverged at step {stops[0]['step']}: {d['reason']}{saved}")
-    facts.append(f"{len(log.events)} stability event(s)" + (": " + ", ".join(sorted({e['kind'] for e in log.events})) if log.events else ""))
+    facts.append(
+        f"{len(log.events)} stability event(s)"
+        + (": " + ", ".join(sorted({e["kind"] for e in log.events})) if log.events else "")
+    )
     return facts + log.notes

@@ -9,8 +9,15 @@ from steadylm.diagnose.runlog import RunLog
 from steadylm.plots import Mark, plot_heatmap, plot_series
 
 KIND_COLORS = {
-    "nonfinite_loss": "red", "nonfinite_grad": "red", "loss_spike": "orange", "grad_spike": "orange",
-    "update_ratio": "purple", "attn_logit": "brown", "fp16_skip_streak": "magenta", "rollback": "green", "stop": "black",
+    "nonfinite_loss": "red",
+    "nonfinite_grad": "red",
+    "loss_spike": "orange",
+    "grad_spike": "orange",
+    "update_ratio": "purple",
+    "attn_logit": "brown",
+    "fp16_skip_streak": "magenta",
+    "rollback": "green",
+    "stop": "black",
 }
 
 
@@ -28,19 +35,45 @@ def _blocks(log: RunLog, prefix: str) -> dict:
 def draw_plots(log: RunLog, diagnosis: Diagnosis, out: Path) -> dict[str, Path]:
     marks = _marks(log, diagnosis)
     plots = {
-        "loss": plot_series({"train/loss": log.series("train/loss"), "val/loss": log.series("val/loss")},
-                            out / "loss.png", title="loss", ylabel="cross-entropy (nats)", marks=marks),
-        "lr": plot_series({"optim/lr": log.series("optim/lr")}, out / "lr.png", title="learning rate", ylabel="LR",
-                          marks=marks),
-        "grad_norm": plot_series({"optim/grad_norm (pre-clip)": log.series("optim/grad_norm")}, out / "grad_norm.png",
-                                 title="global grad norm", ylabel="norm", marks=marks, logy=True),
-        "block_grad_norm": plot_heatmap([(t.rsplit("/", 1)[1], *log.series(t)) for t in log.blocks("stability/grad_norm")],
-                                        out / "block_grad_norm.png", title="per-block grad norm", marks=marks),
-        "update_ratio": plot_series({"global": log.series("stability/update_ratio"), **_blocks(log, "stability/update_ratio")},
-                                    out / "update_ratio.png", title="update / param ratio", ylabel="|dθ|/|θ|",
-                                    marks=marks, logy=True),
-        "attn_logit": plot_series(_blocks(log, "stability/max_attn_logit"), out / "attn_logit.png",
-                                  title="max attention logit", ylabel="logit", marks=marks),
+        "loss": plot_series(
+            {"train/loss": log.series("train/loss"), "val/loss": log.series("val/loss")},
+            out / "loss.png",
+            title="loss",
+            ylabel="cross-entropy (nats)",
+            marks=marks,
+        ),
+        "lr": plot_series(
+            {"optim/lr": log.series("optim/lr")}, out / "lr.png", title="learning rate", ylabel="LR", marks=marks
+        ),
+        "grad_norm": plot_series(
+            {"optim/grad_norm (pre-clip)": log.series("optim/grad_norm")},
+            out / "grad_norm.png",
+            title="global grad norm",
+            ylabel="norm",
+            marks=marks,
+            logy=True,
+        ),
+        "block_grad_norm": plot_heatmap(
+            [(t.rsplit("/", 1)[1], *log.series(t)) for t in log.blocks("stability/grad_norm")],
+            out / "block_grad_norm.png",
+            title="per-block grad norm",
+            marks=marks,
+        ),
+        "update_ratio": plot_series(
+            {"global": log.series("stability/update_ratio"), **_blocks(log, "stability/update_ratio")},
+            out / "update_ratio.png",
+            title="update / param ratio",
+            ylabel="|dθ|/|θ|",
+            marks=marks,
+            logy=True,
+        ),
+        "attn_logit": plot_series(
+            _blocks(log, "stability/max_attn_logit"),
+            out / "attn_logit.png",
+            title="max attention logit",
+            ylabel="logit",
+            marks=marks,
+        ),
     }
     return plots
 
@@ -49,7 +82,10 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
     lines = [f"# Diagnosis of `{log.run_dir}`", ""]
     p = diagnosis.primary
     if p is None:
-        lines += ["**No instability found.** The loss never left its best value for good and no stability event was logged.", ""]
+        lines += [
+            "**No instability found.** The loss never left its best value for good and no stability event was logged.",
+            "",
+        ]
     else:
         lines += [f"**Onset: step {p.onset}.** **Cause: {p.cause}** — {p.summary} → {p.fix}", ""]
         if len(diagnosis.findings) > 1:
@@ -58,18 +94,30 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
             lines.append("")
     lines += ["## Facts", ""] + [f"- {fact}" for fact in diagnosis.facts] + [""]
     if log.events:
-        lines += ["## Events (`stability/events.jsonl`)", "", "| step | kind | action | detail |", "| --- | --- | --- | --- |"]
+        lines += [
+            "## Events (`stability/events.jsonl`)",
+            "",
+            "| step | kind | action | detail |",
+            "| --- | --- | --- | --- |",
+        ]
         for e in log.events[:50]:
             detail = ", ".join(f"{k}={v}" for k, v in e.get("detail", {}).items() if k != "batch" or v)
-            lines.append(f"| {e.get('step')} | {e.get('kind')} | {e.get('action')} | {detail.replace('|', '/')[:200]} |")
+            lines.append(
+                f"| {e.get('step')} | {e.get('kind')} | {e.get('action')} | {detail.replace('|', '/')[:200]} |"
+            )
         if len(log.events) > 50:
             lines.append(f"| … | {len(log.events) - 50} more | | |")
         lines.append("")
     if log.suspects:
-        lines += ["## Suspect samples (`stability/suspects.jsonl`)", "",
-                  "Each spike's samples ranked by their own loss on the pre-spike weights, worst first. Print one with "
-                  "`python -m steadylm.diagnose.window data.dir=<data.dir> shard=<shard> start=<start> end=<end>`.", "",
-                  "| step | rank | window | shard | start | end | loss | preview |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## Suspect samples (`stability/suspects.jsonl`)",
+            "",
+            "Each spike's samples ranked by their own loss on the pre-spike weights, worst first. Print one with "
+            "`python -m steadylm.diagnose.window data.dir=<data.dir> shard=<shard> start=<start> end=<end>`.",
+            "",
+            "| step | rank | window | shard | start | end | loss | preview |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         shown: dict[int, int] = {}
         for r in sorted(log.suspects, key=lambda r: (r.get("step", 0), -(r.get("loss") or 0))):
             step = r.get("step")
@@ -77,8 +125,10 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
                 continue
             shown[step] = shown.get(step, 0) + 1
             preview = (r.get("preview") or "").replace("|", "/").replace("\n", " ").replace("\r", " ")[:60]
-            lines.append(f"| {step} | {r.get('rank')} | {r.get('window')} | {r.get('shard')} | {r.get('start')} | "
-                         f"{r.get('end')} | {r.get('loss')} | `{preview}` |")
+            lines.append(
+                f"| {step} | {r.get('rank')} | {r.get('window')} | {r.get('shard')} | {r.get('start')} | "
+                f"{r.get('end')} | {r.get('loss')} | `{preview}` |"
+            )
         lines.append("")
     lines += ["## Plots", ""] + [f"![{name}]({path.name})" for name, path in plots.items()]
     return "\n".join(lines) + "\n"

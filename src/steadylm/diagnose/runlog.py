@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -34,7 +35,7 @@ class RunLog:
         tags = [t for t in self.scalars if t.startswith(prefix + "/block_")]
         return sorted(tags, key=lambda t: int(t.rsplit("_", 1)[1]))
 
-    def setting(self, dotted: str, default=None):
+    def setting(self, dotted: str, default: Any = None) -> Any:
         node = self.config
         for key in dotted.split("."):
             if not isinstance(node, dict) or key not in node:

@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from steadylm.doctor.check import FAIL, OK, Check, guarded
 from steadylm.doctor.config_checks import precision_of
 from steadylm.memory import plan
-from steadylm.preflight import uses_gpu
 from steadylm.module import LMModule
+from steadylm.preflight import uses_gpu
 
 LEAK_TOL = 1e-4  # fp32 logits of the past may move by rounding only
 INIT_LOSS_TOL = 1.0  # nats away from ln(vocab)
@@ -39,6 +39,8 @@ def grad_norm_ceiling(d_model: int, n_layer: int) -> float:
 def init_fix(init: str, otherwise: str) -> str:
     """Advice that never recommends the setting already in use."""
     return "use model.init=gpt2 (N(0, 0.02), residual projections scaled by depth)" if init != "gpt2" else otherwise
+
+
 ACT_RMS_MAX, ACT_RMS_GROWTH = 100.0, 20.0
 
 
@@ -52,8 +54,15 @@ def check_causal(net: torch.nn.Module, x: torch.Tensor) -> list[Check]:
     with torch.no_grad():
         leak = (net(x)[:, :cut] - net(x2)[:, :cut]).abs().max().item()
     if not leak <= LEAK_TOL:
-        return [Check(name, FAIL, f"changing tokens {cut}.. moved the logits of positions 0..{cut - 1} by {leak:.3g}: "
-                                  "attention sees the future", "use is_causal=True / a lower-triangular mask in attention")]
+        return [
+            Check(
+                name,
+                FAIL,
+                f"changing tokens {cut}.. moved the logits of positions 0..{cut - 1} by {leak:.3g}: "
+                "attention sees the future",
+                "use is_causal=True / a lower-triangular mask in attention",
+            )
+        ]
     return [Check(name, OK, f"logits of positions < {cut} unchanged (max diff {leak:.1e}) when later tokens change")]
 
 
@@ -66,9 +75,18 @@ def check_init_loss(module: LMModule, x: torch.Tensor, y: torch.Tensor) -> list[
     expect = math.log(V)
     evidence = f"loss {loss:.3f} vs ln({V}) = {expect:.3f}"
     if not abs(loss - expect) <= INIT_LOSS_TOL:
-        return [Check(name, FAIL, f"{evidence}: the initial predictions are far from uniform (over-confident logits)",
-                      init_fix(module.net.cfg.init, "model.init is gpt2 already: look for weights changed after init "
-                               "(a loaded checkpoint, a custom init), or set optim.z_loss=1e-4"))]
+        return [
+            Check(
+                name,
+                FAIL,
+                f"{evidence}: the initial predictions are far from uniform (over-confident logits)",
+                init_fix(
+                    module.net.cfg.init,
+                    "model.init is gpt2 already: look for weights changed after init "
+                    "(a loaded checkpoint, a custom init), or set optim.z_loss=1e-4",
+                ),
+            )
+        ]
     return [Check(name, OK, evidence)]
 
 
@@ -84,20 +102,42 @@ def check_backward(module: LMModule, x: torch.Tensor, y: torch.Tensor) -> list[C
     bad_grad = next((n for n, g in grads if not torch.isfinite(g).all()), None)
     if not torch.isfinite(loss) or bad_grad:
         # A non-finite weight is the cause when there is one; otherwise name the first bad gradient.
-        where = (f"non-finite weight {bad_weight}" if bad_weight
-                 else f"first non-finite grad {bad_grad}" if bad_grad else "non-finite loss with finite weights")
-        return [Check("model: finite forward/backward", FAIL, f"loss {loss.item():.4g}, {where}",
-                      "inspect that module's weights and init (debug=anomaly names the op)")]
+        where = (
+            f"non-finite weight {bad_weight}"
+            if bad_weight
+            else f"first non-finite grad {bad_grad}"
+            if bad_grad
+            else "non-finite loss with finite weights"
+        )
+        return [
+            Check(
+                "model: finite forward/backward",
+                FAIL,
+                f"loss {loss.item():.4g}, {where}",
+                "inspect that module's weights and init (debug=anomaly names the op)",
+            )
+        ]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for _, g in grads])).item()
     rows = [Check("model: finite forward/backward", OK, f"loss and all {len(grads)} gradients finite")]
     c = module.net.cfg
     lo, hi = GRAD_NORM_MIN, grad_norm_ceiling(c.d_model, c.n_layer)
     if not lo <= norm <= hi:
-        rows.append(Check("model: init grad norm", FAIL, f"global grad norm {norm:.3g} outside [{lo:g}, {hi:.3g}] at init",
-                          init_fix(c.init, "model.init is gpt2 already: look for weights changed after init, "
-                                   "or set optim.z_loss=1e-4 and model.qk_norm=true")))
+        rows.append(
+            Check(
+                "model: init grad norm",
+                FAIL,
+                f"global grad norm {norm:.3g} outside [{lo:g}, {hi:.3g}] at init",
+                init_fix(
+                    c.init,
+                    "model.init is gpt2 already: look for weights changed after init, "
+                    "or set optim.z_loss=1e-4 and model.qk_norm=true",
+                ),
+            )
+        )
     else:
-        rows.append(Check("model: init grad norm", OK, f"global grad norm {norm:.3g} (band [{lo:g}, {hi:.3g}] for this shape)"))
+        rows.append(
+            Check("model: init grad norm", OK, f"global grad norm {norm:.3g} (band [{lo:g}, {hi:.3g}] for this shape)")
+        )
     module.zero_grad(set_to_none=True)
     return rows
 
@@ -106,7 +146,9 @@ def check_activations(net: torch.nn.Module, x: torch.Tensor) -> list[Check]:
     """RMS of the residual stream after each block: it must stay finite and not blow up with depth."""
     name = "model: activation RMS"
     rms: list[float] = []
-    hooks = [b.register_forward_hook(lambda m, i, o: rms.append(o.float().pow(2).mean().sqrt().item())) for b in net.blocks]
+    hooks = [
+        b.register_forward_hook(lambda m, i, o: rms.append(o.float().pow(2).mean().sqrt().item())) for b in net.blocks
+    ]
     net.eval()
     try:
         with torch.no_grad():
@@ -118,9 +160,15 @@ def check_activations(net: torch.nn.Module, x: torch.Tensor) -> list[Check]:
     growth = rms[-1] / max(rms[0], 1e-12)
     worst = max(range(len(rms)), key=lambda i: rms[i] if math.isfinite(rms[i]) else math.inf)
     if not all(math.isfinite(r) and r <= ACT_RMS_MAX for r in rms) or growth > ACT_RMS_GROWTH:
-        return [Check(name, FAIL, f"block RMS [{shown}]: blocks.{worst} out of band (max {ACT_RMS_MAX:g}, growth "
-                                  f"{growth:.3g}x > {ACT_RMS_GROWTH:g}x)",
-                      init_fix(net.cfg.init, "model.init is gpt2 already: look for weights changed after init"))]
+        return [
+            Check(
+                name,
+                FAIL,
+                f"block RMS [{shown}]: blocks.{worst} out of band (max {ACT_RMS_MAX:g}, growth "
+                f"{growth:.3g}x > {ACT_RMS_GROWTH:g}x)",
+                init_fix(net.cfg.init, "model.init is gpt2 already: look for weights changed after init"),
+            )
+        ]
     return [Check(name, OK, f"block RMS [{shown}]")]
 
 
@@ -129,8 +177,14 @@ def check_memory(cfg: DictConfig, n_params: int) -> list[Check]:
     p = plan(cfg, precision_of(cfg), uses_gpu(cfg), n_params)
     evidence = f"{n_params / 1e6:.2f}M params; {p.describe()} at data.batch_size={cfg.data.batch_size}"
     if not p.fits:
-        return [Check("model: size and memory", FAIL, evidence,
-                      "lower data.batch_size and raise trainer.accumulate_grad_batches, fewer CPU processes, or a smaller model")]
+        return [
+            Check(
+                "model: size and memory",
+                FAIL,
+                evidence,
+                "lower data.batch_size and raise trainer.accumulate_grad_batches, fewer CPU processes, or a smaller model",
+            )
+        ]
     return [Check("model: size and memory", OK, evidence)]
 
 
@@ -143,8 +197,14 @@ def model_checks(cfg: DictConfig, batch: tuple[torch.Tensor, torch.Tensor] | Non
         batch = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     x, y = batch
     net = module.net
-    rows = [Check("model: build", OK, f"GPT n_layer={net.cfg.n_layer} n_head={net.cfg.n_head} d_model={net.cfg.d_model} "
-                                      f"on a batch of {tuple(x.shape)}")]
+    rows = [
+        Check(
+            "model: build",
+            OK,
+            f"GPT n_layer={net.cfg.n_layer} n_head={net.cfg.n_head} d_model={net.cfg.d_model} "
+            f"on a batch of {tuple(x.shape)}",
+        )
+    ]
     rows += guarded("model: causal mask", lambda: check_causal(net, x))
     rows += guarded("model: initial loss", lambda: check_init_loss(module, x, y))
     rows += guarded("model: finite forward/backward", lambda: check_backward(module, x, y))

@@ -17,6 +17,18 @@ from steadylm.stability.stats import GradParamStats
 from steadylm.stability.suite import StabilitySuite, attach, suite_of
 
 __all__ = [
-    "AnomalyHooks", "FaultInjector", "GradParamStats", "LossScaleMonitor", "NonFiniteError", "NonFiniteGuard",
-    "Recovery", "SpikeDetector", "StabilitySuite", "attach", "emit", "read_events", "stop_event", "suite_of",
+    "AnomalyHooks",
+    "FaultInjector",
+    "GradParamStats",
+    "LossScaleMonitor",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "Recovery",
+    "SpikeDetector",
+    "StabilitySuite",
+    "attach",
+    "emit",
+    "read_events",
+    "stop_event",
+    "suite_of",
 ]

@@ -27,7 +27,7 @@ class AnomalyHooks(L.Callback):
     def __init__(self) -> None:
         self._handles: list = []
 
-    def on_fit_start(self, trainer, pl_module):
+    def on_fit_start(self, trainer, pl_module) -> None:
         def forward_hook(name):
             def hook(module, args, out):
                 if _first_bad(out if isinstance(out, (tuple, list)) else (out,)):
@@ -54,7 +54,7 @@ class AnomalyHooks(L.Callback):
             if not list(module.children()):
                 self._handles.append(module.register_full_backward_hook(backward_hook(name)))
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_fit_end(self, trainer, pl_module) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -16,8 +16,15 @@ from typing import Any
 log = logging.getLogger("steadylm.stability")
 
 KINDS = (
-    "nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike", "update_ratio", "attn_logit",
-    "fp16_skip_streak", "rollback", "stop",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "loss_spike",
+    "grad_spike",
+    "update_ratio",
+    "attn_logit",
+    "fp16_skip_streak",
+    "rollback",
+    "stop",
 )
 STOP = "stop"  # the action of an event that ended the run (`sweep` reads it: the run diverged)
 ACTIONS = ("log", "skip", "rollback", "stop")

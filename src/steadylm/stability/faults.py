@@ -32,15 +32,20 @@ class FaultInjector(L.Callback):
         self.faults = [dict(f) for f in faults]
         for i, f in enumerate(self.faults):
             if f.get("kind") not in KINDS:
-                raise ConfigError(f"callbacks.faults.faults[{i}].kind={f.get('kind')!r} is not one of {', '.join(KINDS)}")
+                raise ConfigError(
+                    f"callbacks.faults.faults[{i}].kind={f.get('kind')!r} is not one of {', '.join(KINDS)}"
+                )
             if "step" not in f:
                 raise ConfigError(f"callbacks.faults.faults[{i}] needs a `step`")
         self._handle = None
 
     def _due(self, trainer, kind: str) -> list[dict]:
         return [
-            f for f in self.faults
-            if f["kind"] == kind and f["step"] == trainer.global_step and f.get("rank", trainer.global_rank) == trainer.global_rank
+            f
+            for f in self.faults
+            if f["kind"] == kind
+            and f["step"] == trainer.global_step
+            and f.get("rank", trainer.global_rank) == trainer.global_rank
         ]
 
     def _param(self, pl_module, name: str) -> torch.nn.Parameter:
@@ -49,7 +54,7 @@ class FaultInjector(L.Callback):
             raise ConfigError(f"fault param {name!r} is not a parameter of the model; e.g. {next(iter(params))}")
         return params[name]
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         for f in self._due(trainer, "nan_weight"):
             with torch.no_grad():
                 self._param(pl_module, f["param"]).view(-1)[0] = float("nan")
@@ -77,18 +82,18 @@ class FaultInjector(L.Callback):
                 raise ConfigError("fault loss_scale needs trainer.precision=16-mixed (a loss scaler)")
             set_loss_scale(scaler, float(f["value"]))
 
-    def on_after_backward(self, trainer, pl_module):
+    def on_after_backward(self, trainer, pl_module) -> None:
         for f in self._due(trainer, "inf_grad"):
             grad = self._param(pl_module, f["param"]).grad
             if grad is not None:
                 grad.view(-1)[0] = float("inf")
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         for f in self._due(trainer, "lr_spike"):
             for group in optimizer.param_groups:
                 group["lr"] *= float(f.get("factor", 1000.0))  # the scheduler resets it after this step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._handle is not None and not self._due(trainer, "nan_loss"):
             self._handle.remove()
             self._handle = None

@@ -45,7 +45,7 @@ class NonFiniteGuard(ProbeUser, L.Callback):
         self.module: str | None = None  # first non-finite module of the current streak
         self.evidence: str | None = None  # how it was named (or why none was)
 
-    def observe(self, trainer, pl_module, optimizer, m):
+    def observe(self, trainer, pl_module, optimizer, m) -> None:
         scaler_owns_it = loss_scaler(trainer) is not None and not m.loss_nonfinite
         if not m.nonfinite or scaler_owns_it:
             self.consecutive = 0
@@ -58,8 +58,13 @@ class NonFiniteGuard(ProbeUser, L.Callback):
             self.module, self.evidence, _ = name_culprit(trainer, pl_module, m)
         self.consecutive += 1
         kind = "nonfinite_loss" if m.loss_nonfinite else "nonfinite_grad"
-        detail = {"module": self.module, "evidence": self.evidence, "value": m.loss if m.loss_nonfinite else m.grad_norm,
-                  "consecutive": self.consecutive, "batch": [batch_window_ids(trainer, i) for i in m.batch_idx]}
+        detail = {
+            "module": self.module,
+            "evidence": self.evidence,
+            "value": m.loss if m.loss_nonfinite else m.grad_norm,
+            "consecutive": self.consecutive,
+            "batch": [batch_window_ids(trainer, i) for i in m.batch_idx],
+        }
         if self.consecutive < self.max_consecutive:
             emit(trainer, m.step, kind, "skip", detail)
             return
@@ -69,24 +74,52 @@ class NonFiniteGuard(ProbeUser, L.Callback):
             if restored is not None:
                 self.consecutive = 0
                 emit(trainer, m.step, kind, "rollback", detail)
-                emit(trainer, m.step, "rollback", "rollback", {**restored, "module": self.module, "from_step": self.streak_start})
+                emit(
+                    trainer,
+                    m.step,
+                    "rollback",
+                    "rollback",
+                    {**restored, "module": self.module, "from_step": self.streak_start},
+                )
                 return
         self._stop(trainer, pl_module, m, kind, detail)
 
     def _stop(self, trainer, pl_module, m, kind: str, detail: dict) -> None:
         module, evidence, report = name_culprit(trainer, pl_module, m)
-        bundle = {"step": m.step, "streak_start": self.streak_start, "kind": kind, "module": module or self.module,
-                  "evidence": evidence, "first_module": self.module, "batch": detail["batch"], "rank": trainer.global_rank,
-                  **report}
+        bundle = {
+            "step": m.step,
+            "streak_start": self.streak_start,
+            "kind": kind,
+            "module": module or self.module,
+            "evidence": evidence,
+            "first_module": self.module,
+            "batch": detail["batch"],
+            "rank": trainer.global_rank,
+            **report,
+        }
         path = write_bundle(trainer, m.step, bundle)
         emit(trainer, m.step, kind, "stop", detail)
         recovery = self.suite.recovery
-        why = ("callbacks.guard.action=stop" if self.action == "stop"
-               else "the rollback budget is spent" if recovery.rollbacks >= recovery.max_rollbacks
-               else "there is no good snapshot or checkpoint to roll back to")
+        why = (
+            "callbacks.guard.action=stop"
+            if self.action == "stop"
+            else "the rollback budget is spent"
+            if recovery.rollbacks >= recovery.max_rollbacks
+            else "there is no good snapshot or checkpoint to roll back to"
+        )
         reason = f"{self.consecutive} non-finite steps in a row from step {self.streak_start}; {why}"
-        recovery.stop(trainer, pl_module, m.step, kind, reason, {
-            "module": self.module or module, "consecutive": self.consecutive, "forensics": str(path) if path else None})
+        recovery.stop(
+            trainer,
+            pl_module,
+            m.step,
+            kind,
+            reason,
+            {
+                "module": self.module or module,
+                "consecutive": self.consecutive,
+                "forensics": str(path) if path else None,
+            },
+        )
 
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive, "streak_start": self.streak_start}

@@ -21,7 +21,7 @@ class LossScaleMonitor(ProbeUser, L.Callback):
         self.streak = int(streak)
         self.consecutive = 0
 
-    def observe(self, trainer, pl_module, optimizer, m):
+    def observe(self, trainer, pl_module, optimizer, m) -> None:
         scaler = loss_scaler(trainer)
         if scaler is None:
             return
@@ -33,10 +33,17 @@ class LossScaleMonitor(ProbeUser, L.Callback):
         self.suite.probe.skip(trainer, pl_module, m, null_grads=False)  # the scaler itself skips the update
         self.consecutive += 1
         if self.consecutive == self.streak:
-            emit(trainer, m.step, "fp16_skip_streak", "log", {
-                "consecutive": self.consecutive, "loss_scale": scaler.get_scale(),
-                "skipped_steps": pl_module.skipped_steps,
-            })
+            emit(
+                trainer,
+                m.step,
+                "fp16_skip_streak",
+                "log",
+                {
+                    "consecutive": self.consecutive,
+                    "loss_scale": scaler.get_scale(),
+                    "skipped_steps": pl_module.skipped_steps,
+                },
+            )
 
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive}

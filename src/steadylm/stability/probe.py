@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
@@ -38,18 +39,26 @@ class Measurement:
     grad_nonfinite: bool
     batch_idx: tuple[int, ...] = ()  # the step's micro-batches, as the epoch's batch indices
     batches: list = field(default_factory=list, compare=False, repr=False)  # references, for the forensic re-run
-    bad_params: tuple[str, ...] = field(default=(), compare=False)  # parameters whose gradient was non-finite (this rank)
+    bad_params: tuple[str, ...] = field(
+        default=(), compare=False
+    )  # parameters whose gradient was non-finite (this rank)
 
     @property
     def nonfinite(self) -> bool:
         return self.loss_nonfinite or self.grad_nonfinite
 
     def state(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "grad_norm": self.grad_norm, "loss_nonfinite": self.loss_nonfinite,
-                "grad_nonfinite": self.grad_nonfinite, "batch_idx": list(self.batch_idx)}
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "loss_nonfinite": self.loss_nonfinite,
+            "grad_nonfinite": self.grad_nonfinite,
+            "batch_idx": list(self.batch_idx),
+        }
 
 
-def loss_scaler(trainer):
+def loss_scaler(trainer: Any) -> Any:
     """The fp16 GradScaler when training under `16-mixed`, else None."""
     return getattr(trainer.precision_plugin, "scaler", None)
 
@@ -63,8 +72,18 @@ def can_defer(trainer) -> bool:
 class InFlight:
     """One step's reduced [loss, norm] on its way to the host, and the per-parameter norms (kept on the device)."""
 
-    def __init__(self, step: int, packed: torch.Tensor, norms: torch.Tensor | None, params: list, net, world: int,
-                 batches: list, batch_idx: list[int], sharded: bool = False) -> None:
+    def __init__(
+        self,
+        step: int,
+        packed: torch.Tensor,
+        norms: torch.Tensor | None,
+        params: list,
+        net,
+        world: int,
+        batches: list,
+        batch_idx: list[int],
+        sharded: bool = False,
+    ) -> None:
         self.step, self.norms, self.params, self.net, self.world = step, norms, params, net, world
         self.sharded = sharded  # packed holds the summed squares of each rank's shard norm
         self.batches, self.batch_idx = batches, tuple(batch_idx)
@@ -84,8 +103,13 @@ class InFlight:
             loss, norm = self.host.tolist()
             norm = math.sqrt(norm) if self.sharded else norm / self.world
             self._read = Measurement(
-                step=self.step, loss=loss / self.world, grad_norm=norm, loss_nonfinite=not math.isfinite(loss),
-                grad_nonfinite=not math.isfinite(norm), batch_idx=self.batch_idx, batches=self.batches,
+                step=self.step,
+                loss=loss / self.world,
+                grad_norm=norm,
+                loss_nonfinite=not math.isfinite(loss),
+                grad_nonfinite=not math.isfinite(norm),
+                batch_idx=self.batch_idx,
+                batches=self.batches,
                 bad_params=self._bad() if not math.isfinite(norm) else (),
             )
         return self._read
@@ -157,13 +181,19 @@ class StepProbe:
     def _launch(self, trainer, pl_module, step: int) -> InFlight:
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
-        loss = torch.stack([l.detach().float() for l in self.losses]).sum() if self.losses else torch.zeros((), device=device)
+        loss = (
+            torch.stack([loss.detach().float() for loss in self.losses]).sum()
+            if self.losses
+            else torch.zeros((), device=device)
+        )
         self.losses = []  # they hold the autograd graph; every micro-batch of this step has been seen
         scaler = loss_scaler(trainer)
         if scaler is not None and scaler.is_enabled():
             loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
         # In the optimizer's parameter order, as Lightning's clipping sums them.
-        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]] or list(pl_module.parameters())
+        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]] or list(
+            pl_module.parameters()
+        )
         with_grad = [p for p in params if p.grad is not None]
         norms = per_tensor_norms([p.grad for p in with_grad]) if with_grad else None
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
@@ -284,19 +314,19 @@ class ProbeUser:
     def bind(self, suite) -> None:
         self.suite = suite
 
-    def setup(self, trainer, pl_module, stage):
+    def setup(self, trainer, pl_module, stage) -> None:
         if self.suite is None:
             from steadylm.stability.suite import attach
 
             attach(trainer.callbacks)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.suite.probe.on_batch_start(batch, batch_idx)
 
-    def on_before_backward(self, trainer, pl_module, loss):
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.suite.probe.on_before_backward(loss)
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         m = self.suite.probe.due(trainer, pl_module)
         if m is not None:
             self.observe(trainer, pl_module, optimizer, m)
@@ -305,17 +335,17 @@ class ProbeUser:
         """Act on `m`: this step's, or an earlier one's when deferred (`probe.in_step` tells whether a step
         is under way). `optimizer` is None after training."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # A checkpoint must hold weights and counts the guard has seen: a rollback in a streak needs the
         # last good file, which a save of NaN weights would replace. On save steps only: a read each.
         if self.suite.probe.deferred and checkpoint_due(trainer):
             self.suite.settle(trainer, pl_module, trainer.optimizers[0])
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module) -> None:
         self.suite.finish(trainer, pl_module)
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         checkpoint[CHECKPOINT_KEY] = self.suite.probe.state_dict()
 
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self.suite.probe.load_state_dict(checkpoint.get(CHECKPOINT_KEY))

@@ -112,8 +112,10 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
     for t in _live_tensors(pl_module):
         _to_host(t, reuse.tensors if reuse else [], tensors)
     flat: list[torch.Tensor] = []
-    optim = [_map_tensors(opt.state_dict(), lambda t: _to_host(t, reuse.flat_optim if reuse else [], flat))
-             for opt in trainer.optimizers]
+    optim = [
+        _map_tensors(opt.state_dict(), lambda t: _to_host(t, reuse.flat_optim if reuse else [], flat))
+        for opt in trainer.optimizers
+    ]
     event = None
     if any(t.is_cuda for t in _live_tensors(pl_module)[:1]):
         event = torch.cuda.Event()
@@ -121,10 +123,16 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
     datamodule = getattr(trainer, "datamodule", None)
     skipped = int(getattr(pl_module, "skipped_steps", 0))
     return Snapshot(
-        step=trainer.global_step, applied=trainer.global_step - skipped, tensors=tensors, optim=optim, flat_optim=flat,
-        sched=[c.scheduler.state_dict() for c in trainer.lr_scheduler_configs], rng=rng_state(),
+        step=trainer.global_step,
+        applied=trainer.global_step - skipped,
+        tensors=tensors,
+        optim=optim,
+        flat_optim=flat,
+        sched=[c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        rng=rng_state(),
         data=datamodule.state_dict() if datamodule is not None and hasattr(datamodule, "state_dict") else None,
-        detectors=detectors or {}, event=event,
+        detectors=detectors or {},
+        event=event,
     )
 
 
@@ -142,15 +150,26 @@ def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
 
 class Recovery(ProbeUser, L.Callback):
     def __init__(
-        self, every_n_steps: int = 25, keep: int = 2, max_rollbacks: int = 5, same_place_steps: int | None = None,
-        skip_steps: int | None = None, lr_backoff: float | None = 0.5, final_window: int = 20, final_margin: float = 0.25,
+        self,
+        every_n_steps: int = 25,
+        keep: int = 2,
+        max_rollbacks: int = 5,
+        same_place_steps: int | None = None,
+        skip_steps: int | None = None,
+        lr_backoff: float | None = 0.5,
+        final_window: int = 20,
+        final_margin: float = 0.25,
     ) -> None:
         from steadylm.errors import ConfigError
 
         if every_n_steps < 0 or keep < 1 or max_rollbacks < 0:
-            raise ConfigError("callbacks.recovery: every_n_steps >= 0 (0: no snapshots), keep >= 1 and max_rollbacks >= 0")
+            raise ConfigError(
+                "callbacks.recovery: every_n_steps >= 0 (0: no snapshots), keep >= 1 and max_rollbacks >= 0"
+            )
         if lr_backoff is not None and not 0 < lr_backoff <= 1:
-            raise ConfigError(f"callbacks.recovery.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR")
+            raise ConfigError(
+                f"callbacks.recovery.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR"
+            )
         self.every_n_steps, self.keep, self.max_rollbacks = int(every_n_steps), int(keep), int(max_rollbacks)
         span = max(self.every_n_steps, 10)
         self.same_place_steps = int(same_place_steps if same_place_steps is not None else 2 * span)
@@ -174,7 +193,7 @@ class Recovery(ProbeUser, L.Callback):
         suite.recovery = self
 
     # -- snapshots ---------------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         step = trainer.global_step
         if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
@@ -203,7 +222,7 @@ class Recovery(ProbeUser, L.Callback):
             if len(self.recent) == self.recent.maxlen:
                 self.best = min(self.best, statistics.median(self.recent))
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if trainer.global_step < self.skip_until:
             self.suite.probe.skip_current(trainer, pl_module)  # the longer data window after a repeated rollback
@@ -247,8 +266,12 @@ class Recovery(ProbeUser, L.Callback):
             restored = {"source": "disk", **found}
         self.rollbacks += 1
         self.strikes, self.last_onset = strikes, onset
-        restored.update(rollbacks=self.rollbacks, budget=self.max_rollbacks, strikes=strikes,
-                        skipped_data_steps=trainer.global_step + 1 - restored["to_step"])
+        restored.update(
+            rollbacks=self.rollbacks,
+            budget=self.max_rollbacks,
+            strikes=strikes,
+            skipped_data_steps=trainer.global_step + 1 - restored["to_step"],
+        )
         if strikes >= 2 and self.skip_steps:
             extra = self.skip_steps * 2 ** (strikes - 2)
             self.skip_until = trainer.global_step + 1 + extra
@@ -296,14 +319,24 @@ class Recovery(ProbeUser, L.Callback):
             return
         final = statistics.median(self.recent)
         if final > self.best * (1 + self.final_margin):
-            reason = (f"final training loss {final:.3f} (median of the last {len(self.recent)} steps) is "
-                      f"{final / self.best - 1:.0%} above the run's best {self.best:.3f} (limit {self.final_margin:.0%})")
-            self.stop(trainer, pl_module, trainer.global_step, "final_loss", reason, {"final": final, "best": self.best})
+            reason = (
+                f"final training loss {final:.3f} (median of the last {len(self.recent)} steps) is "
+                f"{final / self.best - 1:.0%} above the run's best {self.best:.3f} (limit {self.final_margin:.0%})"
+            )
+            self.stop(
+                trainer, pl_module, trainer.global_step, "final_loss", reason, {"final": final, "best": self.best}
+            )
 
     def state_dict(self) -> dict:
-        return {"rollbacks": self.rollbacks, "strikes": self.strikes, "last_onset": self.last_onset,
-                "skip_until": self.skip_until, "lr_scale": self.lr_scale, "recent": list(self.recent),
-                "best": self.best if math.isfinite(self.best) else None}
+        return {
+            "rollbacks": self.rollbacks,
+            "strikes": self.strikes,
+            "last_onset": self.last_onset,
+            "skip_until": self.skip_until,
+            "lr_scale": self.lr_scale,
+            "recent": list(self.recent),
+            "best": self.best if math.isfinite(self.best) else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rollbacks, self.strikes = int(state["rollbacks"]), int(state["strikes"])
@@ -311,4 +344,3 @@ class Recovery(ProbeUser, L.Callback):
         self.lr_scale = float(state["lr_scale"])
         self.recent = deque(state.get("recent", []), maxlen=self.final_window)
         self.best = state["best"] if state.get("best") is not None else math.inf
-

@@ -62,8 +62,14 @@ class RobustWindow:
 
 class SpikeDetector(ProbeUser, L.Callback):
     def __init__(
-        self, sigma: float = 6.0, window: int = 128, warmup: int = 32, action: str = "rollback",
-        signals: tuple[str, ...] = ("loss", "grad_norm"), patience: int = 4, noise_floor: float = 0.1,
+        self,
+        sigma: float = 6.0,
+        window: int = 128,
+        warmup: int = 32,
+        action: str = "rollback",
+        signals: tuple[str, ...] = ("loss", "grad_norm"),
+        patience: int = 4,
+        noise_floor: float = 0.1,
         grad_ratio: float = 4.0,
     ) -> None:
         if action not in ACTIONS:
@@ -103,7 +109,7 @@ class SpikeDetector(ProbeUser, L.Callback):
         self.stats = {s: RobustWindow(self.window, state.get(s, ())) for s in self.signals}
 
     # -- each measurement -------------------------------------------------------------------------------------
-    def observe(self, trainer, pl_module, optimizer, m):
+    def observe(self, trainer, pl_module, optimizer, m) -> None:
         if m.nonfinite:
             return
         if m.batches:
@@ -132,8 +138,15 @@ class SpikeDetector(ProbeUser, L.Callback):
 
     def _open(self, trainer, pl_module, optimizer, m, bar: float) -> None:
         grad_bar = self.bar("grad_norm") if "grad_norm" in self.stats else None
-        self.episode = {"onset": m.step, "bar": bar, "values": [m.loss], "grad_norm": m.grad_norm, "grad_bar": grad_bar,
-                        "batches": m.batches, "batch_idx": m.batch_idx}
+        self.episode = {
+            "onset": m.step,
+            "bar": bar,
+            "values": [m.loss],
+            "grad_norm": m.grad_norm,
+            "grad_bar": grad_bar,
+            "batches": m.batches,
+            "batch_idx": m.batch_idx,
+        }
         self.suite.suspect_steps.add(m.step)
         if self.action == "skip":
             self.suite.probe.skip(trainer, pl_module, m)
@@ -152,10 +165,16 @@ class SpikeDetector(ProbeUser, L.Callback):
             self._persisted(trainer, pl_module, optimizer, m)
 
     def _detail(self, trainer, ep: dict) -> dict:
-        return {"value": ep["values"][0], "threshold": ep["bar"], "sigma": self.sigma, "grad_norm": ep["grad_norm"],
-                "grad_spike": ep["grad_bar"] is not None and ep["grad_norm"] > ep["grad_bar"],
-                "steps_above": len(ep["values"]), "peak": max(ep["values"]),
-                "batch": [batch_window_ids(trainer, i) for i in ep["batch_idx"]]}
+        return {
+            "value": ep["values"][0],
+            "threshold": ep["bar"],
+            "sigma": self.sigma,
+            "grad_norm": ep["grad_norm"],
+            "grad_spike": ep["grad_bar"] is not None and ep["grad_norm"] > ep["grad_bar"],
+            "steps_above": len(ep["values"]),
+            "peak": max(ep["values"]),
+            "batch": [batch_window_ids(trainer, i) for i in ep["batch_idx"]],
+        }
 
     def _suspects(self, trainer, pl_module, ep: dict, weights, step_of_weights: int | None) -> dict:
         """Rank the onset batch's samples by their loss on the given (pre-spike) weights; write suspects.jsonl."""
@@ -182,31 +201,49 @@ class SpikeDetector(ProbeUser, L.Callback):
         evidence = self._suspects(trainer, pl_module, ep, snap, snap.step if snap else None)
         if len(ep["values"]) == 1:
             cause = "data"
-            why = (f"one step above the bar, back under it at step {m.step} with the same weights: "
-                   "the batch was unusual, not the model")
+            why = (
+                f"one step above the bar, back under it at step {m.step} with the same weights: "
+                "the batch was unusual, not the model"
+            )
         else:
             cause = "inconclusive"
             why = f"{len(ep['values'])} steps above the bar, back under it at step {m.step}: a bad batch or a transient"
-        emit(trainer, ep["onset"], "loss_spike", "skip" if self.action == "skip" else "log",
-             {**detail, "cause": cause, "evidence": why, "recovered_at": m.step, **evidence})
+        emit(
+            trainer,
+            ep["onset"],
+            "loss_spike",
+            "skip" if self.action == "skip" else "log",
+            {**detail, "cause": cause, "evidence": why, "recovered_at": m.step, **evidence},
+        )
 
     def _persisted(self, trainer, pl_module, optimizer, m) -> None:
         ep = self.episode
         detail = self._detail(trainer, ep)
         if self.action == "log" or optimizer is None:
             ep["reported"] = True
-            emit(trainer, ep["onset"], "loss_spike", "log", {
-                **detail, "cause": "inconclusive", "persisting": True,
-                "evidence": f"above the bar for {len(ep['values'])} steps; not rolled back (callbacks.spike.action=log)"})
+            emit(
+                trainer,
+                ep["onset"],
+                "loss_spike",
+                "log",
+                {
+                    **detail,
+                    "cause": "inconclusive",
+                    "persisting": True,
+                    "evidence": f"above the bar for {len(ep['values'])} steps; not rolled back (callbacks.spike.action=log)",
+                },
+            )
             return
         self.episode = None
         recovery = self.suite.recovery
         restored = recovery.rollback(trainer, pl_module, optimizer, ep["onset"])
         if restored is None:
             emit(trainer, ep["onset"], "loss_spike", "stop", {**detail, "persisting": True})
-            reason = (f"loss spike at step {ep['onset']} persisted for {len(ep['values'])} steps and "
-                      + ("the rollback budget is spent" if recovery.rollbacks >= recovery.max_rollbacks
-                         else "there is no good snapshot or checkpoint to roll back to"))
+            reason = f"loss spike at step {ep['onset']} persisted for {len(ep['values'])} steps and " + (
+                "the rollback budget is spent"
+                if recovery.rollbacks >= recovery.max_rollbacks
+                else "there is no good snapshot or checkpoint to roll back to"
+            )
             recovery.stop(trainer, pl_module, m.step, "loss_spike", reason, {"rollbacks": recovery.rollbacks})
             return
         # The live weights are now the good ones from before the onset: re-run the onset batch on them.
@@ -215,16 +252,26 @@ class SpikeDetector(ProbeUser, L.Callback):
         if good is None:
             cause, why = "inconclusive", "the onset batch was not kept"
         elif good > ep["bar"]:
-            cause, why = "data", (f"the onset batch's loss on the good step-{restored['to_step']} weights is {good:.3f}, "
-                                  f"above the bar {ep['bar']:.3f}: the batch itself is bad")
+            cause, why = (
+                "data",
+                (
+                    f"the onset batch's loss on the good step-{restored['to_step']} weights is {good:.3f}, "
+                    f"above the bar {ep['bar']:.3f}: the batch itself is bad"
+                ),
+            )
         else:
-            cause, why = "update", (f"the onset batch's loss on the good step-{restored['to_step']} weights is {good:.3f}, "
-                                    f"under the bar {ep['bar']:.3f}, yet the loss stayed above it for {len(ep['values'])} "
-                                    "steps: an update broke the weights (LR, optimizer state)")
+            cause, why = (
+                "update",
+                (
+                    f"the onset batch's loss on the good step-{restored['to_step']} weights is {good:.3f}, "
+                    f"under the bar {ep['bar']:.3f}, yet the loss stayed above it for {len(ep['values'])} "
+                    "steps: an update broke the weights (LR, optimizer state)"
+                ),
+            )
         emit(trainer, ep["onset"], "loss_spike", "rollback", {**detail, "cause": cause, "evidence": why, **evidence})
         emit(trainer, m.step, "rollback", "rollback", {**restored, "cause": "loss_spike", "onset": ep["onset"]})
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.grad_spikes and will_log(trainer):
             write_metrics(trainer, {"stability/grad_spikes": float(self.grad_spikes)})
@@ -232,8 +279,17 @@ class SpikeDetector(ProbeUser, L.Callback):
     def on_suite_end(self, trainer, pl_module) -> None:
         if self.episode is not None and not self.episode.get("reported"):  # ended inside an episode: report it
             ep, self.episode = self.episode, None
-            emit(trainer, ep["onset"], "loss_spike", "log", {**self._detail(trainer, ep), "cause": "inconclusive",
-                                                            "evidence": "training ended before the loss came back"})
+            emit(
+                trainer,
+                ep["onset"],
+                "loss_spike",
+                "log",
+                {
+                    **self._detail(trainer, ep),
+                    "cause": "inconclusive",
+                    "evidence": "training ended before the loss came back",
+                },
+            )
 
     def state_dict(self) -> dict:
         return {"values": self.window_state(), "sequences": self.sequences, "grad_spikes": self.grad_spikes}

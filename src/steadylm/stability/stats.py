@@ -14,14 +14,16 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from steadylm.compat import copy_tensors, per_tensor_norms, sub_tensors
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import emit
-from steadylm.compat import copy_tensors, per_tensor_norms, sub_tensors
 from steadylm.stability.probe import ProbeUser
 
 
 class GradParamStats(ProbeUser, L.Callback):
-    def __init__(self, every_n_steps: int = 10, update_ratio_alarm: float = 1.0, attn_logit_alarm: float = 100.0) -> None:
+    def __init__(
+        self, every_n_steps: int = 10, update_ratio_alarm: float = 1.0, attn_logit_alarm: float = 100.0
+    ) -> None:
         self.every_n_steps = max(1, int(every_n_steps))
         self.update_ratio_alarm = float(update_ratio_alarm)
         self.attn_logit_alarm = float(attn_logit_alarm)
@@ -39,7 +41,7 @@ class GradParamStats(ProbeUser, L.Callback):
     def _blocks(pl_module) -> list[torch.nn.Module]:
         return list(getattr(pl_module.net, "blocks", []))
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         step = trainer.global_step
         # Lightning writes logs when (step + 1) % log_every_n_steps == 0; measure on those steps.
@@ -56,7 +58,7 @@ class GradParamStats(ProbeUser, L.Callback):
 
         return hook
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if will_log(trainer):
             m = self.suite.probe.current(trainer, pl_module)  # deferred: the logging step's one host read
@@ -68,13 +70,17 @@ class GradParamStats(ProbeUser, L.Callback):
         key = tuple(map(id, self._params))
         if self._owner is None or self._owner_key != key:  # built once: a host-to-device copy
             owner_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
-            self._owner = torch.tensor([owner_of.get(id(p), len(blocks)) for p in self._params], device=pl_module.device)
+            self._owner = torch.tensor(
+                [owner_of.get(id(p), len(blocks)) for p in self._params], device=pl_module.device
+            )
             self._owner_key = key
         grads = [p.grad for p in self._params]
         if all(g is not None for g in grads):
             norms = self._norms(grads)
         else:  # a parameter without a gradient this step counts as 0
-            norms = torch.stack([g.norm().float() if g is not None else torch.zeros((), device=pl_module.device) for g in grads])
+            norms = torch.stack(
+                [g.norm().float() if g is not None else torch.zeros((), device=pl_module.device) for g in grads]
+            )
         self._grad_norms = self._per_block(norms, len(blocks))
         self._before = copy_tensors([p.detach() for p in self._params])  # one copy kernel, not one per tensor
 
@@ -87,7 +93,7 @@ class GradParamStats(ProbeUser, L.Callback):
         squares = torch.zeros(n + 1, device=norms.device).index_add_(0, self._owner, norms.square())
         return squares[:n].sqrt()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._grad_norm is not None:
             skipped = float(getattr(pl_module, "skipped_steps", 0))
@@ -114,8 +120,13 @@ class GradParamStats(ProbeUser, L.Callback):
             b.attn.track_max_logit, b.attn.max_logit = False, None
         self._params, self._before, self._act = [], [], {}
         device = totals.device
-        rows = [self._grad_norms, param_norms, delta_norms, *(torch.stack([t.to(device).float() for t in r]).view(-1)
-                                                              for r in (logits, acts) if r), totals]
+        rows = [
+            self._grad_norms,
+            param_norms,
+            delta_norms,
+            *(torch.stack([t.to(device).float() for t in r]).view(-1) for r in (logits, acts) if r),
+            totals,
+        ]
         values = torch.cat(rows).tolist()  # the one host copy of a logging step
         self._log(trainer, pl_module, step, values, len(blocks))
 
@@ -126,18 +137,32 @@ class GradParamStats(ProbeUser, L.Callback):
         total_ratio = total_delta / max(total_param, 1e-12)
         metrics = {"stability/update_ratio": total_ratio}
         for i in range(n):
-            metrics.update({
-                f"stability/grad_norm/block_{i}": grad[i], f"stability/param_norm/block_{i}": param[i],
-                f"stability/update_ratio/block_{i}": ratio[i], f"stability/max_attn_logit/block_{i}": logit[i],
-                f"stability/act_rms/block_{i}": act[i],
-            })
+            metrics.update(
+                {
+                    f"stability/grad_norm/block_{i}": grad[i],
+                    f"stability/param_norm/block_{i}": param[i],
+                    f"stability/update_ratio/block_{i}": ratio[i],
+                    f"stability/max_attn_logit/block_{i}": logit[i],
+                    f"stability/act_rms/block_{i}": act[i],
+                }
+            )
         write_metrics(trainer, metrics)
         worst = max([total_ratio, *ratio])
         if worst > self.update_ratio_alarm:
-            emit(trainer, step, "update_ratio", "log", {
-                "value": worst, "threshold": self.update_ratio_alarm, "global": total_ratio,
-                "block": max(range(n), key=ratio.__getitem__) if n else None,
-            })
+            emit(
+                trainer,
+                step,
+                "update_ratio",
+                "log",
+                {
+                    "value": worst,
+                    "threshold": self.update_ratio_alarm,
+                    "global": total_ratio,
+                    "block": max(range(n), key=ratio.__getitem__) if n else None,
+                },
+            )
         if n and max(logit) > self.attn_logit_alarm:
             i = max(range(n), key=logit.__getitem__)
-            emit(trainer, step, "attn_logit", "log", {"value": logit[i], "threshold": self.attn_logit_alarm, "block": i})
+            emit(
+                trainer, step, "attn_logit", "log", {"value": logit[i], "threshold": self.attn_logit_alarm, "block": i}
+            )

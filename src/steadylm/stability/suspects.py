@@ -44,8 +44,9 @@ def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int
     try:
         for mi, (x, y) in enumerate(batches):
             logits = run(x).float()
-            ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="none").view(y.shape)
+            ce = F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view(y.shape)
             valid = y != IGNORE_INDEX
             per = (ce * valid).sum(1) / valid.sum(1).clamp(min=1)
             for r, (v, ok) in enumerate(zip(per.tolist(), valid.any(1).tolist())):
@@ -98,8 +99,12 @@ def locate_window(trainer, window: int) -> dict:
     if ds is None or not hasattr(ds, "locate") or window < 0:
         return {}
     shard_no, offset = ds.locate(window)
-    return {"shard": Path(ds.paths[shard_no]).name, "shard_path": str(ds.paths[shard_no]), "start": int(offset),
-            "end": int(offset) + int(ds.context_length) + 1}
+    return {
+        "shard": Path(ds.paths[shard_no]).name,
+        "shard_path": str(ds.paths[shard_no]),
+        "start": int(offset),
+        "end": int(offset) + int(ds.context_length) + 1,
+    }
 
 
 def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, int, float]]) -> list[dict]:
@@ -115,9 +120,18 @@ def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, 
                 preview = window_text(where["shard_path"], where["start"], where["end"])[:PREVIEW_CHARS]
             except Exception as err:  # a preview is a courtesy; the location is what matters
                 preview = f"<unreadable: {type(err).__name__}>"
-        rows.append({"step": int(step), "rank": int(trainer.global_rank), "window": window,
-                     "shard": where.get("shard"), "start": where.get("start"), "end": where.get("end"),
-                     "loss": round(loss, 4), "preview": preview})
+        rows.append(
+            {
+                "step": int(step),
+                "rank": int(trainer.global_rank),
+                "window": window,
+                "shard": where.get("shard"),
+                "start": where.get("start"),
+                "end": where.get("end"),
+                "loss": round(loss, 4),
+                "preview": preview,
+            }
+        )
     return rows
 
 
