@@ -4,26 +4,19 @@ and no traceback through torch or Lightning, whether the window is read in the m
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import h5py
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import CLI_TINY, run_cli
+
 TINY = [
     "trainer=cpu",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.context_length=32",
-    "data.batch_size=4",
+    *CLI_TINY,
     "trainer.max_steps=3",
     "optim.warmup_steps=1",
-    "trainer.enable_progress_bar=false",
+    "trainer.limit_val_batches=0",
     "logger=none",
 ]
 
@@ -35,22 +28,13 @@ def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, work
     bad = data / "train-00000.h5"
     with h5py.File(bad, "r+") as f:
         f["tokens"][100] = 400  # the attributes still say every id is < 257
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
-    env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *TINY,
-            f"data.dir={data}",
-            "data.shuffle=false",
-            f"data.num_workers={workers}",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
+    proc = run_cli(
+        *TINY,
+        f"data.dir={data}",
+        "data.shuffle=false",
+        f"data.num_workers={workers}",
+        f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     lines = proc.stderr.strip().splitlines()
@@ -73,13 +57,16 @@ def test_poisoned_window_on_one_ddp_rank_stops_every_rank_with_its_line(shards_d
     bad = data / "train-00000.h5"
     with h5py.File(bad, "r+") as f:
         f["tokens"][100] = 400
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
-    env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *TINY, "trainer=ddp_sim", f"data.dir={data}", "data.shuffle=false",
-         f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_cli(
+        *TINY,
+        "trainer=ddp_sim",
+        f"data.dir={data}",
+        "data.shuffle=false",
+        f"data.num_workers={workers}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]

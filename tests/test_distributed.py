@@ -1,8 +1,6 @@
 """Hydra + multi-process strategies: presets, one run dir and one writer, the multirun + DDP refusal."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -13,21 +11,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from steadylm.distributed import FSDPClipping
 from steadylm.errors import ConfigError
 from steadylm.train import build, train
-
-ROOT = Path(__file__).resolve().parents[1]
-CLI_TINY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.context_length=32",
-    "data.batch_size=4",
-    "trainer.max_steps=6",
-    "optim.warmup_steps=2",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false",
-]
+from tests.helpers import CLI_TINY, run_cli
 
 
 class RankProbe(L.Callback):
@@ -35,13 +19,6 @@ class RankProbe(L.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         Path(trainer.default_root_dir, f"rank{trainer.global_rank}.txt").write_text(str(os.getpid()))
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "STEADYLM_ROOT": str(cwd)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=400
-    )
 
 
 @pytest.mark.parametrize(

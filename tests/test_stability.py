@@ -5,9 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -18,6 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from steadylm.stability import read_events
 from steadylm.stability.spike import RobustWindow, SpikeDetector
 from steadylm.train import build
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -228,37 +226,21 @@ class ParamHash(L.Callback):
 def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(shards_dir, tmp_path):
     out = tmp_path / "ddp"
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    ddp = "{_target_: lightning.pytorch.strategies.DDPStrategy, timeout: {_target_: datetime.timedelta, seconds: 60}}"
     hooks = (
         "+callbacks.faults={_target_: steadylm.stability.FaultInjector, faults: ["
         "{kind: nan_loss, step: 3, rank: 1}, {kind: inf_grad, step: 5, rank: 1, param: wte.weight}]}"
     )
-    args = [
-        "trainer=cpu",
-        "trainer.devices=2",
-        f"trainer.strategy={ddp}",
+    proc = run_cli(
+        *DDP_TWO_CPU,
+        *CLI_TINY,
         f"data.dir={shards_dir}",
         f"hydra.run.dir={out}",
-        "model.n_layer=1",
-        "model.d_model=32",
-        "model.n_head=2",
-        "model.context_length=32",
-        "data.batch_size=4",
         "trainer.max_steps=8",
-        "optim.warmup_steps=2",
         "trainer.limit_val_batches=0",
         "trainer.log_every_n_steps=4",
-        "trainer.enable_progress_bar=false",
         hooks,
         f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
-    ]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

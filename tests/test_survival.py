@@ -16,6 +16,7 @@ import pytest
 from steadylm.stability import read_events
 from steadylm.stability.suspects import read_suspects, window_text
 from steadylm.sweep import divergence
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
 from tests.test_stability import faults, fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,40 +198,24 @@ def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg
 def test_two_process_ddp_rolls_back_every_rank_together_from_memory(shards_dir, tmp_path):
     """A persisting spike (an LR blow-up at step 30) rolls both ranks back to the same snapshot: identical weights."""
     import json
-    import os
 
     out = tmp_path / "ddp"
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    ddp = "{_target_: lightning.pytorch.strategies.DDPStrategy, timeout: {_target_: datetime.timedelta, seconds: 60}}"
-    args = [
-        "trainer=cpu",
-        "trainer.devices=2",
-        f"trainer.strategy={ddp}",
+    proc = run_cli(
+        *DDP_TWO_CPU,
+        *CLI_TINY,
         f"data.dir={shards_dir}",
         f"hydra.run.dir={out}",
-        "model.n_layer=1",
-        "model.d_model=32",
-        "model.n_head=2",
-        "model.context_length=32",
-        "data.batch_size=4",
         "trainer.max_steps=48",
         "optim.warmup_steps=5",
         "trainer.limit_val_batches=0",
         "trainer.log_every_n_steps=8",
-        "trainer.enable_progress_bar=false",
         "callbacks.spike.warmup=12",
         "callbacks.recovery.every_n_steps=10",
         "callbacks.checkpoint.every_n_train_steps=1000",
         faults({"kind": "lr_spike", "step": 30, "factor": 1000}),
         f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
-    ]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

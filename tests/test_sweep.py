@@ -2,29 +2,12 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from steadylm.sweep import divergence, summarize_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
-CLI_TINY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.context_length=32",
-    "data.batch_size=4",
-    "trainer.max_steps=6",
-    "optim.warmup_steps=2",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false",
-]
+from tests.helpers import CLI_TINY, run_cli
 
 
 def write_job(sweep: Path, num: int, overrides: list[str], result: dict | None) -> None:
@@ -72,24 +55,15 @@ def test_summary_marks_diverged_and_missing_jobs(tmp_path):
 
 @pytest.mark.slow
 def test_three_job_multirun_summary_marks_the_diverged_job(shards_dir, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(tmp_path)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "-m",
-            "trainer=cpu",
-            "optim.lr=1e-3,3e-3,1e6",
-            "optim.min_lr=0",
-            "trainer.gradient_clip_val=null",
-            f"data.dir={shards_dir}",
-            *CLI_TINY,
-        ],
+    proc = run_cli(
+        "-m",
+        "trainer=cpu",
+        "optim.lr=1e-3,3e-3,1e6",
+        "optim.min_lr=0",
+        "trainer.gradient_clip_val=null",
+        f"data.dir={shards_dir}",
+        *CLI_TINY,
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
@@ -106,23 +80,14 @@ def test_three_job_multirun_summary_marks_the_diverged_job(shards_dir, tmp_path)
 @pytest.mark.slow
 def test_optuna_search_optimises_val_loss(shards_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional extra: pip install -e '.[sweep]'")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path]), "STEADYLM_ROOT": str(tmp_path)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "hparams_search=lr_optuna",
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.sampler.n_startup_trials=1",
-            "trainer=cpu",
-            f"data.dir={shards_dir}",
-            *CLI_TINY,
-        ],
+    proc = run_cli(
+        "hparams_search=lr_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.n_startup_trials=1",
+        "trainer=cpu",
+        f"data.dir={shards_dir}",
+        *CLI_TINY,
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())

@@ -1,9 +1,6 @@
 """End-to-end: the real Trainer on real shards, TensorBoard files, checkpoints, DDP, multirun."""
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from steadylm.module import LMModule
 from steadylm.schedule import lr_at
 from steadylm.train import train
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import CLI_TINY, run_cli
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:
@@ -84,33 +80,6 @@ def test_all_padding_batch_gives_zero_loss_not_nan():
     logits = module(torch.zeros(2, 8, dtype=torch.long))
     loss, _ = module.loss(logits, torch.full((2, 8), -100))
     assert loss.item() == 0.0
-
-
-def run_cli(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STEADYLM_ROOT": str(cwd)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-CLI_TINY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.context_length=32",
-    "data.batch_size=4",
-    "trainer.max_steps=6",
-    "optim.warmup_steps=2",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false",
-]
 
 
 def test_two_process_cpu_ddp_run(shards_dir, tmp_path):
