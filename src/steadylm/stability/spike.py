@@ -221,18 +221,8 @@ class SpikeDetector(ProbeUser, L.Callback):
         detail = self._detail(trainer, ep)
         if self.action == "log" or optimizer is None:
             ep["reported"] = True
-            emit(
-                trainer,
-                ep["onset"],
-                "loss_spike",
-                "log",
-                {
-                    **detail,
-                    "cause": "inconclusive",
-                    "persisting": True,
-                    "evidence": f"above the bar for {len(ep['values'])} steps; not rolled back (callbacks.spike.action=log)",
-                },
-            )
+            why = f"above the bar for {len(ep['values'])} steps; not rolled back (callbacks.spike.action=log)"
+            self._log_inconclusive(trainer, ep, why, persisting=True)
             return
         self.episode = None
         recovery = self.suite.recovery
@@ -279,17 +269,11 @@ class SpikeDetector(ProbeUser, L.Callback):
     def on_suite_end(self, trainer, pl_module) -> None:
         if self.episode is not None and not self.episode.get("reported"):  # ended inside an episode: report it
             ep, self.episode = self.episode, None
-            emit(
-                trainer,
-                ep["onset"],
-                "loss_spike",
-                "log",
-                {
-                    **self._detail(trainer, ep),
-                    "cause": "inconclusive",
-                    "evidence": "training ended before the loss came back",
-                },
-            )
+            self._log_inconclusive(trainer, ep, "training ended before the loss came back")
+
+    def _log_inconclusive(self, trainer, ep: dict, evidence: str, **extra) -> None:
+        detail = {**self._detail(trainer, ep), "cause": "inconclusive", **extra, "evidence": evidence}
+        emit(trainer, ep["onset"], "loss_spike", "log", detail)
 
     def state_dict(self) -> dict:
         return {"values": self.window_state(), "sequences": self.sequences, "grad_spikes": self.grad_spikes}
