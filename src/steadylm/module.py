@@ -166,9 +166,14 @@ class LMModule(L.LightningModule):
             return
         if norm is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            if will_log(self.trainer):
-                write_metrics(self.trainer, {"optim/grad_norm": norm.item()})
+        if will_log(self.trainer):  # the one writer of optim/grad_norm whenever the module clips by norm
+            write_metrics(self.trainer, {"optim/grad_norm": float(norm)})
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
+
+    @staticmethod
+    def clips_by_norm(trainer: L.Trainer) -> bool:
+        """The module clips (and so logs `optim/grad_norm`); FSDP moves clipping to `FSDPClipping` instead."""
+        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
 
     def lr_factor(self, step: int) -> float:
         o = self.optim_cfg

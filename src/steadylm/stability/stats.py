@@ -96,8 +96,10 @@ class GradParamStats(ProbeUser, L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._grad_norm is not None:
-            skipped = float(getattr(pl_module, "skipped_steps", 0))
-            write_metrics(trainer, {"optim/grad_norm": self._grad_norm, "optim/skipped_steps": skipped})
+            metrics = {"optim/skipped_steps": float(getattr(pl_module, "skipped_steps", 0))}
+            if not getattr(pl_module, "clips_by_norm", lambda t: False)(trainer):  # else the module writes it
+                metrics["optim/grad_norm"] = self._grad_norm
+            write_metrics(trainer, metrics)
             self._grad_norm = None
         if self._armed_step < 0 or trainer.global_step <= self._armed_step:
             return  # not armed, or still accumulating micro-batches of the armed step
