@@ -138,7 +138,7 @@ def test_refusal_on_the_command_line_is_one_line_and_exit_2_with_nothing_written
     "argv,expected",
     [
         (["out=x"], "error: ckpt= is required"),
-        (["ckpt=/nowhere.ckpt", "out=x"], "error: ckpt=/nowhere.ckpt: no such checkpoint file"),
+        (["ckpt=/nowhere.ckpt", "out=x"], "error: ckpt=/nowhere.ckpt: checkpoint file not found"),
         (["ckpt=a", "out=b", "fmt=gguf"], "error: fmt is not a config key"),
         (["ckpt=a", "out=b", "overwrite=maybe"], "error: overwrite='maybe' is not allowed; it must be true or false"),
         (

@@ -79,7 +79,7 @@ def test_cli_prints_prompt_and_sample(ckpt, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["ckpt=/nowhere/last.ckpt"], "error: ckpt=/nowhere/last.ckpt: no such checkpoint file"),
+        (["ckpt=/nowhere/last.ckpt"], "error: ckpt=/nowhere/last.ckpt: checkpoint file not found"),
         (["prompt=hi"], "error: ckpt= is required"),
         (["ckpt=x", "tokens=5"], "error: tokens is not a config key"),
         (["ckpt=x", "max_new_tokens=many"], "error: max_new_tokens='many' is not allowed; it must be a whole number"),
@@ -97,4 +97,4 @@ def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path, capsys):
     bad.write_text("not a checkpoint")
     with pytest.raises(SystemExit):
         main([f"ckpt={bad}"])
-    assert f"error: ckpt={bad}: cannot be read as a checkpoint" in capsys.readouterr().err
+    assert f"error: ckpt={bad}: not a complete checkpoint (truncated or corrupt)" in capsys.readouterr().err

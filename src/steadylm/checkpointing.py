@@ -121,22 +121,17 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, 
     from steadylm.model import GPT, GPTConfig  # the model is only needed here, not to resume
 
     path = Path(path)
-    if not path.is_file():
-        raise SteadyError(
-            f"ckpt={path}: no such checkpoint file; pass a .ckpt written by training (<run_dir>/checkpoints/last.ckpt)"
-        )
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = safe_load(path, map_location=device)
+    except CheckpointError as e:
+        raise SteadyError(f"ckpt={e}") from None
+    try:
         model_cfg = ckpt["hyper_parameters"]["model"]
         meta = ckpt["steadylm"]
         state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         raise SteadyError(
             f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py"
-        ) from None
-    except Exception as e:  # torch.load reports truncated/foreign files through many exception types
-        raise SteadyError(
-            f"ckpt={path}: cannot be read as a checkpoint ({type(e).__name__}); is it truncated?"
         ) from None
     model = GPT(GPTConfig(**model_cfg))
     model.load_state_dict(state)

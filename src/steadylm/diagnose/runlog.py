@@ -99,12 +99,12 @@ def _read_config(run_dir: Path) -> dict | None:
     hydra_cfg = run_dir / ".hydra" / "config.yaml"
     if hydra_cfg.exists():
         return yaml.safe_load(hydra_cfg.read_text())
-    for ckpt in sorted((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
-        import torch
+    from steadylm.checkpointing import CheckpointError, safe_load
 
+    for ckpt in sorted((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
-            return torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["steadylm"]["config"]
-        except Exception:
+            return safe_load(ckpt, mmap=True)["steadylm"]["config"]
+        except (CheckpointError, KeyError, TypeError):
             continue
     return None
 

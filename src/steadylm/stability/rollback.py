@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
+from steadylm.checkpointing import CheckpointError, safe_load
 from steadylm.stability.probe import CHECKPOINT_KEY
 
 
@@ -27,8 +26,8 @@ def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None
     best: tuple[Path, dict] | None = None
     for path in sorted(p for p in checkpoint_dir(trainer).glob("*.ckpt") if p.is_file()):
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:  # a half-written or foreign file is simply not a candidate
+            ckpt = safe_load(path)
+        except CheckpointError:  # a half-written or foreign file is simply not a candidate
             continue
         step = int(ckpt.get("global_step", -1))
         if step > at_or_before or (best is not None and step <= best[1]["global_step"]):
