@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = compose(
         [
             "trainer=cpu",
+            "trainer.precision=32-true",  # the raw loop's precision; `auto` would be bf16 on a CPU with bf16 units
             f"data.dir={data_dir}",
             f"paths.output_dir={work / 'run'}",
             "logger=none",
