@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A 1-layer model that trains a few steps in seconds, for runs through the real command line.
@@ -40,3 +43,22 @@ def run_cli(*args: str, cwd: Path, timeout: int = 400, module: str | None = None
     env.pop("HYDRA_FULL_ERROR", None)
     command = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def raw_shard(path: Path, data, attrs: dict | None = None, **create) -> None:
+    """A shard written by hand (not by prepare), to break one thing: format-1 bytes attributes, then `attrs`
+    (a None value leaves that attribute out); `create` goes to `create_dataset` (dtype, compression, chunks)."""
+    with h5py.File(path, "w") as f:
+        if data is not None:
+            f.create_dataset("tokens", data=data, **create)
+        base = {
+            "format_version": 1,
+            "vocab_size": 257,
+            "eos_id": 256,
+            "tokenizer": "bytes",
+            "n_tokens": 0 if data is None else len(data),
+            "max_token_id": 0 if data is None or not len(data) else int(np.max(data)),
+        }
+        for k, v in {**base, **(attrs or {})}.items():
+            if v is not None:
+                f.attrs[k] = v

@@ -25,6 +25,7 @@ import torch
 
 from steadylm.config import set_key
 from steadylm.train import main, train
+from tests.helpers import raw_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -85,19 +86,7 @@ def assert_one_clear_error(code: int, err: str, pattern: str) -> None:
 
 
 def _raw(path: Path, data, **attrs) -> None:
-    with h5py.File(path, "w") as f:
-        if data is not None:
-            f.create_dataset("tokens", data=data)
-        base = {
-            "format_version": 1,
-            "vocab_size": 257,
-            "eos_id": 256,
-            "tokenizer": "bytes",
-            "n_tokens": 0 if data is None else len(data),
-            "max_token_id": 0 if data is None or not len(data) else int(np.max(data)),
-        }
-        for k, v in {**base, **attrs}.items():
-            f.attrs[k] = v
+    raw_shard(path, data, attrs)
 
 
 def _truncate(d: Path) -> None:

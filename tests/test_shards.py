@@ -7,6 +7,7 @@ import pytest
 
 from steadylm.data.shards import open_tokens, read_shard_info, write_shard
 from steadylm.errors import DataError
+from tests.helpers import raw_shard
 
 BYTES = dict(vocab_size=257, eos_id=256, tokenizer="bytes")
 
@@ -63,7 +64,7 @@ def test_format_2_carries_n_bytes_and_writes_format_attrs_last(tmp_path, monkeyp
 
 def test_format_2_without_n_bytes_is_refused(tmp_path):
     p = tmp_path / "nob.h5"
-    _raw(p, np.arange(10, dtype=np.uint16), {"format_version": 2})
+    raw_shard(p, np.arange(10, dtype=np.uint16), {"format_version": 2})
     _expect(p, "missing attribute 'n_bytes'")
 
 
@@ -125,24 +126,6 @@ def test_atomic_write_conversion_error(tmp_path):
 # --- bad shards: each one error naming the file and the problem -----------------------------
 
 
-def _raw(path, data, attrs=None, **create):
-    with h5py.File(path, "w") as f:
-        if data is not None:
-            f.create_dataset("tokens", data=data, **create)
-        base = {
-            "format_version": 1,
-            "vocab_size": 257,
-            "eos_id": 256,
-            "tokenizer": "bytes",
-            "n_tokens": 0 if data is None else len(data),
-            "max_token_id": 0 if data is None or not len(data) else int(np.max(data)),
-        }
-        base.update(attrs or {})
-        for k, v in base.items():
-            if v is not None:
-                f.attrs[k] = v
-
-
 def _expect(path, pattern, **kw):
     with pytest.raises(DataError) as e:
         read_shard_info(path, **kw)
@@ -172,49 +155,49 @@ def test_truncated(tmp_path):
 
 def test_float_tokens(tmp_path):
     p = tmp_path / "float.h5"
-    _raw(p, np.arange(10, dtype=np.float32))
+    raw_shard(p, np.arange(10, dtype=np.float32))
     _expect(p, "dtype float32.*unsigned integers")
 
 
 def test_signed_tokens(tmp_path):
     p = tmp_path / "signed.h5"
-    _raw(p, np.arange(10, dtype=np.int64))
+    raw_shard(p, np.arange(10, dtype=np.int64))
     _expect(p, "dtype int64")
 
 
 def test_missing_dataset(tmp_path):
     p = tmp_path / "nodata.h5"
-    _raw(p, None)
+    raw_shard(p, None)
     _expect(p, "no 'tokens' dataset")
 
 
 def test_not_1d(tmp_path):
     p = tmp_path / "2d.h5"
-    _raw(p, np.zeros((4, 4), dtype=np.uint16))
+    raw_shard(p, np.zeros((4, 4), dtype=np.uint16))
     _expect(p, "must be 1-D")
 
 
 def test_wrong_format_version(tmp_path):
     p = tmp_path / "v3.h5"
-    _raw(p, np.arange(10, dtype=np.uint16), {"format_version": 3})
+    raw_shard(p, np.arange(10, dtype=np.uint16), {"format_version": 3})
     _expect(p, "format_version 3 is not supported.*versions 1, 2")
 
 
 def test_missing_attr(tmp_path):
     p = tmp_path / "noattr.h5"
-    _raw(p, np.arange(10, dtype=np.uint16), {"max_token_id": None})
+    raw_shard(p, np.arange(10, dtype=np.uint16), {"max_token_id": None})
     _expect(p, "missing attribute 'max_token_id'")
 
 
 def test_oov_ids_attr(tmp_path):
     p = tmp_path / "oov.h5"
-    _raw(p, np.array([1, 2, 300], dtype=np.uint16))
+    raw_shard(p, np.array([1, 2, 300], dtype=np.uint16))
     _expect(p, "max_token_id 300 >= vocab_size 257")
 
 
 def test_oov_ids_deep_scan_catches_lying_attr(tmp_path):
     p = tmp_path / "liar.h5"
-    _raw(p, np.array([1, 2, 300], dtype=np.uint16), {"max_token_id": 2})
+    raw_shard(p, np.array([1, 2, 300], dtype=np.uint16), {"max_token_id": 2})
     assert read_shard_info(p).max_token_id == 2  # shallow check trusts the attribute
     _expect(p, "token id 300 at token offset 2 is >= vocab_size 257", deep=True)
 
@@ -226,7 +209,7 @@ def test_scan_names_the_first_bad_offset_across_blocks(tmp_path, monkeypatch):
     toks = np.arange(1000, dtype=np.uint16) % 200
     toks[700], toks[900] = 280, 290
     p = tmp_path / "deep.h5"
-    _raw(p, toks, {"max_token_id": 199})
+    raw_shard(p, toks, {"max_token_id": 199})
     _expect(p, "token id 280 at token offset 700 is >= vocab_size 257", deep=True, progress=True)
     with h5py.File(p, "r") as f:
         with pytest.raises(DataError, match="deep.h5: token id 280 at token offset 700 is >= model.vocab_size 256"):
@@ -235,26 +218,26 @@ def test_scan_names_the_first_bad_offset_across_blocks(tmp_path, monkeypatch):
 
 def test_open_tokens_refuses_wrong_dtype(tmp_path):
     p = tmp_path / "f.h5"
-    _raw(p, np.arange(10, dtype=np.float32))
+    raw_shard(p, np.arange(10, dtype=np.float32))
     with pytest.raises(DataError, match="f.h5: 'tokens' is not a 1-D unsigned-integer dataset"):
         open_tokens(p)
 
 
 def test_empty(tmp_path):
     p = tmp_path / "empty.h5"
-    _raw(p, np.zeros(0, dtype=np.uint16))
+    raw_shard(p, np.zeros(0, dtype=np.uint16))
     _expect(p, "empty")
 
 
 def test_n_tokens_mismatch(tmp_path):
     p = tmp_path / "short.h5"
-    _raw(p, np.arange(10, dtype=np.uint16), {"n_tokens": 20})
+    raw_shard(p, np.arange(10, dtype=np.uint16), {"n_tokens": 20})
     _expect(p, "n_tokens=20.*10 tokens")
 
 
 def test_compressed_warns_not_fails(tmp_path):
     p = tmp_path / "gz.h5"
-    _raw(p, np.arange(100, dtype=np.uint16), compression="gzip", chunks=(50,))
+    raw_shard(p, np.arange(100, dtype=np.uint16), compression="gzip", chunks=(50,))
     with pytest.warns(UserWarning, match="gz.h5.*compressed.*slow"):
         info = read_shard_info(p)
     assert info.n_tokens == 100
