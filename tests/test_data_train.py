@@ -21,13 +21,19 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, workers):
+def poisoned_copy(shards_dir, tmp_path):
+    """A copy of the test shards with id 400 at token offset 100; the attributes still say every id is < 257."""
     data = tmp_path / "shards"
     shutil.copytree(shards_dir, data)
     bad = data / "train-00000.h5"
     with h5py.File(bad, "r+") as f:
-        f["tokens"][100] = 400  # the attributes still say every id is < 257
+        f["tokens"][100] = 400
+    return data, bad
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, workers):
+    data, bad = poisoned_copy(shards_dir, tmp_path)
     proc = run_cli(
         *TINY,
         f"data.dir={data}",
@@ -52,11 +58,7 @@ def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, work
 def test_poisoned_window_on_one_ddp_rank_stops_every_rank_with_its_line(shards_dir, tmp_path, workers):
     """Window 3 (offset 96..128 holds offset 100) lands on rank 1 with shuffle off: rank 0 must stop too and
     report rank 1's line, once, instead of dying in the gradient all-reduce with a gloo traceback."""
-    data = tmp_path / "shards"
-    shutil.copytree(shards_dir, data)
-    bad = data / "train-00000.h5"
-    with h5py.File(bad, "r+") as f:
-        f["tokens"][100] = 400
+    data, bad = poisoned_copy(shards_dir, tmp_path)
     proc = run_cli(
         *TINY,
         "trainer=ddp_sim",
