@@ -254,11 +254,17 @@ class _Reader:
         return value
 
     # .txt: one document per file, read in pieces cut after a newline ----------------------------------
-    def txt(self, path: str) -> Iterator[tuple[str, bool]]:
+    def _open(self, path: str):
+        """The file opened for binary reading, or None after reporting it as a bad record."""
         try:
-            f = open(path, "rb")
+            return open(path, "rb")
         except OSError as e:
             self.bad(f"{path}: cannot read input file ({e.strerror or e})")
+            return None
+
+    def txt(self, path: str) -> Iterator[tuple[str, bool]]:
+        f = self._open(path)
+        if f is None:
             return
         with f:
             offset, carry, emitted, failed = 0, b"", False, False
@@ -307,10 +313,8 @@ class _Reader:
     # .jsonl and compressed .jsonl ------------------------------------------------------------------
     def jsonl(self, unit: Unit) -> Iterator[tuple[str, bool]]:
         path = unit.paths[0]
-        try:
-            raw = open(path, "rb")
-        except OSError as e:
-            self.bad(f"{path}: cannot read input file ({e.strerror or e})")
+        raw = self._open(path)
+        if raw is None:
             return
         with raw:
             if unit.kind == "jsonl":
