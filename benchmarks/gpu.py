@@ -4,7 +4,7 @@ Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak
 `steadylm.throughput`, which SDPA kernel the attention can use, and how many synchronizing CUDA calls
 each step makes (`torch.cuda.set_sync_debug_mode`): expected 0 on ordinary steps (the stability probe reads
 each step's value one step late), a few on logging steps. Goal on one H200: MFU >= 45%.
-`--compare-defer` runs again with `callbacks.guard.defer=false` and prints the cost of reading at the step itself.
+`--compare-defer` runs again with `callbacks.stability.defer=false` and prints the cost of reading at the step itself.
 
 Usage: python benchmarks/gpu.py [--steps 60] [--batch 16] [--no-compile] [--compare-defer] [overrides...]
 """
@@ -140,7 +140,7 @@ def main() -> None:
         f"per logging step (every {every}th): median {statistics.median(logging) if logging else 'n/a'}"
     )
     if args.compare_defer:
-        _, same_step, _ = fit_and_time(compose([*overrides, "callbacks.guard.defer=false"]))
+        _, same_step, _ = fit_and_time(compose([*overrides, "callbacks.stability.defer=false"]))
         print(
             f"step time: probe read at the step itself / deferred = {statistics.median(same_step) / statistics.median(times):.3f}"
         )

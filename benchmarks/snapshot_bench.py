@@ -1,6 +1,6 @@
 """What the in-memory snapshots cost: snapshot time per step / step time, on the tiny and small presets.
 
-`callbacks.recovery` copies weights, optimizer state, RNG and the data position to host memory every
+`callbacks.stability.recovery` copies weights, optimizer state, RNG and the data position to host memory every
 `every_n_steps` steps (default 25); on a GPU into pinned buffers, asynchronously on the training stream.
 For each preset this times, on one model with fused AdamW and random tokens:
 
@@ -54,7 +54,7 @@ def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devic
     T, V = model_cfg["context_length"], model_cfg["vocab_size"]
     x = torch.randint(0, V, (batch, T), device=device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
-    trainer = SimpleNamespace(optimizers=[opt], global_step=0, lr_scheduler_configs=[], datamodule=None)
+    trainer = SimpleNamespace(optimizers=[opt], global_step=0)
     pl_module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, skipped_steps=0)
 
     def step() -> None:
@@ -105,7 +105,7 @@ def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devic
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CPU-sized: tiny, and small's width/depth at context 64")
-    ap.add_argument("--every", type=int, default=25, help="callbacks.recovery.every_n_steps (default 25)")
+    ap.add_argument("--every", type=int, default=25, help="callbacks.stability.recovery.every_n_steps (default 25)")
     ap.add_argument("--rounds", type=int, default=None, help="paired blocks per preset (default 4 quick, 10 full)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="one preset: tiny or small")

@@ -1,14 +1,23 @@
-"""What several test files share: the tiny command-line overrides and a real `python train.py` subprocess."""
+"""What several test files share: tiny overrides, a real `python train.py` subprocess, fault injection, an
+in-process fit with extra callbacks, and callbacks that record the truth a test compares against."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import h5py
+import lightning as L
 import numpy as np
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from steadylm.module import LMModule
+from steadylm.train import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +71,131 @@ def raw_shard(path: Path, data, attrs: dict | None = None, **create) -> None:
         for k, v in {**base, **(attrs or {})}.items():
             if v is not None:
                 f.attrs[k] = v
+
+
+# --- in-process runs of the stability suite ---------------------------------------------------------------
+
+FAST = [
+    "trainer.max_steps=12",
+    "trainer.limit_val_batches=0",
+    "callbacks.checkpoint.every_n_train_steps=4",
+    "trainer.log_every_n_steps=4",
+    "model.d_model=32",
+    "model.context_length=32",
+    "data.batch_size=4",
+    "callbacks.stability.recovery.every_n_steps=4",
+]
+
+
+def faults(*specs: dict) -> str:
+    items = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs)
+    return f"+callbacks.faults={{_target_: steadylm.stability.FaultInjector, faults: [{items}]}}"
+
+
+class Snapshot(L.Callback):
+    """Copies weights and AdamW state just before and just after optimizer step `step`; the LR each update used."""
+
+    def __init__(self, step: int):
+        self.step, self.before, self.after, self.lrs = step, None, None, []
+
+    @staticmethod
+    def _state(trainer, pl_module):
+        opt = trainer.optimizers[0]
+        return {
+            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "adam": {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(pl_module.parameters())},
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.before = self._state(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])  # the LR the update just used
+        if trainer.global_step == self.step + 1:
+            self.after = self._state(trainer, pl_module)
+
+
+def stability_of(trainer):
+    """The Trainer's one `Stability` callback."""
+    from steadylm.stability import Stability
+
+    return next(cb for cb in trainer.callbacks if isinstance(cb, Stability))
+
+
+def fit(cfg, *extra_callbacks, precision_plugin=None):
+    objs = build(cfg)
+    if precision_plugin is not None:
+        objs["trainer"].strategy.precision_plugin = precision_plugin
+    objs["trainer"].callbacks.extend(extra_callbacks)
+    objs["trainer"].fit(objs["module"], datamodule=objs["datamodule"])
+    return objs
+
+
+class ParamHash(L.Callback):
+    """Writes this rank's parameter hash and skipped-step count at the end of fit (for the DDP test)."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"hash": digest, "skipped": pl_module.skipped_steps, "step": trainer.global_step})
+        )
+
+
+def scalars(run_dir: Path) -> dict[str, list[float]]:
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def crash_training_at(monkeypatch, step: int) -> None:
+    """`training_step` raises "simulated crash" at optimizer step `step` (undo with `monkeypatch.undo()`)."""
+    real_step = LMModule.training_step
+
+    def fails(self, batch, batch_idx):
+        if self.trainer.global_step == step:
+            raise RuntimeError("simulated crash")
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LMModule, "training_step", fails)
+
+
+# --- the stats test's truth ---------------------------------------------------------------------------------
+
+STEP = 7  # a stats step under FAST: (7 + 1) % 4 == 0, the second of steps 3, 7, 11
+
+
+def norm(tensors) -> float:
+    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
+
+
+class Truth(L.Callback):
+    """Weights, pre-clip grads and the batch of step STEP, and the weights after its update."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == STEP:
+            self.batch = [t.clone() for t in batch]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # after backward, before clipping
+        if trainer.global_step == STEP:
+            net = pl_module.net
+            self.before = {n: p.detach().clone() for n, p in net.named_parameters()}
+            self.grads = {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+            rms = {}
+            hooks = [
+                b.register_forward_hook(lambda m, a, out, i=i: rms.__setitem__(i, float(out.pow(2).mean().sqrt())))
+                for i, b in enumerate(net.blocks)
+            ]
+            with torch.no_grad():
+                net(self.batch[0])
+            for h in hooks:
+                h.remove()
+            self.rms = rms
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == STEP + 1:
+            self.after = {n: p.detach().clone() for n, p in pl_module.net.named_parameters()}

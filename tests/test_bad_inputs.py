@@ -178,10 +178,10 @@ CLI_CASES = {
     "resume_bogus": (["resume=yes"], r"resume=yes is not supported; use resume=auto"),
     "resume_and_ckpt": (["resume=auto", "ckpt_path=x.ckpt"], r"both ckpt_path and resume=auto are set"),
     "guard_action": (
-        ["callbacks.guard.action=bogus"],
+        ["callbacks.stability.guard.action=bogus"],
         r"callbacks\.guard\.action='bogus' is not one of rollback, stop",
     ),
-    "guard_defer": (["callbacks.guard.defer=maybe"], r"callbacks\.guard\.defer='maybe' must be true or false"),
+    "guard_defer": (["callbacks.stability.defer=maybe"], r"callbacks\.guard\.defer='maybe' must be true or false"),
 }
 
 

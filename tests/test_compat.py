@@ -25,11 +25,18 @@ def test_per_tensor_norms_match_the_public_norm():
     assert torch.allclose(compat.per_tensor_norms(tensors), torch.stack([t.norm() for t in tensors]))
 
 
-def test_set_last_lr_is_what_get_last_lr_returns():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    compat.set_last_lr(sched, [0.25])
-    assert sched.get_last_lr() == [0.25]
+def test_found_inf_makes_fused_adamw_skip_its_step_on_the_device():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    p.grad = torch.ones(3)
+    compat.set_found_inf(opt, torch.ones(()))
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3)) and opt.state[p]["step"].item() == 0  # weights and count untouched
+    compat.set_found_inf(opt, torch.zeros(()))
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(3)) and opt.state[p]["step"].item() == 1
+    compat.clear_found_inf(opt)
+    assert not hasattr(opt, "found_inf")
 
 
 def test_set_loss_scale_before_and_after_the_first_step():
@@ -102,14 +109,22 @@ def own_private_names() -> set[str]:
 
 
 OWN = own_private_names()
+# Attributes without an underscore that are still another library's undocumented protocol: the optimizers read
+# `found_inf`/`grad_scale` that GradScaler sets on them.
+PROTOCOL = {"found_inf", "grad_scale"}
 
 
 @pytest.mark.parametrize("path", sorted(p for p in SRC.rglob("*.py") if p.name != "compat.py"), ids=lambda p: p.name)
 def test_no_private_library_attribute_outside_compat(path):
-    """`x._name` that steadylm does not define itself (a library's private attribute), or `from lib import _name`."""
+    """`x._name` that steadylm does not define itself (a library's private attribute), `from lib import _name`, or
+    an undocumented protocol attribute (`found_inf`, `grad_scale`)."""
     tree = ast.parse(path.read_text())
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in PROTOCOL:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Constant) and node.value in PROTOCOL:
+            found.append(f"line {node.lineno}: {node.value!r}")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if node.attr not in OWN:
                 found.append(f"line {node.lineno}: .{node.attr}")
@@ -122,6 +137,13 @@ def test_no_private_library_attribute_outside_compat(path):
         ):
             found.append(f"line {node.lineno}: from {node.module}")
     assert not found, f"{path.relative_to(SRC)} reaches private attributes outside compat.py: {found}"
+
+
+def test_the_scan_sees_the_optimizer_protocol_outside_compat():
+    tree = ast.parse("opt.found_inf = flag\nopt.__dict__.pop('found_inf', None)\n")
+    hits = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in PROTOCOL]
+    hits += [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in PROTOCOL]
+    assert len(hits) == 2
 
 
 def test_the_scan_sees_a_borrowed_attribute(tmp_path):

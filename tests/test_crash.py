@@ -17,8 +17,8 @@ import torch
 
 from steadylm import checkpointing
 from steadylm.checkpointing import is_complete, safe_load
-from steadylm.module import LMModule
 from steadylm.train import train
+from tests.helpers import crash_training_at
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY4 = ["trainer.max_steps=8", "optim.warmup_steps=2", "callbacks.checkpoint.every_n_train_steps=4"]
@@ -57,18 +57,6 @@ def test_save_interrupted_mid_write_keeps_previous_checkpoint(make_cfg, tmp_path
     _, objects = train(make_cfg(*EVERY4, "resume=auto"))
     assert objects["trainer"].global_step == 8
     assert safe_load(ckpts / "last.ckpt")["global_step"] == 8
-
-
-def crash_training_at(monkeypatch, step: int) -> None:
-    """`training_step` raises "simulated crash" at optimizer step `step` (undo with `monkeypatch.undo()`)."""
-    real_step = LMModule.training_step
-
-    def fails(self, batch, batch_idx):
-        if self.trainer.global_step == step:
-            raise RuntimeError("simulated crash")
-        return real_step(self, batch, batch_idx)
-
-    monkeypatch.setattr(LMModule, "training_step", fails)
 
 
 def test_exception_in_training_saves_a_checkpoint_resume_auto_uses(make_cfg, tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 
 from steadylm.config import CONF_DIR
 from steadylm.train import train
-from tests.test_train import scalars
+from tests.helpers import scalars
 
 DEBUG = sorted(p.stem for p in (CONF_DIR / "debug").glob("*.yaml") if p.stem != "default")
 

@@ -45,7 +45,9 @@ def test_every_divergence_preset_composes_and_builds_its_callbacks(shards_dir, t
     for name in PRESETS:
         cfg = preset_cfg(name, shards_dir, tmp_path / name)
         names = {key for key, node in cfg.callbacks.items() if node is not None}
-        assert {"guard", "spike", "stats", "loss_scale", "recovery"} <= names, name
+        assert "stability" in names, name
+        parts = cfg.callbacks.stability
+        assert all(parts[k] is not None for k in ("guard", "spike", "stats", "loss_scale", "recovery")), name
         for node in cfg.callbacks.values():
             if node is not None:
                 instantiate(node)

@@ -196,9 +196,7 @@ LLAMA = ["model=llama_tiny", "model.n_kv_head=1"]  # FAST's n_head=2 (conftest):
 
 def test_stability_suite_on_the_llama_family_with_qk_norm_z_loss_and_xavier_init(make_cfg, tmp_path):
     """Per-block stats equal a brute-force computation; the attention-logit monitor reads every block."""
-    from tests.test_stability import FAST, fit
-    from tests.test_stats import STEP, Truth, norm
-    from tests.test_train import scalars
+    from tests.helpers import FAST, STEP, Truth, fit, norm, scalars
 
     truth = Truth()
     fit(make_cfg(*LLAMA, *FAST, "optim.lr=1e-2", "model.qk_norm=true", "optim.z_loss=1e-4", "model.init=xavier"), truth)
@@ -215,13 +213,13 @@ def test_stability_suite_on_the_llama_family_with_qk_norm_z_loss_and_xavier_init
 
 def test_first_non_finite_module_is_named_in_the_llama_family(make_cfg, tmp_path):
     from steadylm.stability import read_events
-    from tests.test_stability import FAST, faults, fit
+    from tests.helpers import FAST, faults, fit
 
     cfg = make_cfg(
         *LLAMA,
         *FAST,
-        "callbacks.guard.max_consecutive=2",
-        "callbacks.guard.action=stop",
+        "callbacks.stability.guard.max_consecutive=2",
+        "callbacks.stability.guard.action=stop",
         faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}),
     )
     fit(cfg)
@@ -244,8 +242,7 @@ def test_first_non_finite_module_is_named_in_the_llama_family(make_cfg, tmp_path
 )
 def test_each_switch_trains_under_the_full_suite_with_qk_norm_z_loss_and_xavier(make_cfg, tmp_path, switch):
     """The real Trainer, default callbacks: every per-block stat and the attention-logit monitor reported."""
-    from tests.test_stability import FAST, fit
-    from tests.test_train import scalars
+    from tests.helpers import FAST, fit, scalars
 
     objs = fit(make_cfg(*FAST, switch, "model.qk_norm=true", "optim.z_loss=1e-4", "model.init=xavier"))
     assert objs["trainer"].global_step == 12 and objs["module"].skipped_steps == 0

@@ -10,7 +10,7 @@ import pytest
 from steadylm.precision import resolve_precision
 from steadylm.throughput import peak_flops
 from steadylm.train import build, train
-from tests.test_train import scalars
+from tests.helpers import scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from steadylm.stability import read_events, suite_of
+from steadylm.stability import read_events
 from steadylm.stability.recovery import capture, restore_weights_and_optimizer
-from tests.test_stability import FAST, faults, fit
+from tests.helpers import FAST, faults, fit, stability_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written
     trainer, module = objs["trainer"], objs["module"]
     before = state(trainer, module)
     snap = capture(trainer, module)
-    assert snap.step == trainer.global_step and snap.data is not None and "torch" in snap.rng
+    assert snap.step == trainer.global_step and snap.applied == trainer.global_step and "torch" in snap.rng
     with torch.no_grad():
         for p in module.parameters():
             p.add_(1.0)
@@ -46,7 +46,7 @@ def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written
 
 def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_cfg, tmp_path):
     objs = fit(make_cfg(*FAST))
-    recovery = suite_of(objs["trainer"]).recovery
+    recovery = stability_of(objs["trainer"]).recovery
     assert [s.step for s in recovery.good] == [4, 8]  # every 4 steps, the last 2 kept (12 steps: 0, 4, 8)
 
     # NaN weights from step 4 on: the snapshot of step 4 is taken before the fault, but its step is non-finite,
@@ -54,7 +54,7 @@ def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_c
     objs = fit(
         make_cfg(
             *FAST,
-            "callbacks.guard.max_consecutive=2",
+            "callbacks.stability.guard.max_consecutive=2",
             faults({"kind": "nan_weight", "step": 4, "param": "blocks.1.mlp.fc.weight"}),
             out=tmp_path / "nan",
         )
@@ -64,12 +64,12 @@ def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_c
     assert all(p.isfinite().all() for p in objs["module"].parameters())
 
 
-def test_without_the_recovery_callback_a_rollback_reads_the_checkpoint_on_disk(make_cfg, tmp_path):
+def test_without_recovery_settings_a_rollback_reads_the_checkpoint_on_disk(make_cfg, tmp_path):
     fit(
         make_cfg(
             *FAST,
-            "~callbacks.recovery",
-            "callbacks.guard.max_consecutive=2",
+            "callbacks.stability.recovery=null",
+            "callbacks.stability.guard.max_consecutive=2",
             faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
         )
     )
@@ -100,7 +100,7 @@ def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_
     opt = torch.optim.AdamW(net.parameters(), lr=1.0, fused=True)
     net(torch.randn(8, 1024, device="cuda")).sum().backward()
     opt.step()
-    trainer = SimpleNamespace(optimizers=[opt], global_step=1, lr_scheduler_configs=[], datamodule=None)
+    trainer = SimpleNamespace(optimizers=[opt], global_step=1)
     module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, skipped_steps=0)
     before = [p.detach().cpu().clone() for p in net.parameters()]
     snap = capture(trainer, module)

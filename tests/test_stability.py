@@ -2,72 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from steadylm.schedule import lr_at
 from steadylm.stability import read_events
 from steadylm.stability.spike import RobustWindow, SpikeDetector
-from steadylm.train import build
-from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, FAST, Snapshot, faults, fit, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = [
-    "trainer.max_steps=12",
-    "trainer.limit_val_batches=0",
-    "callbacks.checkpoint.every_n_train_steps=4",
-    "trainer.log_every_n_steps=4",
-    "model.d_model=32",
-    "model.context_length=32",
-    "data.batch_size=4",
-    "callbacks.recovery.every_n_steps=4",
-]
-
-
-def faults(*specs: dict) -> str:
-    items = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs)
-    return f"+callbacks.faults={{_target_: steadylm.stability.FaultInjector, faults: [{items}]}}"
-
-
-class Snapshot(L.Callback):
-    """Copies weights and AdamW state just before and just after optimizer step `step`; the LR each update used."""
-
-    def __init__(self, step: int):
-        self.step, self.before, self.after, self.lrs = step, None, None, []
-
-    @staticmethod
-    def _state(trainer, pl_module):
-        opt = trainer.optimizers[0]
-        return {
-            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
-            "adam": {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(pl_module.parameters())},
-        }
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.lrs.append(optimizer.param_groups[0]["lr"])  # after the suite's callbacks: a late skip count is in
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            self.before = self._state(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step + 1:
-            self.after = self._state(trainer, pl_module)
-
-
-def fit(cfg, *extra_callbacks, precision_plugin=None):
-    objs = build(cfg)
-    if precision_plugin is not None:
-        objs["trainer"].strategy.precision_plugin = precision_plugin
-    objs["trainer"].callbacks.extend(extra_callbacks)
-    objs["trainer"].fit(objs["module"], datamodule=objs["datamodule"])
-    return objs
 
 
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "same-step"])
@@ -75,7 +23,7 @@ def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_un
     snap = Snapshot(step=6)
     cfg = make_cfg(
         *FAST,
-        f"callbacks.guard.defer={defer}",
+        f"callbacks.stability.defer={defer}",
         faults({"kind": "inf_grad", "step": 6, "param": "blocks.0.attn.qkv.weight"}),
     )
     objs = fit(cfg, snap)
@@ -89,7 +37,10 @@ def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_un
         for k, v in state.items():
             assert torch.equal(v, snap.after["adam"][i][k]), (i, k)  # moments and step count untouched
     assert objs["module"].skipped_steps == 1 and objs["trainer"].global_step == 12
-    assert snap.lrs[7] == snap.lrs[6]  # the schedule did not advance on the skipped step
+    o = objs["module"].optim_cfg
+    lr = lambda step: lr_at(step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=5, total_steps=o["total_steps"])  # noqa: E731
+    # The schedule did not advance on the skipped step: update 7 uses the LR step 6 would have used.
+    assert snap.lrs[5] == lr(5) and snap.lrs[7] == lr(6) and snap.lrs[8] == lr(7)
 
     clean = fit(make_cfg(*FAST, out=tmp_path / "clean"))
     final = objs["trainer"].callback_metrics["train/loss"].item()
@@ -99,7 +50,7 @@ def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_un
 def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(make_cfg, tmp_path):
     cfg = make_cfg(
         *FAST,
-        "callbacks.guard.max_consecutive=2",
+        "callbacks.stability.guard.max_consecutive=2",
         faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
     )
     objs = fit(cfg)
@@ -121,9 +72,9 @@ def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(ma
 def test_nan_weight_with_stop_halts_every_rank_and_writes_forensics(make_cfg, tmp_path, defer):
     cfg = make_cfg(
         *FAST,
-        "callbacks.guard.max_consecutive=2",
-        "callbacks.guard.action=stop",
-        f"callbacks.guard.defer={defer}",
+        "callbacks.stability.guard.max_consecutive=2",
+        "callbacks.stability.guard.action=stop",
+        f"callbacks.stability.defer={defer}",
         faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}),
     )
     objs = fit(cfg)
@@ -145,8 +96,8 @@ def test_random_labels_fire_the_loss_spike_detector_at_that_step(make_cfg, tmp_p
         *FAST,
         "trainer.max_steps=30",
         "optim.lr=1e-2",
-        "callbacks.spike.window=12",
-        "callbacks.spike.warmup=8",
+        "callbacks.stability.spike.window=12",
+        "callbacks.stability.spike.warmup=8",
         faults({"kind": "corrupt_labels", "step": 26}),
     )
     fit(cfg)
@@ -188,7 +139,9 @@ def test_the_spike_bar_is_median_plus_sigma_robust_scales_of_log_loss_never_unde
 
 def test_fp16_with_an_absurd_loss_scale_counts_skipped_steps_and_alarms(make_cfg, tmp_path):
     # Lightning turns `trainer.precision=16-mixed` into bf16 on CPU; the fp16 plugin is what a GPU gets.
-    cfg = make_cfg(*FAST, "callbacks.loss_scale.streak=4", faults({"kind": "loss_scale", "step": 0, "value": 2.0**60}))
+    cfg = make_cfg(
+        *FAST, "callbacks.stability.loss_scale.streak=4", faults({"kind": "loss_scale", "step": 0, "value": 2.0**60})
+    )
     objs = fit(cfg, precision_plugin=MixedPrecision("16-mixed", "cpu"))
     events = read_events(tmp_path / "run")
     streak = [e for e in events if e["kind"] == "fp16_skip_streak"]
@@ -202,25 +155,15 @@ def test_fp16_with_an_absurd_loss_scale_counts_skipped_steps_and_alarms(make_cfg
 
 def test_attention_logit_alarm_fires_without_qk_norm_at_lr_0_1_and_stays_quiet_with_it(make_cfg, tmp_path):
     def alarms(*overrides, out):
-        fit(make_cfg(*FAST, "optim.lr=0.1", "trainer.max_steps=24", "~callbacks.spike", *overrides, out=out))
+        fit(
+            make_cfg(
+                *FAST, "optim.lr=0.1", "trainer.max_steps=24", "callbacks.stability.spike=null", *overrides, out=out
+            )
+        )
         return [e for e in read_events(out) if e["kind"] == "attn_logit"]
 
     assert alarms("model.qk_norm=false", out=tmp_path / "plain")
     assert alarms("model.qk_norm=true", out=tmp_path / "qk") == []
-
-
-class ParamHash(L.Callback):
-    """Writes this rank's parameter hash and skipped-step count at the end of fit (for the DDP test)."""
-
-    def __init__(self, out: str):
-        self.out = out
-
-    def on_train_end(self, trainer, pl_module):
-        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-        digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-        Path(self.out, f"rank{trainer.global_rank}.json").write_text(
-            json.dumps({"hash": digest, "skipped": pl_module.skipped_steps, "step": trainer.global_step})
-        )
 
 
 def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(shards_dir, tmp_path):
@@ -239,7 +182,7 @@ def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(sh
         "trainer.limit_val_batches=0",
         "trainer.log_every_n_steps=4",
         hooks,
-        f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
+        f"+callbacks.hash={{_target_: tests.helpers.ParamHash, out: {out}}}",
         cwd=tmp_path,
         timeout=180,
     )
@@ -293,7 +236,7 @@ def lr_sensitivity(make_cfg, tmp_path, init: str) -> tuple[float, dict[float, fl
                 f"optim.lr={lr}",
                 f"optim.min_lr={lr / 10}",
                 f"model.init={init}",
-                "~callbacks.spike",
+                "callbacks.stability.spike=null",
                 out=tmp_path / f"{init}-{lr}",
             )
         )

@@ -2,46 +2,9 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
-import torch
 
-from tests.test_stability import FAST, fit
-from tests.test_train import scalars
-
-STEP = 7  # a stats step under FAST: (7 + 1) % 4 == 0, the second of steps 3, 7, 11
-
-
-def norm(tensors) -> float:
-    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
-
-
-class Truth(L.Callback):
-    """Weights, pre-clip grads and the batch of step STEP, and the weights after its update."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == STEP:
-            self.batch = [t.clone() for t in batch]
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # after backward, before clipping
-        if trainer.global_step == STEP:
-            net = pl_module.net
-            self.before = {n: p.detach().clone() for n, p in net.named_parameters()}
-            self.grads = {n: p.grad.detach().clone() for n, p in net.named_parameters()}
-            rms = {}
-            hooks = [
-                b.register_forward_hook(lambda m, a, out, i=i: rms.__setitem__(i, float(out.pow(2).mean().sqrt())))
-                for i, b in enumerate(net.blocks)
-            ]
-            with torch.no_grad():
-                net(self.batch[0])
-            for h in hooks:
-                h.remove()
-            self.rms = rms
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == STEP + 1:
-            self.after = {n: p.detach().clone() for n, p in pl_module.net.named_parameters()}
+from tests.helpers import FAST, Truth, fit, norm, scalars
 
 
 def test_logged_stats_equal_a_brute_force_computation(make_cfg, tmp_path):

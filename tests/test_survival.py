@@ -16,8 +16,7 @@ import pytest
 from steadylm.stability import read_events
 from steadylm.stability.suspects import read_suspects, window_text
 from steadylm.sweep import divergence
-from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
-from tests.test_stability import faults, fit
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, faults, fit, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 # The conftest tiny model, long enough that the loss curve has flattened when the fault hits.
@@ -66,7 +65,7 @@ def test_each_fault_injected_once_into_a_default_run_ends_within_5_percent_of_th
 
 def test_a_broken_run_under_log_only_ends_diverged_with_the_last_good_state_beside_the_broken_one(make_cfg, tmp_path):
     out = tmp_path / "run"
-    objs = fit(make_cfg(*LONG, "callbacks.spike.action=log", faults(FAULTS["lr_spike"])))
+    objs = fit(make_cfg(*LONG, "callbacks.stability.spike.action=log", faults(FAULTS["lr_spike"])))
     stop = [e for e in read_events(out) if e["action"] == "stop"]
     assert [e["detail"]["kind"] for e in stop] == ["final_loss"]
     reason = divergence({"val/loss": val_loss(objs)}, out, None)
@@ -75,7 +74,7 @@ def test_a_broken_run_under_log_only_ends_diverged_with_the_last_good_state_besi
 
 
 def test_a_transient_nan_activation_names_no_module(make_cfg, tmp_path):
-    from tests.test_stability import FAST
+    from tests.helpers import FAST
 
     fit(make_cfg(*FAST, faults({"kind": "nan_activation", "step": 6, "module": "blocks.1.mlp"})))
     events = read_events(tmp_path / "run")
@@ -91,8 +90,8 @@ def test_repeated_rollbacks_escalate_then_stop_every_rank_past_the_budget(make_c
         make_cfg(
             *LONG,
             "trainer.max_steps=140",
-            "callbacks.recovery.every_n_steps=10",
-            "callbacks.recovery.max_rollbacks=3",
+            "callbacks.stability.recovery.every_n_steps=10",
+            "callbacks.stability.recovery.max_rollbacks=3",
             faults(*spikes),
         )
     )
@@ -134,8 +133,8 @@ def test_at_each_spike_a_poisoned_window_is_ranked_first_and_its_text_can_be_pri
             *LONG,
             "trainer.max_steps=200",
             "data.batch_size=4",
-            "callbacks.spike.sigma=3",
-            "callbacks.spike.warmup=12",
+            "callbacks.stability.spike.sigma=3",
+            "callbacks.stability.spike.warmup=12",
             out=out,
         )
     )
@@ -210,11 +209,11 @@ def test_two_process_ddp_rolls_back_every_rank_together_from_memory(shards_dir, 
         "optim.warmup_steps=5",
         "trainer.limit_val_batches=0",
         "trainer.log_every_n_steps=8",
-        "callbacks.spike.warmup=12",
-        "callbacks.recovery.every_n_steps=10",
+        "callbacks.stability.spike.warmup=12",
+        "callbacks.stability.recovery.every_n_steps=10",
         "callbacks.checkpoint.every_n_train_steps=1000",
         faults({"kind": "lr_spike", "step": 30, "factor": 1000}),
-        f"+callbacks.hash={{_target_: tests.test_stability.ParamHash, out: {out}}}",
+        f"+callbacks.hash={{_target_: tests.helpers.ParamHash, out: {out}}}",
         cwd=tmp_path,
         timeout=300,
     )

@@ -1,22 +1,14 @@
 """End-to-end: the real Trainer on real shards, TensorBoard files, checkpoints, DDP, multirun."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from steadylm.module import LMModule
 from steadylm.schedule import lr_at
 from steadylm.train import train
-from tests.helpers import CLI_TINY, run_cli
-
-
-def scalars(run_dir: Path) -> dict[str, list[float]]:
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+from tests.helpers import CLI_TINY, run_cli, scalars
 
 
 def test_tiny_run_learns_and_writes_tensorboard_and_checkpoint(make_cfg, tmp_path):
@@ -123,7 +115,7 @@ def test_a_run_the_guard_stops_exits_non_zero_naming_the_cause(shards_dir, tmp_p
     proc = run_cli(
         "trainer=cpu",
         "experiment=divergence/nan_weight",
-        "callbacks.guard.action=stop",
+        "callbacks.stability.guard.action=stop",
         "trainer.max_steps=30",
         "trainer.enable_progress_bar=false",
         f"data.dir={shards_dir}",

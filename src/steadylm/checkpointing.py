@@ -37,6 +37,9 @@ log = logging.getLogger("steadylm")
 # through `ShardDataModule.state_dict()` (the sampler skips the batches already trained on).
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
+# The stability callback's state inside a checkpoint's "callbacks" (its Lightning `state_key`).
+STABILITY_STATE_KEY = "steadylm.stability"
+
 TMP_PREFIX = "."  # temp files are hidden and end in .tmp, so no `*.ckpt` glob ever matches one
 TMP_SUFFIX = ".tmp"
 
@@ -268,7 +271,8 @@ class SaveOnException(L.Callback):
         )
 
 
-def _collect_rng() -> dict:
+def rng_state() -> dict:
+    """Every global RNG (torch, numpy, python, CUDA), in types a weights-only checkpoint can hold."""
     np_state = np.random.get_state(legacy=False)
     state = {
         "torch": torch.get_rng_state(),
@@ -286,7 +290,7 @@ def _collect_rng() -> dict:
     return state
 
 
-def _restore_rng(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(
@@ -319,14 +323,14 @@ class RNGState(L.Callback):
         self._after_step: torch.Tensor | None = None
 
     def state_dict(self) -> dict:
-        return _collect_rng()
+        return rng_state()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._pending = state_dict
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending is not None:
-            _restore_rng(self._pending)
+            set_rng_state(self._pending)
             self._pending = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

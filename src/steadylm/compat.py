@@ -43,9 +43,17 @@ def attached_trainer(module: Any) -> Any | None:
     return module._trainer
 
 
-def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
-    """What `get_last_lr()` returns, after the LRs were recomputed outside `scheduler.step()`."""
-    scheduler._last_lr = list(lrs)
+def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
+    """Make the next `step()` skip itself on the device when `flag` (a 0-dim float tensor) is 1.
+
+    GradScaler's protocol with the fused optimizers: `step()` reads `optimizer.found_inf` and leaves weights,
+    moments and step counts alone when it is set, without a host sync. Not a documented API.
+    """
+    optimizer.found_inf = flag
+
+
+def clear_found_inf(optimizer: Any) -> None:
+    optimizer.__dict__.pop("found_inf", None)
 
 
 def every_n_train_steps(checkpoint_callback: Any) -> int:

@@ -16,8 +16,14 @@ import lightning as L
 from steadylm import compat
 
 
+def is_logging_step(step: int, every: int) -> bool:
+    """Optimizer step `step` (0-based) is one Lightning writes logs on, when every `every` steps: known before
+    the step runs, so measurements can be switched on for it."""
+    return (step + 1) % max(1, every) == 0
+
+
 def will_log(trainer: L.Trainer) -> bool:
-    """Lightning's own rule (every `log_every_n_steps` batches that stepped, and the final step)."""
+    """Lightning's own rule, live (every `log_every_n_steps` batches that stepped, and the final step)."""
     return compat.will_log(trainer)
 
 

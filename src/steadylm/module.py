@@ -1,4 +1,4 @@
-"""The LightningModule: next-token loss, AdamW parameter groups, the per-step LR schedule.
+"""The LightningModule: next-token loss, AdamW parameter groups, the LR of each update.
 
 It owns the objective and the optimizer recipe, nothing else: stability checks live in callbacks
 (`steadylm.stability`) so each can be switched off and tested alone. It must never cast targets
@@ -14,14 +14,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch.optim.lr_scheduler import LambdaLR
 
 from steadylm.compat import attached_trainer
+from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
-from steadylm.schedule import lr_at
-
-IGNORE_INDEX = -100
+from steadylm.schedule import lr_at, set_lr
 
 
 def _plain(cfg: Any) -> dict:
@@ -62,8 +60,10 @@ class LMModule(L.LightningModule):
         self.run_config = run_config
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
-        # Optimizer steps skipped by the stability guard: the LR schedule counts only applied steps.
+        # Optimizer steps whose update never reached the weights (skipped or rolled back by the stability callback):
+        # the LR counts only applied steps. `lr_scale` multiplies the schedule (a repeated rollback lowers it).
         self.skipped_steps = 0
+        self.lr_scale = 1.0
         # This step's total grad norm, when the stability probe has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
 
@@ -96,9 +96,9 @@ class LMModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss, z = self.loss(self(x), y)
-        # Only on the steps the Trainer writes: `self.log` costs ~1-2 ms of Python, a step's worth on small models.
-        # As a host copy: Lightning turns the progress-bar value into a number after EVERY step, and on a
-        # device tensor that `.item()` would be one more host sync per step (35 conversions in 40 steps).
+        # Only on the steps the Trainer writes: `self.log` is milliseconds of Python, a step's worth on small models.
+        # As a host copy: Lightning turns the progress-bar value into a number after every step, and on a
+        # device tensor that `.item()` would be one more host sync per step.
         if will_log(self.trainer):
             self.log("train/loss", loss.detach().cpu(), on_step=True, prog_bar=True)
             if self.z_loss:
@@ -126,11 +126,23 @@ class LMModule(L.LightningModule):
         if self.val_bytes_per_token:
             self.log("val/bpb", loss / math.log(2) / self.val_bytes_per_token, sync_dist=False)
 
-    def on_train_batch_start(self, batch, batch_idx) -> None:
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """The LR of this update, set after every callback has judged the step (a skip found a step late is
+        already counted): a function of the applied steps and the LR scale, nothing to patch afterwards."""
+        lr = self.lr_now()
+        set_lr(optimizer, lr)
         if will_log(self.trainer):
-            write_metrics(self.trainer, {"optim/lr": self.lr_schedulers().get_last_lr()[0]})
+            write_metrics(self.trainer, {"optim/lr": lr})
 
-    def configure_optimizers(self) -> dict:
+    def lr_now(self) -> float:
+        o = self.optim_cfg
+        applied = self.trainer.global_step - self.skipped_steps
+        base = lr_at(
+            applied, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
+        )
+        return base * self.lr_scale
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         o = self.optim_cfg
         # Weight decay only on matrices (linears, embeddings); decaying gains and biases hurts.
         params = [p for p in self.parameters() if p.requires_grad]
@@ -138,9 +150,7 @@ class LMModule(L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
-        sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
 
     def _use_fused(self) -> bool:
         """`optim.fused`: auto = fused wherever torch has the kernel (one kernel for all tensors, ~5x faster than the
@@ -175,17 +185,15 @@ class LMModule(L.LightningModule):
         """The module clips (and so logs `optim/grad_norm`); FSDP moves clipping to `FSDPClipping` instead."""
         return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
 
-    def lr_factor(self, step: int) -> float:
-        o = self.optim_cfg
-        lr = lr_at(step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"])
-        return lr / o["lr"]
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["steadylm"] = {
             "config": self.run_config,
             "tokenizer": self.tokenizer_name,
             "skipped_steps": self.skipped_steps,
+            "lr_scale": self.lr_scale,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.skipped_steps = int(checkpoint.get("steadylm", {}).get("skipped_steps", 0))
+        meta = checkpoint.get("steadylm", {})
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.lr_scale = float(meta.get("lr_scale", 1.0))

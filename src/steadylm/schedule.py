@@ -1,13 +1,17 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to `min_lr`, per optimizer step.
+"""The learning-rate schedule: linear warmup, then cosine decay to `min_lr`, per applied optimizer step.
 
 A pure function of the step, so the LightningModule, `doctor`'s LR plot and the tests all read
-the same curve. Warmup avoids the large early updates that Adam makes before its second-moment
+the same curve; there is no scheduler object. Before each update the module sets every group's LR
+from the count of applied steps (a skipped step does not advance it) times its LR scale (lowered by a
+repeated rollback), as nanochat and OLMo-core do. Warmup avoids the large early updates that Adam makes before its second-moment
 estimate has settled; the cosine tail avoids an abrupt drop.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -17,3 +21,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
         return min_lr
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's LR for the next update: `lr` times the group's own multiplier (`lr_mult`, default 1)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)

@@ -11,7 +11,7 @@ import time
 import lightning as L
 import torch
 
-from steadylm.logging_steps import write_metrics
+from steadylm.logging_steps import is_logging_step, write_metrics
 
 # Dense bf16 peak FLOP/s per device. Lightning's table has no H200; H100 and H200 SXM share a peak.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "4090": 165.2e12}
@@ -32,8 +32,8 @@ class Throughput(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._tokens += batch[0].numel()
-        step = trainer.global_step  # optimizer steps: unchanged across accumulated micro-batches
-        if step % max(1, trainer.log_every_n_steps) or step == self._last_step:
+        step = trainer.global_step  # optimizer steps done: unchanged across accumulated micro-batches
+        if not is_logging_step(step - 1, trainer.log_every_n_steps) or step == self._last_step:
             return
         self._last_step = step
         now = time.perf_counter()

@@ -26,7 +26,6 @@ from steadylm.global_batch import apply_global_batch, expected_world_size
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
 from steadylm.preflight import check_environment, hydra_errors_as_messages
-from steadylm.stability.suite import attach as attach_stability_suite
 from steadylm.sweep import finish_job
 
 log = logging.getLogger("steadylm")
@@ -78,7 +77,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 def build_trainer(cfg: DictConfig) -> L.Trainer:
     callbacks = instantiate_named(cfg.get("callbacks"))
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
-        # Lightning's bar redraws every step (~0.7 ms of Python on a CPU); the loss it shows changes only on
+        # Lightning's bar redraws every step (Python time on the hot path); the loss it shows changes only on
         # logging steps, so it redraws on those.
         callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     trainer = instantiate(
@@ -87,9 +86,6 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         logger=instantiate_named(cfg.get("logger")) or False,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
     )
-    attach_stability_suite(
-        trainer.callbacks
-    )  # the one StabilitySuite the stability callbacks share (docs/stability.md)
     return trainer
 
 

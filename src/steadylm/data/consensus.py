@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from steadylm.data.dataset import PAD_INDEX, ShardReadError
+from steadylm.data.dataset import ShardReadError
+from steadylm.data.sampler import PAD_INDEX
 
 _GROUP: list = []  # one gloo group per process, created collectively on first use
 

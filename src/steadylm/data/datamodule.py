@@ -231,6 +231,12 @@ class ShardDataModule(L.LightningDataModule):
         sizes = [i.n_bytes for i in self.infos["val"]]
         return None if any(b is None for b in sizes) else int(sum(sizes))
 
+    def window_ids(self, batch_idx: int) -> list[int]:
+        """This rank's window ids at `batch_idx` of the current epoch, one per row (-1: padding)."""
+        if self._train_sampler is None:
+            return []
+        return [int(i) for i in self._train_sampler.batch_windows(batch_idx)]
+
     # --- resume ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from steadylm.data.sampler import PAD_INDEX
 from steadylm.data.shards import ShardInfo, open_tokens, read_shard_info
 from steadylm.errors import DataError
 
-IGNORE_INDEX = -100
-PAD_INDEX = -1
+IGNORE_INDEX = -100  # the target of a padding position: cross-entropy leaves it out
 _TORCH_WRAPPED = "Original Traceback"
 
 

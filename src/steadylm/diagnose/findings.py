@@ -17,7 +17,6 @@ import numpy as np
 from steadylm.diagnose.runlog import RunLog
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
-SPIKES = ("loss_spike", "grad_spike")
 LOOKBACK = 50  # steps of grad-norm history compared at the onset
 EVENT_SLACK = 3  # a curve onset must precede an event by more than this to be the better explanation
 
@@ -124,13 +123,12 @@ def _suspects(log: RunLog, step: int) -> str:
 
 
 def _spike(log: RunLog, events: list[dict]) -> Finding | None:
-    hits = [e for e in events if e["kind"] in SPIKES]
+    hits = [e for e in events if e["kind"] == "loss_spike"]
     if not hits:
         return None
     s = hits[0]["step"]
     d = hits[0].get("detail", {})
-    what = "loss" if hits[0]["kind"] == "loss_spike" else "grad norm"
-    value = f"{what} {d.get('value', float('nan')):.3g} > {d.get('threshold', float('nan')):.3g}"
+    value = f"loss {d.get('value', float('nan')):.3g} > {d.get('threshold', float('nan')):.3g}"
     big_update = [e for e in events if e["kind"] == "update_ratio" and s - EVENT_SLACK <= e["step"] <= s]
     cause, evidence = d.get("cause"), d.get("evidence")
     rolled = [e for e in events if e["kind"] == "rollback" and e.get("detail", {}).get("onset") == s]
@@ -182,7 +180,7 @@ def _spike(log: RunLog, events: list[dict]) -> Finding | None:
             f"{ratio}then {value} at step {s} and the loss did not recover: one update moved the weights too far "
             f"({_actions(hits)})",
             "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
-            "lower optim.lr; callbacks.spike.action=rollback undoes such a step",
+            "lower optim.lr; callbacks.stability.spike.action=rollback undoes such a step",
         )
     windows = d.get("batch")
     on = f" on data window(s) {windows}" if windows else ""
@@ -190,7 +188,7 @@ def _spike(log: RunLog, events: list[dict]) -> Finding | None:
         s,
         "bad data batch",
         f"{value} at step {s}{on}, {_actions(hits)}; the loss recovered at once",
-        "inspect those windows in the shards; callbacks.spike.action=skip (or rollback) keeps them out of the weights",
+        "inspect those windows in the shards; callbacks.stability.spike.action=skip (or rollback) keeps them out of the weights",
     )
 
 
@@ -339,7 +337,7 @@ def _lone_update(log: RunLog, events: list[dict]) -> Finding | None:
         f"update/param ratio {first['detail'].get('value', float('nan')):.3g} at step {first['step']} after "
         f"{len(quiet)} quiet measurement(s) (max {quiet.max():.2g}): one update moved the weights too far",
         "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
-        "callbacks.spike.action=rollback undoes such a step",
+        "callbacks.stability.spike.action=rollback undoes such a step",
     )
 
 

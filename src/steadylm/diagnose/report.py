@@ -12,7 +12,6 @@ KIND_COLORS = {
     "nonfinite_loss": "red",
     "nonfinite_grad": "red",
     "loss_spike": "orange",
-    "grad_spike": "orange",
     "update_ratio": "purple",
     "attn_logit": "brown",
     "fp16_skip_streak": "magenta",

@@ -19,7 +19,6 @@ KINDS = (
     "nonfinite_loss",
     "nonfinite_grad",
     "loss_spike",
-    "grad_spike",
     "update_ratio",
     "attn_logit",
     "fp16_skip_streak",

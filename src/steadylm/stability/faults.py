@@ -7,7 +7,7 @@ Config-driven list of faults, each `{kind, step, ...}`:
 | `nan_weight` | writes NaN into one element of parameter `param` (e.g. `blocks.1.mlp.fc.weight`) |
 | `inf_grad` | puts +inf into one element of `param`'s gradient, after backward (and after DDP's all-reduce) |
 | `corrupt_labels` | replaces the batch's labels with random tokens |
-| `lr_spike` | multiplies every group's LR by `factor` (default 1000) for that one step |
+| `lr_spike` | multiplies the LR scale (hence every group's LR) by `factor` (default 1000) for that one step |
 | `nan_loss` | makes the model's output (hence the loss) NaN |
 | `nan_activation` | makes module `module`'s output (e.g. `blocks.1.mlp`) NaN in that step's first forward only: a transient |
 | `loss_scale` | sets the fp16 loss scale to `value` (e.g. 2**40: every step overflows until it falls) |
@@ -39,14 +39,17 @@ class FaultInjector(L.Callback):
                 raise ConfigError(f"callbacks.faults.faults[{i}] needs a `step`")
         self._handle = None
 
-    def _due(self, trainer, kind: str) -> list[dict]:
+    def _due(self, trainer, kind: str, step: int | None = None) -> list[dict]:
+        step = trainer.global_step if step is None else step
         return [
             f
             for f in self.faults
-            if f["kind"] == kind
-            and f["step"] == trainer.global_step
-            and f.get("rank", trainer.global_rank) == trainer.global_rank
+            if f["kind"] == kind and f["step"] == step and f.get("rank", trainer.global_rank) == trainer.global_rank
         ]
+
+    def _due_before_step(self, trainer, kind: str) -> list[dict]:
+        """At batch end the step counter has moved on: the faults of the step just done."""
+        return self._due(trainer, kind, trainer.global_step - 1)
 
     def _param(self, pl_module, name: str) -> torch.nn.Parameter:
         params = dict(pl_module.net.named_parameters())
@@ -89,11 +92,12 @@ class FaultInjector(L.Callback):
                 grad.view(-1)[0] = float("inf")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        for f in self._due(trainer, "lr_spike"):
-            for group in optimizer.param_groups:
-                group["lr"] *= float(f.get("factor", 1000.0))  # the scheduler resets it after this step
+        for f in self._due(trainer, "lr_spike"):  # the module sets the LR from the scale after every callback
+            pl_module.lr_scale *= float(f.get("factor", 1000.0))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for f in self._due_before_step(trainer, "lr_spike"):
+            pl_module.lr_scale /= float(f.get("factor", 1000.0))
         if self._handle is not None and not self._due(trainer, "nan_loss"):
             self._handle.remove()
             self._handle = None

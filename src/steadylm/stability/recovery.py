@@ -1,46 +1,44 @@
 """`Recovery`: in-memory snapshots of the last good state, rollback to them, escalation, and a bounded budget.
 
 Snapshots. Every `every_n_steps` optimizer steps, at the start of the step, the state is copied to host
-memory: weights and buffers, optimizer state, scheduler state, RNG states, the data position and the
-spike detector's window. On a GPU the copy goes into pinned buffers with `non_blocking=True` on the
-training stream, so it runs on the copy engine while the step computes (stream order guarantees it reads
-the weights from before this step's update); nothing waits for it until a rollback needs it. Under FSDP
-each rank copies its own shards (`parameters()` are the local shards). A snapshot becomes *known-good*
-once its own step's measurement (the loss of exactly those weights) is finite and no detector flagged
-it; the last `keep` known-good ones are kept, their buffers reused.
+memory: weights and buffers, optimizer state, RNG states and the spike detector's window. On a GPU the
+copy goes into pinned buffers with `non_blocking=True` on the training stream, so it runs on the copy
+engine while the step computes (stream order guarantees it reads the weights from before this step's
+update); nothing waits for it until a rollback needs it. Under FSDP each rank copies its own shards
+(`parameters()` are the local shards). A snapshot becomes *known-good* once its own step's measurement
+(the loss of exactly those weights) is finite and no check found it suspect; the last `keep` known-good
+ones are kept, their buffers reused.
 
 Rollback restores the newest known-good snapshot taken before the trouble began (weights, optimizer state,
-RNG, the spike window; the LR follows from the count of applied steps, so an LR backoff outlives it; the
-scheduler state and data position travel for the record), without touching disk
-(a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a resume). The data is
-not rewound: the batches between the snapshot and now are skipped. Every rank takes the same decision
-from the same all-reduced values and restores its own copy, so all ranks roll back together.
+RNG, the spike window; the LR follows from the count of applied steps, so an LR backoff outlives it),
+without touching disk (a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a
+resume). The data is not rewound: the batches between the snapshot and now are skipped. Every rank takes
+the same decision from the same all-reduced values and restores its own copy, so all ranks roll back together.
 
-Escalation (each step bounded). Consecutive non-finite skips -> rollback (the guard). A second rollback
-at the same place (its onset within `same_place_steps` of the previous one) restores the older snapshot
-and skips a further `skip_steps` data window (doubling each time); a third also multiplies the LR by
-`lr_backoff`. Past `max_rollbacks` rollbacks in the run, all ranks stop together: a `stop` event, the
-broken state in `checkpoints/diverged.ckpt` and the last good one in `checkpoints/last_good.ckpt`.
+Escalation (each step bounded). A second rollback at the same place (its onset within `same_place_steps`
+of the previous one) restores the older snapshot and skips a further `skip_steps` data window (doubling
+each time); a third also multiplies the LR scale by `lr_backoff`. Past `max_rollbacks` rollbacks in the
+run, all ranks stop together: the broken state in `checkpoints/diverged.ckpt` and the last good one in
+`checkpoints/last_good.ckpt`.
 
 At the end of training, a run whose final training loss (median of the last `final_window` steps) is more
-than `final_margin` (25 %) above its best such median ends `diverged` the same way: `sweep.finish_job`
-reads the `stop` event and `train.py` exits 3.
+than `final_margin` above its best such median has diverged (`final_verdict`).
 """
 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import lightning as L
-import numpy as np
 import torch
 
-from steadylm.stability.events import emit
-from steadylm.stability.probe import Measurement, ProbeUser, reapply_schedule
+from steadylm.checkpointing import rng_state, set_rng_state
+from steadylm.errors import ConfigError
+from steadylm.stability import rollback as disk
+from steadylm.stability.measure import Measurement
+from steadylm.stability.verdict import Verdict
 
 
 @dataclass
@@ -50,13 +48,9 @@ class Snapshot:
     tensors: list[torch.Tensor]  # host copies of parameters then buffers
     optim: list[dict]  # each optimizer's state_dict, tensors on the host
     flat_optim: list[torch.Tensor]  # the same host tensors, flat (reused by the next snapshot)
-    sched: list[dict]
     rng: dict
-    data: dict | None
     detectors: dict
     event: object = None  # CUDA event recorded after the copies
-    good: bool = False
-    extra: dict = field(default_factory=dict)
 
     def wait(self) -> None:
         if self.event is not None:
@@ -91,21 +85,6 @@ def _map_tensors(obj, fn):
     return obj
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None) -> Snapshot:
     """Start copying the current state to host memory (asynchronous on a GPU); `reuse`'s buffers when they fit."""
     tensors: list[torch.Tensor] = []
@@ -120,7 +99,6 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
     if any(t.is_cuda for t in _live_tensors(pl_module)[:1]):
         event = torch.cuda.Event()
         event.record()
-    datamodule = getattr(trainer, "datamodule", None)
     skipped = int(getattr(pl_module, "skipped_steps", 0))
     return Snapshot(
         step=trainer.global_step,
@@ -128,9 +106,7 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
         tensors=tensors,
         optim=optim,
         flat_optim=flat,
-        sched=[c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         rng=rng_state(),
-        data=datamodule.state_dict() if datamodule is not None and hasattr(datamodule, "state_dict") else None,
         detectors=detectors or {},
         event=event,
     )
@@ -148,7 +124,7 @@ def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
         opt.load_state_dict(_map_tensors(state, lambda t: t.clone()))
 
 
-class Recovery(ProbeUser, L.Callback):
+class Recovery:
     def __init__(
         self,
         every_n_steps: int = 25,
@@ -160,16 +136,11 @@ class Recovery(ProbeUser, L.Callback):
         final_window: int = 20,
         final_margin: float = 0.25,
     ) -> None:
-        from steadylm.errors import ConfigError
-
+        key = "callbacks.stability.recovery"
         if every_n_steps < 0 or keep < 1 or max_rollbacks < 0:
-            raise ConfigError(
-                "callbacks.recovery: every_n_steps >= 0 (0: no snapshots), keep >= 1 and max_rollbacks >= 0"
-            )
+            raise ConfigError(f"{key}: every_n_steps >= 0 (0: no snapshots), keep >= 1 and max_rollbacks >= 0")
         if lr_backoff is not None and not 0 < lr_backoff <= 1:
-            raise ConfigError(
-                f"callbacks.recovery.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR"
-            )
+            raise ConfigError(f"{key}.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR")
         self.every_n_steps, self.keep, self.max_rollbacks = int(every_n_steps), int(keep), int(max_rollbacks)
         span = max(self.every_n_steps, 10)
         self.same_place_steps = int(same_place_steps if same_place_steps is not None else 2 * span)
@@ -183,18 +154,12 @@ class Recovery(ProbeUser, L.Callback):
         self.strikes = 0  # rollbacks in a row at the same place
         self.last_onset: int | None = None
         self.skip_until = -1  # steps before this one are skipped (a longer data window after a repeated rollback)
-        self.lr_scale = 1.0
         self.recent: deque[float] = deque(maxlen=self.final_window)
         self.best = math.inf  # best median of `final_window` finite losses
-        self.stopped = False
-
-    def bind(self, suite) -> None:
-        super().bind(suite)
-        suite.recovery = self
 
     # -- snapshots ---------------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    def maybe_snapshot(self, trainer, pl_module, detectors: dict) -> None:
+        """At the start of a step: copy the state to host memory every `every_n_steps` steps."""
         step = trainer.global_step
         if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
             return
@@ -203,32 +168,27 @@ class Recovery(ProbeUser, L.Callback):
         reuse, self._spare = self._spare, None
         if reuse is None and self.candidate is not None:
             reuse = self.candidate  # never confirmed (its step's value not read yet): the newer one replaces it
-        self.candidate = capture(trainer, pl_module, reuse, self._detector_state())
+        self.candidate = capture(trainer, pl_module, reuse, detectors)
 
-    def observe(self, trainer, pl_module, optimizer, m: Measurement) -> None:
+    def confirm(self, m: Measurement, suspect: bool) -> None:
+        """The measurement of step `m.step` has been judged: its snapshot is known-good, or dropped."""
         c = self.candidate
         if c is not None and c.step == m.step:
             self.candidate = None
-            if not m.nonfinite and m.step not in self.suite.suspect_steps:
-                c.good = True
+            if not m.nonfinite and not suspect:
                 self.good.append(c)
                 if len(self.good) > self.keep:
                     self._spare = self.good.popleft()
             else:
                 self._spare = c
-        self.suite.suspect_steps.discard(m.step)  # the detectors judged it before this observer (config order)
         if not m.nonfinite:
             self.recent.append(m.loss)
             if len(self.recent) == self.recent.maxlen:
                 self.best = min(self.best, statistics.median(self.recent))
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        if trainer.global_step < self.skip_until:
-            self.suite.probe.skip_current(trainer, pl_module)  # the longer data window after a repeated rollback
-
-    def _detector_state(self) -> dict:
-        return {type(cb).__name__: cb.window_state() for cb in self.suite.users if hasattr(cb, "window_state")}
+    def in_skip_window(self, step: int) -> bool:
+        """Step `step` lies in the longer data window skipped after a repeated rollback."""
+        return step < self.skip_until
 
     def newest_good(self, before: int | None = None, older: bool = False) -> Snapshot | None:
         found = [s for s in self.good if before is None or s.step <= before]
@@ -238,9 +198,14 @@ class Recovery(ProbeUser, L.Callback):
 
     # -- rollback, escalation, budget --------------------------------------------------------------------------
     def rollback(self, trainer, pl_module, optimizer, onset: int) -> dict | None:
-        """Roll back for trouble that began at step `onset`; None when the budget is spent or nothing is there
-        to roll back to (the caller then stops). Escalates when rollbacks repeat at the same place."""
-        if optimizer is None or self.rollbacks >= self.max_rollbacks:
+        """Restore a state from before step `onset`; None when the budget is spent or nothing is there to roll
+        back to (the caller then stops). Escalates when rollbacks repeat at the same place.
+
+        The result names what was restored (`source`, `to_step`), the optimizer steps now in the weights
+        (`applied`), the spike window to restore (`detectors`) and any escalation (`skip_more_steps`,
+        `lr_backoff`: the factor the caller applies to the LR scale).
+        """
+        if self.rollbacks >= self.max_rollbacks:
             return None
         same_place = self.last_onset is not None and abs(onset - self.last_onset) <= self.same_place_steps
         strikes = self.strikes + 1 if same_place else 1
@@ -248,22 +213,16 @@ class Recovery(ProbeUser, L.Callback):
         if snap is not None:
             restore_weights_and_optimizer(trainer, pl_module, snap)
             set_rng_state(snap.rng)
-            for cb in self.suite.users:
-                if hasattr(cb, "load_window_state") and type(cb).__name__ in snap.detectors:
-                    cb.load_window_state(snap.detectors[type(cb).__name__])
-            self.suite.probe.abandon(trainer, pl_module, applied=snap.applied)
-            restored = {"source": "memory", "to_step": snap.step}
+            restored = {"source": "memory", "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
             # Newer snapshots hold the weights being abandoned.
             while self.good and self.good[-1].step > snap.step:
                 self._spare = self.good.pop()
             self.candidate = None
         else:
-            from steadylm.stability.rollback import rollback as disk_rollback
-
-            found = disk_rollback(trainer, pl_module, optimizer, onset, self.suite.probe)
+            found = disk.rollback(trainer, pl_module, optimizer, onset)
             if found is None:
                 return None
-            restored = {"source": "disk", **found}
+            restored = {"source": "disk", **found, "detectors": {}}
         self.rollbacks += 1
         self.strikes, self.last_onset = strikes, onset
         restored.update(
@@ -277,55 +236,27 @@ class Recovery(ProbeUser, L.Callback):
             self.skip_until = trainer.global_step + 1 + extra
             restored["skip_more_steps"] = extra
         if strikes >= 3 and self.lr_backoff is not None and self.lr_backoff < 1:
-            self.lr_scale *= self.lr_backoff
-            for c in trainer.lr_scheduler_configs:
-                c.scheduler.base_lrs = [lr * self.lr_backoff for lr in c.scheduler.base_lrs]
-            reapply_schedule(trainer)
-            restored["lr_scale"] = self.lr_scale
+            restored["lr_backoff"] = self.lr_backoff
         return restored
 
-    def stop(self, trainer, pl_module, step: int, kind: str, reason: str, detail: dict | None = None) -> None:
-        """Stop every rank together (all reach it from the same reduced values), keeping the last good state."""
-        self.stopped = True
-        self.suite.probe.abandon(trainer, pl_module)
-        saved = self.save_last_good(trainer, pl_module)
-        emit(trainer, step, "stop", "stop", {**(detail or {}), "kind": kind, "reason": reason, **saved})
-        trainer.should_stop = True
+    def why_not(self) -> str:
+        """Why a rollback was refused, for the stop reason."""
+        if self.rollbacks >= self.max_rollbacks:
+            return "the rollback budget is spent"
+        return "there is no good snapshot or checkpoint to roll back to"
 
-    def save_last_good(self, trainer, pl_module) -> dict:
-        """`diverged.ckpt` (the state now) beside `last_good.ckpt` (the newest known-good snapshot); the run goes
-        on (or ends) on the good weights. Every rank calls it: saving is collective."""
-        from steadylm.stability.rollback import checkpoint_dir
-
-        folder = checkpoint_dir(trainer)
-        out = {}
-        try:
-            trainer.save_checkpoint(folder / "diverged.ckpt")
-            out["broken_checkpoint"] = str(folder / "diverged.ckpt")
-            snap = self.newest_good()
-            if snap is not None:
-                restore_weights_and_optimizer(trainer, pl_module, snap)
-                # The LR schedule of a resume from it continues where those weights left off.
-                pl_module.skipped_steps = trainer.global_step - snap.applied
-                trainer.save_checkpoint(folder / "last_good.ckpt")
-                out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
-        except Exception as err:  # the stop itself must happen even when the disk is full
-            out["checkpoint_error"] = f"{type(err).__name__}: {err}"
-        return out
-
-    def on_suite_end(self, trainer, pl_module) -> None:
+    def final_verdict(self) -> Verdict | None:
         """A run that ends far above its best loss has diverged, even with no event on the way."""
-        if self.stopped or len(self.recent) < self.recent.maxlen or not math.isfinite(self.best):
-            return
+        if len(self.recent) < self.recent.maxlen or not math.isfinite(self.best):
+            return None
         final = statistics.median(self.recent)
-        if final > self.best * (1 + self.final_margin):
-            reason = (
-                f"final training loss {final:.3f} (median of the last {len(self.recent)} steps) is "
-                f"{final / self.best - 1:.0%} above the run's best {self.best:.3f} (limit {self.final_margin:.0%})"
-            )
-            self.stop(
-                trainer, pl_module, trainer.global_step, "final_loss", reason, {"final": final, "best": self.best}
-            )
+        if final <= self.best * (1 + self.final_margin):
+            return None
+        reason = (
+            f"final training loss {final:.3f} (median of the last {len(self.recent)} steps) is "
+            f"{final / self.best - 1:.0%} above the run's best {self.best:.3f} (limit {self.final_margin:.0%})"
+        )
+        return Verdict("stop", "final_loss", {"final": final, "best": self.best}, reason=reason)
 
     def state_dict(self) -> dict:
         return {
@@ -333,7 +264,6 @@ class Recovery(ProbeUser, L.Callback):
             "strikes": self.strikes,
             "last_onset": self.last_onset,
             "skip_until": self.skip_until,
-            "lr_scale": self.lr_scale,
             "recent": list(self.recent),
             "best": self.best if math.isfinite(self.best) else None,
         }
@@ -341,6 +271,5 @@ class Recovery(ProbeUser, L.Callback):
     def load_state_dict(self, state: dict) -> None:
         self.rollbacks, self.strikes = int(state["rollbacks"]), int(state["strikes"])
         self.last_onset, self.skip_until = state["last_onset"], int(state["skip_until"])
-        self.lr_scale = float(state["lr_scale"])
         self.recent = deque(state.get("recent", []), maxlen=self.final_window)
         self.best = state["best"] if state.get("best") is not None else math.inf

@@ -1,18 +1,17 @@
 """Roll back to the last good checkpoint in the run dir, in place, in the middle of `fit` (`Recovery`'s fallback
 when no in-memory snapshot is there, e.g. right after a resume).
 
-Restores the weights and optimizer state from the newest checkpoint
-that was saved at or before the first bad step and holds only finite weights. The data loader is not
-rewound: the window between that checkpoint and now is skipped, as PaLM did by hand. Every rank reads
-the same file after the same collective decision, so the replicas stay identical.
+Restores the weights and optimizer state from the newest checkpoint that was saved at or before the first
+bad step and holds only finite weights. The data loader is not rewound: the window between that checkpoint
+and now is skipped, as PaLM did by hand. Every rank reads the same file after the same collective decision,
+so the replicas stay identical.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from steadylm.checkpointing import CheckpointError, safe_load
-from steadylm.stability.probe import CHECKPOINT_KEY
+from steadylm.checkpointing import STABILITY_STATE_KEY, CheckpointError, safe_load
 
 
 def checkpoint_dir(trainer) -> Path:
@@ -37,21 +36,22 @@ def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None
     return best
 
 
-def rollback(trainer, pl_module, optimizer, at_or_before: int, probe) -> dict | None:
-    """Restore in place and abandon the step in progress; returns {"checkpoint", "to_step"}, or None without a good checkpoint.
+def applied_steps(ckpt: dict) -> int:
+    """Optimizer steps whose update is in a checkpoint's weights."""
+    applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
+    state = ckpt.get("callbacks", {}).get(STABILITY_STATE_KEY) or {}
+    pending = (state.get("measure") or {}).get("pending")
+    if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
+        applied -= 1  # its last step was skipped on the device, and not yet counted when it was saved
+    return applied
 
-    The steps between the checkpoint and now are no longer in the weights, so they join the skipped
-    count: the LR schedule (which subtracts it) resumes where the checkpoint left off.
-    """
+
+def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
+    """Restore in place; returns {"checkpoint", "to_step", "applied"}, or None without a good checkpoint."""
     found = last_good_checkpoint(trainer, at_or_before)
     if found is None:
         return None
     path, ckpt = found
     pl_module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
-    applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
-    pending = (ckpt.get(CHECKPOINT_KEY) or {}).get("pending")
-    if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
-        applied -= 1  # its last step was skipped on the device, and not yet counted when it was saved
-    probe.abandon(trainer, pl_module, applied=applied)
-    return {"checkpoint": path.name, "to_step": int(ckpt["global_step"])}
+    return {"checkpoint": path.name, "to_step": int(ckpt["global_step"]), "applied": applied_steps(ckpt)}

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import FSDPStrategy
 
+from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.stability.events import stability_dir
 
-IGNORE_INDEX = -100
 PREVIEW_CHARS = 160
+TOP_SUSPECTS = 3
 
 
 @torch.no_grad()
@@ -58,16 +60,9 @@ def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int
 
 
 def batch_window_ids(trainer, batch_idx: int) -> list[int]:
-    """This rank's window ids at `batch_idx` of the epoch, one per row (-1: padding)."""
+    """This rank's window ids at `batch_idx` of the epoch, one per row (-1: padding); [] when the data cannot say."""
     dm = getattr(trainer, "datamodule", None)
-    sampler = getattr(dm, "_train_sampler", None)
-    if sampler is None:
-        return []
-    if hasattr(sampler, "batch_windows"):
-        return [int(i) for i in sampler.batch_windows(batch_idx)]
-    G = sampler.global_batch
-    chunk = sampler.permutation()[batch_idx * G : (batch_idx + 1) * G]
-    return [int(i) for i in chunk[sampler.rank :: sampler.world_size].tolist()]
+    return dm.window_ids(batch_idx) if hasattr(dm, "window_ids") else []
 
 
 @lru_cache(maxsize=8)
@@ -133,6 +128,23 @@ def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, 
             }
         )
     return rows
+
+
+def spike_suspects(trainer, pl_module, episode: dict, weights=None, weights_step: int | None = None) -> dict:
+    """Rank a spike's onset batch's samples by their loss on `weights` (a snapshot; None: the live weights),
+    append them to suspects.jsonl and return the evidence for the event (the batch's mean loss, the top rows)."""
+    if not episode["batches"]:
+        return {}
+    if weights is not None and isinstance(trainer.strategy, FSDPStrategy):
+        weights, weights_step = None, None  # a snapshot holds this rank's shards only: use the live weights
+    losses = sample_losses(pl_module, episode["batches"], weights)
+    rows = rank_suspects(trainer, episode["onset"], episode["batch_idx"], losses)
+    for row in rows:
+        row["weights_step"] = weights_step
+    write_suspects(trainer, rows)
+    mean = sum(v for _, _, v in losses) / max(len(losses), 1)
+    top = [{k: r[k] for k in ("window", "shard", "start", "end", "loss")} for r in rows[:TOP_SUSPECTS]]
+    return {"batch_loss_on_good_weights": mean, "suspects": top}
 
 
 def write_suspects(trainer, rows: list[dict]) -> Path:

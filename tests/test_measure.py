@@ -1,4 +1,5 @@
-"""The probe's deferred read: when the host reads each step's value, and what still happens at the step itself."""
+"""The step measurement's deferred read: when the host reads each step's value, and what still happens at the step
+itself; and the one stability callback that owns it."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import lightning as L
 import pytest
 import torch
 
-from steadylm.stability import read_events
-from steadylm.stability.probe import Arrived, InFlight, Measurement, StepProbe
-from steadylm.stability.suite import suite_of
-from tests.test_stability import FAST, Snapshot, faults, fit
+from steadylm.stability import Stability, read_events
+from steadylm.stability.measure import Arrived, InFlight, Measurement, StepMeasure
+from tests.helpers import FAST, Snapshot, faults, fit, stability_of
 
 LOGGED_AND_SAVED = {3, 7, 11}  # FAST: log and checkpoint every 4 steps, i.e. at the end of steps 3, 7, 11
 
@@ -41,14 +41,14 @@ def reads(monkeypatch):
 @pytest.mark.parametrize(
     "override, deferred",
     [
-        ("callbacks.guard.max_consecutive=3", True),  # the default suite
-        ("callbacks.guard.defer=false", False),
-        ("callbacks.spike.action=skip", False),  # a spike skip must be decided before the update
+        ("callbacks.stability.guard.max_consecutive=3", True),  # the default suite
+        ("callbacks.stability.defer=false", False),
+        ("callbacks.stability.spike.action=skip", False),  # a spike skip must be decided before the update
     ],
 )
 def test_the_host_reads_a_step_late_except_on_logging_and_checkpoint_steps(make_cfg, reads, override, deferred):
     objs = fit(make_cfg(*FAST, override), Clock())
-    assert suite_of(objs["trainer"]).probe.deferred is deferred
+    assert stability_of(objs["trainer"]).measure.deferred is deferred
     assert sorted(s for s, _ in reads) == list(range(12))  # every step measured and read exactly once
     same_step = {s for s, at in reads if s == at}
     if deferred:
@@ -73,13 +73,13 @@ def test_a_nonfinite_last_step_is_reported_when_training_ends(make_cfg, tmp_path
 
 def test_a_measurement_not_yet_acted_on_travels_in_the_checkpoint():
     m = Measurement(step=7, loss=2.5, grad_norm=float("inf"), loss_nonfinite=False, grad_nonfinite=True, batch_idx=(3,))
-    probe = StepProbe()
-    probe._pending = Arrived(m)
-    state = probe.state_dict()
-    restored = StepProbe()
+    measure = StepMeasure()
+    measure.pending = Arrived(m)
+    state = measure.state_dict()
+    restored = StepMeasure()
     restored.load_state_dict(torch.load(_roundtrip(state), weights_only=True))
-    assert restored._pending.read() == m
-    assert StepProbe().state_dict() == {"pending": None}
+    assert restored.pending.read() == m
+    assert StepMeasure().state_dict() == {"pending": None}
 
 
 def _roundtrip(obj):
@@ -95,7 +95,7 @@ def test_a_rollback_decided_a_step_late_also_drops_the_step_under_way(make_cfg, 
     # Steps 5 and 6 see NaN weights; step 6's value is read while step 7 runs (no checkpoint at the end of 6).
     cfg = make_cfg(
         *FAST,
-        "callbacks.guard.max_consecutive=2",
+        "callbacks.stability.guard.max_consecutive=2",
         faults({"kind": "nan_weight", "step": 5, "param": "blocks.1.mlp.fc.weight"}),
     )
     objs = fit(cfg, Clock())
@@ -116,7 +116,7 @@ def test_a_rollback_decided_a_step_late_also_drops_the_step_under_way(make_cfg, 
 def test_a_bad_step_not_yet_read_when_training_dies_is_counted_after_resume(make_cfg, tmp_path, monkeypatch):
     from steadylm.checkpointing import safe_load
     from steadylm.train import train
-    from tests.test_crash import crash_training_at
+    from tests.helpers import crash_training_at
 
     args = [
         "trainer.max_steps=8",
@@ -129,7 +129,8 @@ def test_a_bad_step_not_yet_read_when_training_dies_is_counted_after_resume(make
     monkeypatch.undo()
     saved = safe_load(tmp_path / "run" / "checkpoints" / "exception.ckpt")
     assert saved["steadylm"]["skipped_steps"] == 0  # step 5 was skipped on the device, not yet read on the host
-    assert saved["steadylm_probe"]["pending"]["step"] == 5 and saved["steadylm_probe"]["pending"]["grad_nonfinite"]
+    pending = saved["callbacks"]["steadylm.stability"]["measure"]["pending"]
+    assert pending["step"] == 5 and pending["grad_nonfinite"]
 
     _, objects = train(make_cfg(*args, "resume=auto"))
     assert objects["trainer"].global_step == 8 and objects["module"].skipped_steps == 1
@@ -167,16 +168,16 @@ def test_accumulated_micro_batches_are_one_measurement_read_a_step_late(make_cfg
 
 def test_the_host_reads_the_step_before_each_checkpoint_is_written(make_cfg, reads):
     # Logging every 6 steps (5, 11), checkpoints every 4 (after steps 3, 7, 11): both make the host wait.
-    fit(make_cfg(*FAST, "trainer.log_every_n_steps=6", "callbacks.stats.every_n_steps=6"), Clock())
+    fit(make_cfg(*FAST, "trainer.log_every_n_steps=6", "callbacks.stability.stats.every_n_steps=6"), Clock())
     assert {s for s, at in reads if s == at} == {3, 5, 7, 11}
 
 
-def test_one_suite_is_shared_by_every_stability_callback_and_nothing_hangs_on_the_trainer(make_cfg):
-    from steadylm.stability.probe import ProbeUser
-
-    objs = fit(make_cfg(*FAST))
-    users = [cb for cb in objs["trainer"].callbacks if isinstance(cb, ProbeUser)]
-    suite = suite_of(objs["trainer"])
-    assert len(users) == 5 and all(cb.suite is suite for cb in users)  # guard, spike, stats, loss_scale, recovery
-    assert suite.users == users and suite.recovery is users[-1]
-    assert not [k for k in vars(objs["trainer"]) if "steadylm" in k or "probe" in k or "suite" in k]
+def test_one_stability_callback_owns_every_check_tunable_and_removable_from_the_command_line(make_cfg):
+    objs = fit(make_cfg(*FAST, "callbacks.stability.spike.sigma=5", "callbacks.stability.loss_scale=null"))
+    owners = [cb for cb in objs["trainer"].callbacks if isinstance(cb, Stability)]
+    assert len(owners) == 1
+    owner = owners[0]
+    assert owner.spike.sigma == 5.0 and owner.loss_scale is None
+    assert owner.guard is not None and owner.stats is not None and owner.recovery.every_n_steps == 4
+    assert set(owner.state_dict()) == {"guard", "spike", "recovery", "measure"}
+    assert not [k for k in vars(objs["trainer"]) if "steadylm" in k or "stability" in k]  # nothing hung on it

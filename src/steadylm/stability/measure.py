@@ -1,0 +1,216 @@
+"""The one per-optimizer-step measurement: loss and pre-clip grad norm, and whether each is finite.
+
+Taken after backward and every accumulated micro-batch (after the fp16 unscale, before clipping and the
+update), packed into ONE 2-number tensor, all-reduced ONCE across ranks and copied to the host ONCE. Every
+check of the step reads this same reduced value, so every rank takes the same decision and none waits
+alone in a collective. It must never do per-tensor `.item()` calls or a second collective per step.
+
+Deferred (the default with a fused optimizer): reading a value on the host makes the CPU wait for the GPU,
+so the copy is started without waiting and read one step later, when it has long arrived. A non-finite
+step is still skipped at the step itself, on the device: the optimizer reads the reduced flag as
+`found_inf` (as GradScaler uses it) and leaves weights, moments and step count alone. Only what follows
+from the host value (counting, events, rollback, stop) happens one step late. Synchronous (read at the
+step itself) where the decision cannot be made on the device: fp16's scaler, a non-fused optimizer, or a
+check that must act before this step's update (`spike.action=skip`, `defer=false`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+
+from steadylm.compat import clear_found_inf, per_tensor_norms, set_found_inf
+
+
+@dataclass(frozen=True)
+class Measurement:
+    step: int
+    loss: float  # mean over micro-batches and ranks
+    grad_norm: float  # pre-clip global L2 norm of the (already DDP-averaged) gradients
+    loss_nonfinite: bool  # on any rank, in any micro-batch
+    grad_nonfinite: bool
+    batch_idx: tuple[int, ...] = ()  # the step's micro-batches, as the epoch's batch indices
+    batches: list = field(default_factory=list, compare=False, repr=False)  # references, for the forensic re-run
+    bad_params: tuple[str, ...] = field(default=(), compare=False)  # parameters with a non-finite grad (this rank)
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.loss_nonfinite or self.grad_nonfinite
+
+    def state(self) -> dict:
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "loss_nonfinite": self.loss_nonfinite,
+            "grad_nonfinite": self.grad_nonfinite,
+            "batch_idx": list(self.batch_idx),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> Measurement:
+        return cls(**{**state, "batch_idx": tuple(state["batch_idx"])})
+
+
+def loss_scaler(trainer: Any) -> Any:
+    """The fp16 GradScaler when training under `16-mixed`, else None."""
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def can_defer(trainer) -> bool:
+    """The device can skip a non-finite step by itself: a fused optimizer and no fp16 scaler."""
+    return all(opt.defaults.get("fused") for opt in trainer.optimizers) and loss_scaler(trainer) is None
+
+
+class InFlight:
+    """One step's reduced [loss, norm] on its way to the host, and the per-parameter norms (kept on the device)."""
+
+    def __init__(
+        self, step: int, packed: torch.Tensor, norms, params: list, net, world: int, batches, batch_idx, sharded=False
+    ) -> None:
+        self.step, self.norms, self.params, self.net, self.world = step, norms, params, net, world
+        self.sharded = sharded  # packed holds the summed squares of each rank's shard norm
+        self.batches, self.batch_idx = batches, tuple(batch_idx)
+        self.event = None
+        if packed.device.type == "cuda":
+            self.host = packed.to("cpu", non_blocking=True)  # pinned, asynchronous; the event marks its arrival
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed.cpu()
+        self._read: Measurement | None = None
+
+    def read(self) -> Measurement:
+        if self._read is None:
+            if self.event is not None:
+                self.event.synchronize()
+            loss, norm = self.host.tolist()
+            norm = math.sqrt(norm) if self.sharded else norm / self.world
+            self._read = Measurement(
+                step=self.step,
+                loss=loss / self.world,
+                grad_norm=norm,
+                loss_nonfinite=not math.isfinite(loss),
+                grad_nonfinite=not math.isfinite(norm),
+                batch_idx=self.batch_idx,
+                batches=self.batches,
+                bad_params=self._bad() if not math.isfinite(norm) else (),
+            )
+        return self._read
+
+    def _bad(self) -> tuple[str, ...]:
+        if self.norms is None:
+            return ()
+        bad = (~self.norms.isfinite()).nonzero().view(-1).tolist()  # the failure path: a host sync here is fine
+        names = {id(p): n for n, p in self.net.named_parameters()}
+        return tuple(names.get(id(self.params[i]), "?") for i in bad)
+
+
+class Arrived(InFlight):
+    """A measurement already on the host (restored from a checkpoint)."""
+
+    def __init__(self, m: Measurement) -> None:
+        self.step, self._read = m.step, m
+
+
+class StepMeasure:
+    """Collects a step's micro-batch losses and batches, then measures the step once (`take`)."""
+
+    def __init__(self, defer: bool = True) -> None:
+        self.allow_defer = defer
+        self.deferred: bool | None = None  # decided at the first step
+        self.losses: list[torch.Tensor] = []
+        self.batches: list = []  # this step's micro-batches (references; for the forensic re-run)
+        self.batch_idx: list[int] = []
+        self._taken = True  # the next micro-batch starts a new step
+        self.current: InFlight | None = None  # the step under way, measured
+        self.pending: InFlight | None = None  # deferred: the last step's, read at the next one
+
+    def add_batch(self, batch, batch_idx: int) -> None:
+        if self._taken:
+            self.losses, self.batches, self.batch_idx, self._taken = [], [], [], False
+        self.batches.append(batch)
+        self.batch_idx.append(batch_idx)
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss)
+
+    def take(self, trainer, pl_module) -> Measurement | None:
+        """Measure the step under way; return the measurement to act on now: this step's, or (deferred) the
+        previous step's, or None when there is none yet."""
+        if self.deferred is None:
+            self.deferred = self.allow_defer and can_defer(trainer)
+        self._taken = True
+        self.current = self._launch(trainer, pl_module, trainer.global_step)
+        if not self.deferred:
+            return self.current.read()
+        due, self.pending = self.pending, self.current
+        return due.read() if due is not None else None
+
+    def now(self) -> Measurement | None:
+        """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
+        return self.current.read() if self.current is not None else None
+
+    def _launch(self, trainer, pl_module, step: int) -> InFlight:
+        device = pl_module.device
+        # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
+        loss = (
+            torch.stack([loss.detach().float() for loss in self.losses]).sum()
+            if self.losses
+            else torch.zeros((), device=device)
+        )
+        self.losses = []  # they hold the autograd graph; every micro-batch of this step has been seen
+        scaler = loss_scaler(trainer)
+        if scaler is not None and scaler.is_enabled():
+            loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
+        # In the optimizer's parameter order, as clipping sums them.
+        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]] or list(
+            pl_module.parameters()
+        )
+        with_grad = [p for p in params if p.grad is not None]
+        norms = per_tensor_norms([p.grad for p in with_grad]) if with_grad else None
+        norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
+        pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
+        world = trainer.world_size
+        # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
+        # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
+        sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
+        packed = torch.stack([loss, norm.square() if sharded else norm])
+        if world > 1 and torch.distributed.is_initialized():
+            # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
+            # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
+            torch.distributed.all_reduce(packed)
+        if self.deferred:
+            found_inf = (~packed.isfinite().all()).float()
+            for opt in trainer.optimizers:
+                set_found_inf(opt, found_inf)  # the optimizer skips the whole update on the device when it is 1
+        net = getattr(pl_module, "net", pl_module)
+        return InFlight(step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx, sharded)
+
+    def abandon(self) -> None:
+        """The step under way reaches neither the weights nor a later check (rollback, stop)."""
+        if self.pending is self.current:
+            self.pending = None
+        self.current = None
+
+    def take_pending(self) -> Measurement | None:
+        """The measurement still in flight (deferred), read now; None when there is none."""
+        pending, self.pending = self.pending, None
+        return pending.read() if pending is not None else None
+
+    def finish(self, trainer) -> None:
+        for opt in trainer.optimizers:
+            clear_found_inf(opt)
+
+    def state_dict(self) -> dict:
+        """The measurement not yet acted on travels in the checkpoint: a resumed run acts on it as this one would."""
+        return {"pending": self.pending.read().state() if self.pending is not None else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pending = (state or {}).get("pending")
+        if pending:
+            self.pending = Arrived(Measurement.from_state(pending))

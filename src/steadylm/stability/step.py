@@ -1,0 +1,312 @@
+"""`Stability`: the one callback that owns each optimizer step's stability checks.
+
+One optimizer step, as Lightning runs it:
+
+- `on_train_batch_start` (each micro-batch): the batch is kept for the measurement; stats arm their hooks on
+  a stats step; every N steps `Recovery` starts a snapshot;
+- forward, loss, backward (`LMModule`); each micro-batch's loss reaches `on_before_backward`;
+- `on_before_optimizer_step` -> `step` (read it: the whole order is there);
+- `LMModule.on_before_optimizer_step`: every group's LR from the applied steps and the LR scale; clipping; the update;
+- `on_train_batch_end`: the stats of the update; before a checkpoint, the measurement in flight is acted on.
+
+The checks (`guard`, `spike`, `loss_scale`, `stats`, `recovery`) are plain classes with their own state; they
+return `Verdict`s and this class applies them, so escalation, the rollback budget and the stop live here.
+Every decision comes from the one all-reduced measurement, so every rank applies the same verdicts: no rank
+ever raises or stops alone.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from steadylm.checkpointing import STABILITY_STATE_KEY
+from steadylm.compat import every_n_train_steps
+from steadylm.logging_steps import will_log, write_metrics
+from steadylm.stability.events import KINDS, emit
+from steadylm.stability.forensics import name_culprit, write_bundle
+from steadylm.stability.guard import NonFiniteGuard
+from steadylm.stability.loss_scale import LossScaleMonitor
+from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
+from steadylm.stability.recovery import Recovery, restore_weights_and_optimizer
+from steadylm.stability.rollback import checkpoint_dir
+from steadylm.stability.spike import SpikeDetector
+from steadylm.stability.stats import GradParamStats
+from steadylm.stability.suspects import batch_window_ids, spike_suspects
+from steadylm.stability.verdict import OK, Verdict
+
+NONFINITE = ("nonfinite_loss", "nonfinite_grad")
+
+
+def checkpoint_due(trainer) -> bool:
+    """A ModelCheckpoint saves at this batch end (Lightning's `every_n_train_steps` rule)."""
+    step = trainer.global_step
+    return any((n := every_n_train_steps(cb)) and step % n == 0 for cb in trainer.checkpoint_callbacks)
+
+
+def _part(cls, settings):
+    """A check built from its config node, or None when the node is null (the check is removed)."""
+    if settings is None:
+        return None
+    return cls(**(OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else settings))
+
+
+class Stability(L.Callback):
+    """`callbacks.stability`: each part is tunable (`callbacks.stability.spike.sigma=5`) or removable
+    (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
+
+    def __init__(self, guard=None, spike=None, stats=None, loss_scale=None, recovery=None, defer: bool = True):
+        self.guard = _part(NonFiniteGuard, guard)
+        self.spike = _part(SpikeDetector, spike)
+        self.stats = _part(GradParamStats, stats)
+        self.loss_scale = _part(LossScaleMonitor, loss_scale)
+        self.recovery = _part(Recovery, recovery if recovery is not None else {"every_n_steps": 0})
+        self.measure = StepMeasure(defer=bool(defer) and not (self.spike and self.spike.acts_before_update))
+        self.stopped = False
+        self.in_step = False  # inside `step`: the step under way has not reached the weights
+        self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
+        self._culprit: tuple[str | None, str] = (None, "")  # the module named at the start of a non-finite streak
+        self._log: dict[str, float] | None = None  # this logging step's optimizer metrics, written at batch end
+
+    @property
+    def state_key(self) -> str:
+        return STABILITY_STATE_KEY
+
+    # -- Lightning's hooks ------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.measure.add_batch(batch, batch_idx)
+        if self.stats is not None:
+            self.stats.arm(trainer.global_step, pl_module)
+        spike_window = {"spike": self.spike.window_state()} if self.spike is not None else {}
+        self.recovery.maybe_snapshot(trainer, pl_module, spike_window)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.measure.add_loss(loss)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.in_step = True
+        try:
+            self.step(trainer, pl_module, optimizer)
+        finally:
+            self.in_step = False
+
+    def step(self, trainer, pl_module, optimizer) -> None:
+        """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
+        step = trainer.global_step
+        m = self.measure.take(trainer, pl_module)  # 1. the one measurement (deferred: the previous step's)
+        if self.recovery.in_skip_window(step):  # the data window skipped after a repeated rollback
+            self.skip(trainer, pl_module, step)
+        if m is not None:
+            self.judge(trainer, pl_module, optimizer, m)  # 2-6. the checks' verdicts, applied
+        if self.stopped:
+            return
+        if self.stats is not None:
+            self.stats.before_update(step, pl_module)  # 7. stats: grads and weights before the update
+        if will_log(trainer):
+            self._log = self._optimizer_metrics(trainer, pl_module)
+
+    def judge(self, trainer, pl_module, optimizer, m: Measurement) -> None:
+        """Every check's verdict on `m`, in a fixed order; then the snapshot of `m.step` is confirmed or dropped,
+        and the verdicts are applied in the same order (a rollback or a stop ends the list)."""
+        scaler = loss_scaler(trainer)
+        verdicts = [
+            self.guard.check(m, scaler=scaler is not None) if self.guard else OK,  # 2. non-finite: skip; a streak
+            self.spike.check(m, trainer.world_size) if self.spike else OK,  # 3. loss spike: persisting -> rollback
+            self.loss_scale.check(m, scaler.get_scale() if scaler else None) if self.loss_scale else OK,  # 4. fp16
+        ]
+        self.recovery.confirm(m, suspect=any(v.suspect for v in verdicts))  # 5. known-good snapshot, or dropped
+        for v in verdicts:  # 6. act
+            if v.action != "ok" and not self.stopped:
+                self.apply(trainer, pl_module, optimizer, m, v)
+
+    # -- applying verdicts ------------------------------------------------------------------------------------
+    def apply(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict) -> None:
+        detail = dict(v.detail)
+        if v.kind in NONFINITE:
+            if v.context.get("first"):
+                module, evidence, _ = name_culprit(trainer, pl_module, m)  # every rank: one object all-gather
+                self._culprit = (module, evidence)
+            detail.update(module=self._culprit[0], evidence=self._culprit[1], batch=self._windows(trainer, m))
+        episode = v.context.get("episode")
+        if episode is not None:
+            detail["batch"] = [batch_window_ids(trainer, i) for i in episode["batch_idx"]]
+        if v.action == "skip":
+            self.skip(trainer, pl_module, m.step)
+        elif v.action == "log" and v.context.get("rank"):  # a one-off spike: rank its samples on the good weights
+            snap = self.recovery.newest_good(before=v.onset)
+            detail.update(spike_suspects(trainer, pl_module, episode, snap, snap.step if snap else None))
+        elif v.action == "rollback":
+            self.rollback(trainer, pl_module, optimizer, m, v, detail)
+            return
+        elif v.action == "stop":
+            self.stop(trainer, pl_module, m.step, v, detail, m=m)
+            return
+        if v.kind is not None:
+            emit(trainer, v.onset if v.onset is not None else m.step, v.kind, v.action, detail)
+
+    def skip(self, trainer, pl_module, step: int) -> None:
+        """Step `step` does not count: its update never reaches the weights and the LR does not advance.
+
+        Decided at the step itself: no grads, so the optimizer leaves weights, moments, step count and decay
+        alone. Decided a step late (deferred): the device already skipped it; only the count is left to do.
+        """
+        if step == self._skipped_at:
+            return
+        self._skipped_at = step
+        pl_module.skipped_steps += 1
+        if self.in_step and step == trainer.global_step:
+            self._drop_grads(pl_module)
+
+    def rollback(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict, detail: dict) -> None:
+        restored = self.recovery.rollback(trainer, pl_module, optimizer, v.onset) if optimizer is not None else None
+        if restored is None:
+            self.stop(trainer, pl_module, m.step, v, detail, why=self.recovery.why_not(), m=m)
+            return
+        if self.in_step:  # the step under way was computed on the abandoned weights
+            self._drop_grads(pl_module)
+            self.measure.abandon()
+        pl_module.skipped_steps = trainer.global_step + self.in_step - restored.pop("applied")
+        windows = restored.pop("detectors")
+        if self.spike is not None and "spike" in windows:
+            self.spike.load_window_state(windows["spike"])
+        if self.guard is not None:
+            self.guard.rolled_back()
+        if "lr_backoff" in restored:
+            pl_module.lr_scale *= restored["lr_backoff"]
+            restored["lr_scale"] = pl_module.lr_scale
+        episode = v.context.get("episode")
+        if episode is not None:  # a persisting spike: re-run its onset batch on the restored weights
+            evidence = spike_suspects(trainer, pl_module, episode, None, restored["to_step"])
+            cause, why = SpikeDetector.cause(episode, evidence.get("batch_loss_on_good_weights"), restored["to_step"])
+            detail.update(cause=cause, evidence=why, **evidence)
+        emit(trainer, v.onset if episode is not None else m.step, v.kind, "rollback", detail)
+        restored.update(cause=v.kind, onset=v.onset, module=detail.get("module"))
+        emit(trainer, m.step, "rollback", "rollback", restored)
+
+    def stop(self, trainer, pl_module, step: int, v: Verdict, detail: dict, why=None, m=None) -> None:
+        """Stop every rank together (all reach it from the same reduced values), keeping the last good state.
+
+        `why`: what made the verdict's own remedy impossible; `m`: the measurement behind it (for the forensics).
+        """
+        self.stopped = True
+        if self.in_step:
+            self._drop_grads(pl_module)
+            self.measure.abandon()
+        reason = f"{v.reason}; {why}" if why else v.reason
+        extra = {}
+        if v.kind in NONFINITE and m is not None:
+            extra = self._forensics(trainer, pl_module, m, v, detail)
+        if v.kind in KINDS:
+            emit(trainer, v.onset if v.kind == "loss_spike" else step, v.kind, "stop", detail)
+        saved = self._save_last_good(trainer, pl_module)
+        emit(trainer, step, "stop", "stop", {**v.detail, **extra, "kind": v.kind, "reason": reason, **saved})
+        trainer.should_stop = True
+
+    def _forensics(self, trainer, pl_module, m: Measurement, v: Verdict, detail: dict) -> dict:
+        """The bundle of a non-finite stop (`stability/forensics/step_N.json`); what the stop event says of it."""
+        module, evidence, report = name_culprit(trainer, pl_module, m)
+        first = self._culprit[0]
+        bundle = {
+            "step": m.step,
+            "streak_start": v.onset,
+            "kind": v.kind,
+            "module": module or first,
+            "evidence": evidence,
+            "first_module": first,
+            "batch": detail.get("batch"),
+            "rank": trainer.global_rank,
+            **report,
+        }
+        path = write_bundle(trainer, m.step, bundle)
+        return {
+            "module": first or module,
+            "consecutive": detail.get("consecutive"),
+            "forensics": str(path) if path else None,
+        }
+
+    def _save_last_good(self, trainer, pl_module) -> dict:
+        """`diverged.ckpt` (the state now) beside `last_good.ckpt` (the newest known-good snapshot); the run ends
+        on the good weights. Every rank calls it: saving is collective."""
+        folder = checkpoint_dir(trainer)
+        out = {}
+        try:
+            trainer.save_checkpoint(folder / "diverged.ckpt")
+            out["broken_checkpoint"] = str(folder / "diverged.ckpt")
+            snap = self.recovery.newest_good()
+            if snap is not None:
+                restore_weights_and_optimizer(trainer, pl_module, snap)
+                # The LR of a resume from it continues where those weights left off.
+                pl_module.skipped_steps = trainer.global_step - snap.applied
+                trainer.save_checkpoint(folder / "last_good.ckpt")
+                out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
+        except Exception as err:  # the stop itself must happen even when the disk is full
+            out["checkpoint_error"] = f"{type(err).__name__}: {err}"
+        return out
+
+    # -- the rest of the step's life --------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.stats is not None:
+            metrics, alarms = self.stats.after_update(trainer.global_step, pl_module)
+            if metrics:
+                write_metrics(trainer, metrics)
+            for v in alarms:
+                emit(trainer, v.onset, v.kind, v.action, v.detail)
+        if self._log is not None:
+            write_metrics(trainer, {**self._log, "optim/skipped_steps": float(pl_module.skipped_steps)})
+            self._log = None
+        # A checkpoint must hold weights and counts the checks have seen: a rollback in a streak needs the last
+        # good file, which a save of NaN weights would replace. On save steps only: a host read each.
+        if self.measure.deferred and checkpoint_due(trainer):
+            self.settle(trainer, pl_module, trainer.optimizers[0])
+
+    def settle(self, trainer, pl_module, optimizer=None) -> None:
+        """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""
+        m = self.measure.take_pending()
+        if m is not None and not self.stopped:
+            self.judge(trainer, pl_module, optimizer, m)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.settle(trainer, pl_module)
+        if self.spike is not None and not self.stopped:
+            v = self.spike.finish()  # ended inside a spike episode: report it
+            if v.kind is not None:
+                emit(trainer, v.onset, v.kind, v.action, {**v.detail, "batch": []})
+        final = self.recovery.final_verdict() if not self.stopped else None
+        if final is not None:
+            self.stop(trainer, pl_module, trainer.global_step, final, {})
+        self.measure.finish(trainer)
+
+    def _optimizer_metrics(self, trainer, pl_module) -> dict[str, float]:
+        """A logging step's optimizer numbers (deferred: this step's value, the one host read of the step)."""
+        metrics = {}
+        m = self.measure.now()
+        if m is not None and not pl_module.clips_by_norm(trainer):  # else the module writes optim/grad_norm
+            metrics["optim/grad_norm"] = m.grad_norm
+        if self.spike is not None and self.spike.grad_spikes:
+            metrics["stability/grad_spikes"] = float(self.spike.grad_spikes)
+        scaler = loss_scaler(trainer)
+        if scaler is not None:
+            metrics["optim/loss_scale"] = scaler.get_scale()
+        return metrics
+
+    @staticmethod
+    def _windows(trainer, m: Measurement) -> list[list[int]]:
+        return [batch_window_ids(trainer, i) for i in m.batch_idx]
+
+    @staticmethod
+    def _drop_grads(pl_module) -> None:
+        for p in pl_module.parameters():
+            p.grad = None
+
+    # -- resume -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        parts = {"guard": self.guard, "spike": self.spike, "loss_scale": self.loss_scale, "recovery": self.recovery}
+        state = {name: part.state_dict() for name, part in parts.items() if part is not None}
+        return {**state, "measure": self.measure.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.measure.load_state_dict(state.get("measure"))
+        for name in ("guard", "spike", "loss_scale", "recovery"):
+            part = getattr(self, name)
+            if part is not None and name in state:
+                part.load_state_dict(state[name])
