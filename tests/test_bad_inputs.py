@@ -243,6 +243,14 @@ VALUE_CASES = {
     ),
     "accumulate_0": (["trainer.accumulate_grad_batches=0"], r"trainer\.accumulate_grad_batches=0 is not allowed"),
     "devices_0": (["trainer.devices=0"], r"trainer\.devices=0 is not allowed"),
+    "devices_text": (
+        ["trainer.devices=two"],
+        r"trainer\.devices='two' is not allowed; it must be auto, -1, a whole number > 0, or a list of distinct",
+    ),
+    "device_ids_on_a_cpu": (
+        ["trainer.devices=[0,1]"],
+        r"trainer\.devices=\[0, 1\] picks GPUs .* on the CPU, which takes a number of processes; set trainer\.devices=2",
+    ),
     "betas": (
         ["optim.betas=[0.9,1.5]"],
         r"optim\.betas=\[0\.9, 1\.5\] is not allowed; it must be two numbers in \[0, 1\)",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from steadylm.config import compose
 from steadylm.data.shards import write_shard
+from steadylm.devices import Devices
 from steadylm.doctor import run_checks
 from steadylm.doctor.check import FAIL, OK, WARN, guarded
 from steadylm.doctor.config_checks import check_schedule, config_checks
@@ -208,11 +209,11 @@ def test_memory_estimate_counts_adamw_states_per_param(tmp_path):
     cfg = compose(
         ["model=small", "trainer=cpu", "trainer.precision=32-true", "data.batch_size=8", f"paths.output_dir={tmp_path}"]
     )
-    parts = plan(cfg, "32-true", on_gpu=False, n_params=124_000_000).parts
+    parts = plan(cfg, "32-true", Devices("cpu", 1, 1), n_params=124_000_000).parts
     assert parts["weights+grads+adamw"] == 16 * 124_000_000  # fp32 weight, grad, exp_avg, exp_avg_sq
     assert parts["logits"] == 8 * 1024 * 50304 * (4 + 8)  # 32-true on CPU: logits + fp32 loss copy + grad
     assert parts["activations"] == 8 * 1024 * 12 * 34 * 768 * 2
-    bf16 = plan(cfg, "bf16-mixed", on_gpu=False, n_params=124_000_000).parts
+    bf16 = plan(cfg, "bf16-mixed", Devices("cpu", 1, 1), n_params=124_000_000).parts
     assert bf16["activations"] == parts["activations"] // 2 and bf16["logits"] == 8 * 1024 * 50304 * (2 + 8)
     assert count_params(cfg.model) == sum(
         p.numel() for p in LMModule(model=cfg.model, optim=cfg.optim).net.parameters()

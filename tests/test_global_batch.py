@@ -6,7 +6,7 @@ import pytest
 
 from steadylm.config import compose
 from steadylm.errors import ConfigError
-from steadylm.global_batch import apply_global_batch, expected_world_size
+from steadylm.global_batch import apply_global_batch
 
 
 @pytest.mark.parametrize("world,accum", [(1, 32), (2, 16), (8, 4), (32, 1)])
@@ -47,20 +47,6 @@ def test_null_leaves_accumulation_alone():
     cfg = compose(["trainer.accumulate_grad_batches=3"])
     apply_global_batch(cfg, 4)
     assert cfg.data.global_batch_tokens is None and cfg.trainer.accumulate_grad_batches == 3
-
-
-@pytest.mark.parametrize(
-    "overrides,world",
-    [
-        (["trainer=cpu"], 1),
-        (["trainer=cpu", "trainer.devices=2"], 2),
-        (["trainer=cpu", "trainer.devices=2", "trainer.num_nodes=3"], 6),
-        (["trainer.accelerator=cpu", "trainer.devices='0,1,2'"], 3),
-        (["trainer.accelerator=cpu", "trainer.devices=[0,1]"], 2),
-    ],
-)
-def test_expected_world_size(overrides, world):
-    assert expected_world_size(compose(overrides)) == world
 
 
 def test_train_build_derives_the_accumulation(make_cfg):

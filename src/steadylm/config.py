@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from steadylm.compat import config_child
+from steadylm.devices import ACCELERATORS, ALLOWED_DEVICES, parse_devices
 from steadylm.errors import ConfigError
 
 # `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
@@ -62,7 +63,6 @@ def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
 
 
 PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
 def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
@@ -111,7 +111,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
             t.get("gradient_clip_algorithm") in ("norm", "value", None),
             "norm or value",
         ),
-        ("trainer.devices", t.devices, _devices_ok(t.devices), "auto, -1, a whole number > 0, or a list of device ids"),
+        ("trainer.devices", t.devices, parse_devices(t.devices) is not None, ALLOWED_DEVICES),
         ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
@@ -140,14 +140,6 @@ def _int(v: Any) -> bool:
 def _num(v: Any) -> float:
     """The value as a float, or NaN (which fails every comparison) when it is not a number."""
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
-
-
-def _devices_ok(v: Any) -> bool:
-    if OmegaConf.is_list(v) or isinstance(v, (list, tuple)):
-        return len(v) > 0 and all(_int(i) and i >= 0 for i in v)
-    if isinstance(v, str):
-        return v == "auto" or v.strip().lstrip("-").isdigit() and _devices_ok(int(v)) or "," in v
-    return _int(v) and (v > 0 or v == -1)
 
 
 def validate_config(cfg: DictConfig) -> None:

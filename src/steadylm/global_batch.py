@@ -21,21 +21,6 @@ log = logging.getLogger("steadylm")
 KEY = "trainer.accumulate_grad_batches"
 
 
-def expected_world_size(cfg: DictConfig) -> int:
-    """Processes the Trainer will start: devices × nodes, with `auto`/-1 read as Lightning reads them."""
-    t = cfg.trainer
-    devices, accelerator = t.get("devices", "auto"), str(t.get("accelerator", "auto"))
-    if isinstance(devices, str) and devices not in ("auto", "-1"):
-        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
-    if devices in ("auto", -1, "-1"):
-        import torch
-
-        on_gpu = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-        devices = torch.cuda.device_count() if on_gpu else 1
-    n = len(devices) if not isinstance(devices, int) else devices
-    return max(1, int(n)) * int(t.get("num_nodes", 1) or 1)
-
-
 def _set_on_command_line(key: str) -> bool:
     try:
         from hydra.core.hydra_config import HydraConfig

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from steadylm.devices import Devices
 from steadylm.errors import ConfigError
 
 ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weight, fp32 grad, two fp32 Adam moments
@@ -66,13 +67,6 @@ def activation_bytes(precision: str) -> int:
     return 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2
 
 
-def processes_on_this_machine(cfg: DictConfig) -> int:
-    from steadylm.preflight import requested_devices
-
-    n = requested_devices(cfg.trainer.devices)
-    return n if n else 1
-
-
 def ram_available() -> int | None:
     """MemAvailable (what new processes can get without swapping), else total physical memory."""
     try:
@@ -88,11 +82,10 @@ def ram_available() -> int | None:
         return None
 
 
-def plan(cfg: DictConfig, precision: str, on_gpu: bool, n_params: int | None = None) -> MemoryPlan:
+def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
     m = cfg.model
     n_params = count_params(m) if n_params is None else n_params
-    processes = processes_on_this_machine(cfg)
-    shards = processes if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
+    shards = devices.world_size if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
     elem = activation_bytes(precision)
     tokens = int(cfg.data.batch_size) * int(m.context_length)
     parts = {
@@ -100,19 +93,19 @@ def plan(cfg: DictConfig, precision: str, on_gpu: bool, n_params: int | None = N
         "activations": tokens * int(m.n_layer) * 34 * int(m.d_model) * elem // 2,
         "logits": tokens * int(m.vocab_size) * (elem + 8),
     }
-    if on_gpu:
+    if devices.on_cuda:
         available, where = (
             torch.cuda.get_device_properties(0).total_memory,
             f"GPU memory on {torch.cuda.get_device_name(0)}",
         )
     else:
         available, where = ram_available(), "RAM available"
-    return MemoryPlan(parts, processes, available, where)
+    return MemoryPlan(parts, devices.per_node, available, where)
 
 
-def check_fits(cfg: DictConfig, precision: str, on_gpu: bool, n_params: int | None = None) -> MemoryPlan:
+def check_fits(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
     """Raise ConfigError, with the estimate, what is there and what to change, when the run cannot fit."""
-    p = plan(cfg, precision, on_gpu, n_params)
+    p = plan(cfg, precision, devices, n_params)
     if not p.fits:
         raise ConfigError(
             f"this run does not fit: {p.describe()}; lower data.batch_size (and raise trainer.accumulate_grad_batches "

@@ -17,8 +17,9 @@ AUTO_PRECISION_ENV = "STEADYLM_AUTO_PRECISION"
 LEGACY = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 
-def resolve_precision(precision: Any, accelerator: Any = "auto") -> str:
-    """`auto`: bf16-mixed where the hardware has bf16 units, else fp32.
+def resolve_precision(precision: Any, accelerator: str) -> str:
+    """`auto`: bf16-mixed where the hardware has bf16 units, else fp32. `accelerator` is the resolved one
+    (`steadylm.devices.Devices.accelerator`: cpu, cuda or mps).
 
     On a CPU without native bf16 (no AVX512-BF16/AMX) autocast emulates it and runs ~10x slower
     (`make bench`), so it is only chosen where oneDNN reports support. `STEADYLM_AUTO_PRECISION`
@@ -29,6 +30,6 @@ def resolve_precision(precision: Any, accelerator: Any = "auto") -> str:
         return LEGACY.get(precision, precision)
     if os.environ.get(AUTO_PRECISION_ENV):
         return os.environ[AUTO_PRECISION_ENV]
-    if str(accelerator) != "cpu" and torch.cuda.is_available():
+    if accelerator == "cuda":
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
     return "bf16-mixed" if cpu_has_bf16() else "32-true"

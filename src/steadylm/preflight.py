@@ -16,62 +16,33 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from steadylm.devices import Devices, devices_of
 from steadylm.errors import ConfigError
 from steadylm.memory import check_fits
 from steadylm.precision import resolve_precision
 
-GPU_ACCELERATORS = ("gpu", "cuda")
 
-
-def requested_devices(devices) -> int | None:
-    """How many devices `trainer.devices` asks for, or None when Lightning picks (`auto`, -1)."""
-    if isinstance(devices, int) or (isinstance(devices, str) and devices.strip().isdigit()):
-        n = int(devices)
-        return None if n == -1 else n
-    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
-        return len(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    return None
-
-
-def uses_gpu(cfg: DictConfig) -> bool:
-    return str(cfg.trainer.accelerator) in ("auto", *GPU_ACCELERATORS) and torch.cuda.is_available()
-
-
-def check_devices(cfg: DictConfig) -> None:
-    """More devices than GPUs is refused, unless the user chose the CPU on purpose (`trainer.accelerator=cpu`):
-    with `auto`, Lightning would quietly start that many CPU processes instead."""
-    accelerator = str(cfg.trainer.accelerator)
-    if accelerator == "cpu":
-        return
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    wanted = requested_devices(cfg.trainer.devices)
-    if accelerator in GPU_ACCELERATORS and available == 0:
+def check_devices(cfg: DictConfig, devices: Devices) -> None:
+    """More devices than GPUs is refused unless the user chose the CPU on purpose (`trainer.accelerator=cpu`):
+    with `auto` on a machine without a GPU, Lightning would quietly start that many CPU processes instead."""
+    if str(cfg.trainer.accelerator) == "auto" and devices.accelerator == "cpu" and devices.per_node > 1:
+        n = devices.per_node
         raise ConfigError(
-            f"trainer.accelerator={accelerator} but no CUDA GPU is visible on this machine; "
-            "use trainer=cpu (or trainer.accelerator=auto)"
-        )
-    if wanted is not None and wanted > max(available, 1):
-        raise ConfigError(
-            f"trainer.devices={cfg.trainer.devices} asks for {wanted} GPUs but {available} "
-            f"{'is' if available == 1 else 'are'} visible on this machine; set trainer.devices={max(available, 1)} "
-            f"or fewer, or trainer.accelerator=cpu to run {wanted} CPU processes on purpose"
+            f"trainer.devices={cfg.trainer.devices} asks for {n} GPUs but 0 are visible on this machine; "
+            f"set trainer.devices=1, or trainer.accelerator=cpu to run {n} CPU processes on purpose"
         )
 
 
-def check_precision_supported(cfg: DictConfig) -> None:
+def check_precision_supported(cfg: DictConfig, devices: Devices) -> None:
     """fp16 with a loss scaler runs on CUDA only: on a CPU Lightning would quietly train in bf16 instead."""
-    precision, accelerator = str(cfg.trainer.precision), str(cfg.trainer.accelerator)
-    on_cuda = accelerator in ("auto", *GPU_ACCELERATORS) and torch.cuda.is_available()
-    if precision in ("16-mixed", "16") and not on_cuda:
+    precision = str(cfg.trainer.precision)
+    if precision in ("16-mixed", "16") and not devices.on_cuda:
         raise ConfigError(
             f"trainer.precision={precision} (fp16 with a loss scaler) needs a CUDA GPU and none is in use here "
-            f"(trainer.accelerator={accelerator}); use trainer.precision=bf16-mixed or 32-true"
+            f"(trainer.accelerator={cfg.trainer.accelerator}); use trainer.precision=bf16-mixed or 32-true"
         )
 
 
@@ -87,9 +58,10 @@ def check_writable(folder: Path, key: str) -> None:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    check_devices(cfg)
-    check_precision_supported(cfg)
-    check_fits(cfg, str(resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)), uses_gpu(cfg))
+    devices = devices_of(cfg)
+    check_devices(cfg, devices)
+    check_precision_supported(cfg, devices)
+    check_fits(cfg, resolve_precision(cfg.trainer.precision, devices.accelerator), devices)
     check_writable(Path(cfg.paths.output_dir), "paths.output_dir")
 
 

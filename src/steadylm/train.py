@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
+from steadylm.devices import devices_of
 from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import SteadyError, exit_with
-from steadylm.global_batch import apply_global_batch, expected_world_size
+from steadylm.global_batch import apply_global_batch
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
 from steadylm.preflight import check_environment, hydra_errors_as_messages
@@ -57,7 +58,7 @@ def val_bytes_per_token(datamodule) -> float | None:
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
-    apply_global_batch(cfg, expected_world_size(cfg))  # data.global_batch_tokens -> accumulate_grad_batches
+    apply_global_batch(cfg, devices_of(cfg).world_size)  # data.global_batch_tokens -> accumulate_grad_batches
     check_environment(cfg)
     enable_fast_matmul()
     L.seed_everything(cfg.seed, workers=True)
@@ -84,7 +85,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         cfg.trainer,
         callbacks=callbacks,
         logger=instantiate_named(cfg.get("logger")) or False,
-        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+        precision=resolve_precision(cfg.trainer.precision, devices_of(cfg).accelerator),
     )
     return trainer
 

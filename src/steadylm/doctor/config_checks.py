@@ -8,9 +8,9 @@ import torch
 from omegaconf import DictConfig
 
 from steadylm.config import context_length_copies, validate_config
+from steadylm.devices import devices_of
 from steadylm.doctor.check import FAIL, OK, WARN, Check, guarded
 from steadylm.precision import resolve_precision
-from steadylm.preflight import uses_gpu
 from steadylm.schedule import lr_at
 
 
@@ -58,12 +58,12 @@ def check_clipping(cfg: DictConfig) -> list[Check]:
 
 def precision_of(cfg: DictConfig) -> str:
     """The precision the Trainer will run, in Lightning's "<dtype>-<mode>" spelling."""
-    return resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    return resolve_precision(cfg.trainer.precision, devices_of(cfg).accelerator)
 
 
 def check_precision(cfg: DictConfig) -> list[Check]:
     name = "config: precision"
-    raw, p, gpu = str(cfg.trainer.precision), precision_of(cfg), uses_gpu(cfg)
+    raw, p, gpu = str(cfg.trainer.precision), precision_of(cfg), devices_of(cfg).on_cuda
     where = torch.cuda.get_device_name(0) if gpu else "CPU"
     key = f"trainer.precision={raw}" + (f" (-> {p})" if p != raw else "")
     if p == "16-true":

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from steadylm.data.shards import read_shard_info
+from steadylm.devices import devices_of
 from steadylm.doctor.check import OK, WARN, Check, from_error, guarded
 
 SPLITS = ("train", "val")
@@ -64,7 +65,7 @@ def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, 
         )
     ]
     t = cfg.trainer
-    ranks = (int(t.devices) if str(t.devices).isdigit() else 1) * int(t.get("num_nodes", 1))
+    ranks = devices_of(cfg).world_size
     per_step = dm.batch_size * int(t.get("accumulate_grad_batches", 1)) * ranks
     epochs = int(t.max_steps) * per_step / len(dm.train_set)
     evidence = (

@@ -13,11 +13,11 @@ import math
 import torch
 from omegaconf import DictConfig
 
+from steadylm.devices import devices_of
 from steadylm.doctor.check import FAIL, OK, Check, guarded
 from steadylm.doctor.config_checks import precision_of
 from steadylm.memory import plan
 from steadylm.module import LMModule
-from steadylm.preflight import uses_gpu
 
 LEAK_TOL = 1e-4  # fp32 logits of the past may move by rounding only
 INIT_LOSS_TOL = 1.0  # nats away from ln(vocab)
@@ -174,7 +174,7 @@ def check_activations(net: torch.nn.Module, x: torch.Tensor) -> list[Check]:
 
 def check_memory(cfg: DictConfig, n_params: int) -> list[Check]:
     """The same estimate and verdict `train.py` refuses a run on (`steadylm.memory`)."""
-    p = plan(cfg, precision_of(cfg), uses_gpu(cfg), n_params)
+    p = plan(cfg, precision_of(cfg), devices_of(cfg), n_params)
     evidence = f"{n_params / 1e6:.2f}M params; {p.describe()} at data.batch_size={cfg.data.batch_size}"
     if not p.fits:
         return [

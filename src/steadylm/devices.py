@@ -1,0 +1,106 @@
+"""How many processes a run starts, and on what: `trainer.accelerator` and `trainer.devices`, read once.
+
+The Trainer resolves these only when it is built, but the global batch, the memory estimate, the precision,
+the preflight refusals and `doctor` need the answer before that, and must all get the same one. So it is
+resolved here, by Lightning's rules (`_AcceleratorConnector`, `parse_devices`, `auto_device_count`):
+
+- accelerator `auto` is mps where Apple's GPU is usable, else cuda where a CUDA GPU is visible, else cpu;
+  `gpu` is mps, else cuda, else an error; `cpu`, `cuda`, `mps` are what they say.
+- devices `auto` is every visible CUDA GPU (one in an interactive session), and 1 on a CPU or MPS; `-1` is
+  every visible GPU; `N` (or `"N"`) is N; a list or `"0,1"` names GPU ids. A CPU takes only a number of
+  processes, and a GPU run only devices that are visible: Lightning refuses the rest, so they are refused here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from steadylm.errors import ConfigError
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+ALLOWED_DEVICES = "auto, -1, a whole number > 0, or a list of distinct device ids"
+
+
+@dataclass(frozen=True)
+class Devices:
+    accelerator: str  # what the Trainer runs on: "cpu", "cuda" or "mps"
+    per_node: int  # processes on each machine, one per device
+    num_nodes: int
+
+    @property
+    def world_size(self) -> int:
+        return self.per_node * self.num_nodes
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.accelerator == "cuda"
+
+
+def parse_devices(value: Any) -> str | int | list[int] | None:
+    """`trainer.devices` as "auto", -1, a count > 0, or a list of distinct GPU ids; None when it is none of those."""
+    if OmegaConf.is_list(value) or isinstance(value, (list, tuple)):
+        ids = list(value)
+        ok = ids and all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids)
+        return ids if ok else None
+    if isinstance(value, str):
+        value = value.strip()
+        if value == "auto":
+            return value
+        if "," in value:
+            parts = [p.strip() for p in value.split(",") if p.strip()]
+            return parse_devices([int(p) for p in parts]) if all(p.isdigit() for p in parts) else None
+        value = int(value) if value.lstrip("-").isdigit() else None
+    return value if type(value) is int and (value > 0 or value == -1) else None
+
+
+def resolve(trainer: DictConfig, cuda_devices: int, mps: bool, interactive: bool = False) -> Devices:
+    """The Devices a Trainer built from `trainer` would use, on a machine with `cuda_devices` visible CUDA GPUs."""
+    raw, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes", 1) or 1)
+    accelerator, devices = _accelerator(str(trainer.get("accelerator", "auto")), cuda_devices, mps), parse_devices(raw)
+    if devices is None:
+        raise ConfigError(f"trainer.devices={raw!r} is not allowed; it must be {ALLOWED_DEVICES}")
+    if accelerator == "cpu":
+        if isinstance(devices, list) or devices == -1:
+            raise ConfigError(
+                f"trainer.devices={raw} picks GPUs (-1: every GPU; a list: their ids), but this run is on the CPU, "
+                "which takes a number of processes; "
+                f"set trainer.devices={len(devices) if isinstance(devices, list) else 1} (or run on a GPU)"
+            )
+        return Devices("cpu", 1 if devices == "auto" else devices, nodes)
+    visible = cuda_devices if accelerator == "cuda" else 1  # Lightning drives one MPS device
+    if devices == "auto":
+        devices = 1 if interactive or accelerator == "mps" else visible
+    ids = list(range(visible)) if devices == -1 else devices if isinstance(devices, list) else list(range(devices))
+    if not set(ids) <= set(range(visible)):
+        raise ConfigError(
+            f"trainer.devices={raw} asks for {len(ids)} GPUs but {visible} {'is' if visible == 1 else 'are'} "
+            f"visible on this machine; set trainer.devices={visible} or fewer"
+        )
+    return Devices(accelerator, len(ids), nodes)
+
+
+def _accelerator(asked: str, cuda_devices: int, mps: bool) -> str:
+    chosen = {"auto": "mps" if mps else "cuda" if cuda_devices else "cpu", "gpu": "mps" if mps else "cuda"}
+    accelerator = chosen.get(asked, asked)
+    if accelerator not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"trainer.accelerator={asked!r} is not allowed; it must be one of {', '.join(ACCELERATORS)}")
+    if (accelerator == "cuda" and not cuda_devices) or (accelerator == "mps" and not mps):
+        what = "CUDA GPU" if accelerator == "cuda" else "Apple MPS device"
+        raise ConfigError(
+            f"trainer.accelerator={asked} but no {what} is visible on this machine; "
+            "use trainer=cpu (or trainer.accelerator=auto)"
+        )
+    return accelerator
+
+
+def devices_of(cfg: DictConfig) -> Devices:
+    """The Devices this run will use on this machine (ConfigError where Lightning would refuse the settings)."""
+    mps = torch.backends.mps.is_available() and os.environ.get("DISABLE_MPS", "0") != "1"
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return resolve(cfg.trainer, cuda, mps, interactive=hasattr(sys, "ps1") or bool(sys.flags.interactive))

@@ -1,0 +1,149 @@
+"""The import graph of `src/steadylm` has no circle, and no function-level import exists to hide one.
+
+The graph is read with `ast`, not by importing: every `import steadylm.x` and `from steadylm.x import y`
+(relative ones too), wherever it is written. An edge goes to the module named; `from steadylm.a import b`
+goes to the submodule `steadylm.a.b` when there is one (so a package importing its own submodules is
+an edge to each). A function-level import runs the same code, only later, so it is an edge like any
+other; it is legitimate for import-time cost (those are matplotlib/transformers, never steadylm modules),
+not to break a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+from typing import NamedTuple
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+class Import(NamedTuple):
+    source: str
+    target: str
+    line: int
+    lazy: bool  # written inside a function
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((SRC / "steadylm").rglob("*.py"))}
+
+
+def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> list[Import]:
+    package = name if is_package else name.rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                named = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in child.names]
+                targets = list(dict.fromkeys(named))  # `from steadylm.model import GPT, GPTConfig`: one edge
+            found.extend(Import(name, t, child.lineno, lazy) for t in targets if t in known and t != name)
+            visit(child, inner)
+
+    visit(ast.parse(source, filename=name), lazy=False)
+    return found
+
+
+def import_graph() -> list[Import]:
+    mods = modules()
+    return [
+        imp for name, p in mods.items() for imp in imports_of(name, p.read_text(), p.name == "__init__.py", set(mods))
+    ]
+
+
+def shortest_path(edges: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """Modules from `start` to `goal` along `edges` (breadth first), or None when `goal` is unreachable."""
+    previous: dict[str, str | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for t in sorted(edges[node]):
+                if t not in previous:
+                    previous[t] = node
+                    nxt.append(t)
+        frontier = nxt
+    if goal not in previous:
+        return None
+    path = [goal]
+    while previous[path[-1]] is not None:
+        path.append(previous[path[-1]])
+    return path[::-1]
+
+
+def cycles(edges: dict[str, set[str]]) -> list[str]:
+    """One shortest circle through each group of modules that import each other, and the group's members."""
+    seen: set[str] = set()
+    found = []
+    for node in sorted(edges):
+        if node in seen:
+            continue
+        back = [shortest_path(edges, t, node) for t in sorted(edges[node])]
+        back = [p for p in back if p]
+        if back:
+            members = {m for m in edges if shortest_path(edges, node, m) and shortest_path(edges, m, node)}
+            seen |= members
+            found.append(
+                " -> ".join([node, *min(back, key=len)]) + f" (the circle's modules: {', '.join(sorted(members))})"
+            )
+    return found
+
+
+def edges_of(imports: list[Import]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for imp in imports:
+        edges[imp.source].add(imp.target)
+        edges[imp.target]  # every module is a node
+    return edges
+
+
+def test_the_reader_sees_every_kind_of_import():
+    """The graph reader itself: module-level, function-level, relative, and package-to-submodule edges."""
+    graph = import_graph()
+    edges = {(i.source, i.target, i.lazy) for i in graph}
+    assert ("steadylm.train", "steadylm.config", False) in edges  # from steadylm.config import ...
+    assert ("steadylm.model", "steadylm.model.gpt", False) in edges  # a package importing its submodule
+    assert ("steadylm.memory", "steadylm.model", True) in edges  # inside count_params
+    snippet = (
+        "from . import gpt\nfrom .config import GPTConfig\nfrom .. import errors\ndef f():\n    import steadylm.data\n"
+    )
+    found = imports_of("steadylm.model.fake", snippet, False, set(modules()))
+    assert [(i.target, i.lazy) for i in found] == [
+        ("steadylm.model.gpt", False),
+        ("steadylm.model.config", False),
+        ("steadylm.errors", False),
+        ("steadylm.data", True),
+    ]
+
+
+def test_no_import_cycle():
+    found = cycles(edges_of(import_graph()))
+    assert not found, "import cycles in src/steadylm:\n" + "\n".join(found)
+
+
+def test_no_lazy_import_hides_a_cycle():
+    """A function-level steadylm import that, written at module level, would close an import-time circle."""
+    graph = import_graph()
+    eager = edges_of([i for i in graph if not i.lazy])
+    hiding = []
+    for imp in (i for i in graph if i.lazy):
+        back = shortest_path(eager, imp.target, imp.source) if imp.target in eager else None
+        if back:
+            hiding.append(
+                f"{imp.source} line {imp.line} imports {imp.target} lazily: {' -> '.join([imp.source, *back])}"
+            )
+    assert not hiding, "lazy imports that hide a cycle:\n" + "\n".join(hiding)
