@@ -50,7 +50,7 @@ from steadylm.train import build, build_trainer
 
 WARMUP = 3  # steps dropped from each timed run: allocator, optimizer state and autotuning settle there
 CHUNK = 10  # consecutive steps resampled together by the bootstrap: load drifts over seconds
-SUITE = ("guard", "spike", "stats", "loss_scale")  # `callbacks=default` minus these = `callbacks=minimal`
+SUITE = ("stability",)  # `callbacks=default` minus these = `callbacks=minimal`
 Sample = tuple[float, float]  # one step: (wall, process CPU) seconds
 Blocks = list[list[Sample]]  # samples grouped for the bootstrap; a and b share the grouping
 

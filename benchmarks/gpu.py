@@ -2,7 +2,7 @@
 
 Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak table in
 `steadylm.throughput`, which SDPA kernel the attention can use, and how many synchronizing CUDA calls
-each step makes (`torch.cuda.set_sync_debug_mode`): expected 0 on ordinary steps (the stability probe reads
+each step makes (`torch.cuda.set_sync_debug_mode`): expected 0 on ordinary steps (the stability measurement reads
 each step's value one step late), a few on logging steps. Goal on one H200: MFU >= 45%.
 `--compare-defer` runs again with `callbacks.stability.defer=false` and prints the cost of reading at the step itself.
 
@@ -89,7 +89,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--compare-defer", action="store_true", help="also run with the probe read at the step itself")
+    ap.add_argument(
+        "--compare-defer", action="store_true", help="also run with the measurement read at the step itself"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -142,7 +144,7 @@ def main() -> None:
     if args.compare_defer:
         _, same_step, _ = fit_and_time(compose([*overrides, "callbacks.stability.defer=false"]))
         print(
-            f"step time: probe read at the step itself / deferred = {statistics.median(same_step) / statistics.median(times):.3f}"
+            f"step time: measurement read at the step itself / deferred = {statistics.median(same_step) / statistics.median(times):.3f}"
         )
 
 

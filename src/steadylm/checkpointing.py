@@ -314,8 +314,8 @@ class RNGState(L.Callback):
     the resumed DataLoader iterator draws from the torch generator. Validation builds its own iterator,
     which draws one seed from the torch CPU generator; that generator is handed back as it was after
     the last training step, so validation never shifts the training stream and a resume right after a
-    validation matches the uninterrupted run. Only that generator is kept per step (~3 µs; all of
-    them, numpy's especially, cost ~0.13 ms a step).
+    validation matches the uninterrupted run. Only that generator is kept per step (a few µs; all of
+    them, numpy's especially, cost far more).
     """
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """Which training steps the Trainer writes logs on, and a cheap way to write many scalars on them.
 
 Per-step scalars reach the logger only every `trainer.log_every_n_steps`; calling `self.log` on other
-steps is Python time on the hot path for values nobody sees. And `self.log` costs ~1-2 ms per metric
+steps is Python time on the hot path for values nobody sees. And `self.log` costs milliseconds per metric
 (validation, tensor wrapping, reduction bookkeeping), so every scalar that only a logger reads (lr, grad
 norm, skips, throughput, the per-block stability stats: 60+ for a 12-layer model) goes straight to the
 loggers at the step number Lightning itself uses. Only `train/loss` and `val/loss` use `self.log`: the

@@ -64,7 +64,7 @@ class LMModule(L.LightningModule):
         # the LR counts only applied steps. `lr_scale` multiplies the schedule (a repeated rollback lowers it).
         self.skipped_steps = 0
         self.lr_scale = 1.0
-        # This step's total grad norm, when the stability probe has already computed it (before clipping).
+        # This step's total grad norm, when the stability measurement has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class LMModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip here, not through the precision plugin: Lightning's mixed-precision plugin refuses any clipping
         next to a fused optimizer, even under bf16 where nothing is scaled. Under fp16 the gradients are already
-        unscaled when this runs. The pre-clip norm is the probe's when the stability suite measured it (one pass
+        unscaled when this runs. The pre-clip norm is the stability measurement's when the suite took it (one pass
         over the gradients fewer), else computed here, and logged either way."""
         norm, self.pre_clip_grad_norm = self.pre_clip_grad_norm, None
         if not gradient_clip_val:

@@ -5,7 +5,7 @@ is `T+1` contiguous tokens of one file. Files are opened lazily in whichever pro
 them (handles keyed by pid) and are never pickled: a DataLoader worker always opens its own.
 Index -1 is padding (from `EpochBatchSampler`): x = zeros, y = -100 (ignored by the loss).
 
-Every window is checked as it is read (one `max()` over T+1 ids, ~1 µs beside the ~30 µs read): an id
+Every window is checked as it is read (one `max()` over T+1 ids, small beside the read): an id
 the model cannot embed, a short read from a truncated file, or an unreadable chunk is a `ShardReadError`
 naming the file and token offset, never a CUDA index error many steps later.
 """

@@ -100,14 +100,14 @@ class Stability(L.Callback):
             self.judge(trainer, pl_module, optimizer, m)  # 2-6. the checks' verdicts, applied
         if self.stopped:
             return
-        if self.stats is not None:
-            self.stats.before_update(step, pl_module)  # 7. stats: grads and weights before the update
+        if self.stats is not None:  # 7. stats: the grads and weights this update starts from (after any rollback)
+            self.stats.before_update(step, pl_module)
         if will_log(trainer):
             self._log = self._optimizer_metrics(trainer, pl_module)
 
     def judge(self, trainer, pl_module, optimizer, m: Measurement) -> None:
         """Every check's verdict on `m`, in a fixed order; then the snapshot of `m.step` is confirmed or dropped,
-        and the verdicts are applied in the same order (a rollback or a stop ends the list)."""
+        and the verdicts are applied in the same order (a rollback or a stop ends the list: it acted on `m`)."""
         scaler = loss_scaler(trainer)
         verdicts = [
             self.guard.check(m, scaler=scaler is not None) if self.guard else OK,  # 2. non-finite: skip; a streak
@@ -116,11 +116,12 @@ class Stability(L.Callback):
         ]
         self.recovery.confirm(m, suspect=any(v.suspect for v in verdicts))  # 5. known-good snapshot, or dropped
         for v in verdicts:  # 6. act
-            if v.action != "ok" and not self.stopped:
-                self.apply(trainer, pl_module, optimizer, m, v)
+            if v.action != "ok" and self.apply(trainer, pl_module, optimizer, m, v):
+                break
 
     # -- applying verdicts ------------------------------------------------------------------------------------
-    def apply(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict) -> None:
+    def apply(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict) -> bool:
+        """Carry out one verdict and write its event; True when it rolled back or stopped the run."""
         detail = dict(v.detail)
         if v.kind in NONFINITE:
             if v.context.get("first"):
@@ -137,12 +138,13 @@ class Stability(L.Callback):
             detail.update(spike_suspects(trainer, pl_module, episode, snap, snap.step if snap else None))
         elif v.action == "rollback":
             self.rollback(trainer, pl_module, optimizer, m, v, detail)
-            return
+            return True
         elif v.action == "stop":
             self.stop(trainer, pl_module, m.step, v, detail, m=m)
-            return
+            return True
         if v.kind is not None:
             emit(trainer, v.onset if v.onset is not None else m.step, v.kind, v.action, detail)
+        return False
 
     def skip(self, trainer, pl_module, step: int) -> None:
         """Step `step` does not count: its update never reaches the weights and the LR does not advance.
@@ -270,7 +272,8 @@ class Stability(L.Callback):
         if self.spike is not None and not self.stopped:
             v = self.spike.finish()  # ended inside a spike episode: report it
             if v.kind is not None:
-                emit(trainer, v.onset, v.kind, v.action, {**v.detail, "batch": []})
+                batch = [batch_window_ids(trainer, i) for i in v.context["episode"]["batch_idx"]]
+                emit(trainer, v.onset, v.kind, v.action, {**v.detail, "batch": batch})
         final = self.recovery.final_verdict() if not self.stopped else None
         if final is not None:
             self.stop(trainer, pl_module, trainer.global_step, final, {})
