@@ -179,9 +179,13 @@ CLI_CASES = {
     "resume_and_ckpt": (["resume=auto", "ckpt_path=x.ckpt"], r"both ckpt_path and resume=auto are set"),
     "guard_action": (
         ["callbacks.stability.guard.action=bogus"],
-        r"callbacks\.guard\.action='bogus' is not one of rollback, stop",
+        r"callbacks\.stability\.guard\.action='bogus' is not one of rollback, stop",
     ),
-    "guard_defer": (["callbacks.stability.defer=maybe"], r"callbacks\.guard\.defer='maybe' must be true or false"),
+    "stability_bad_key": (
+        ["+callbacks.stability.spike.sigmaa=5"],
+        r"callbacks\.stability\.spike\.sigmaa is not a setting; use one of sigma, window",
+    ),
+    "guard_defer": (["callbacks.stability.defer=maybe"], r"callbacks\.stability\.defer='maybe' must be true or false"),
 }
 
 

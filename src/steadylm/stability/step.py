@@ -17,11 +17,14 @@ ever raises or stops alone.
 
 from __future__ import annotations
 
+import inspect
+
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.checkpointing import STABILITY_STATE_KEY
 from steadylm.compat import every_n_train_steps
+from steadylm.errors import ConfigError
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import KINDS, emit
 from steadylm.stability.forensics import name_culprit, write_bundle
@@ -44,11 +47,16 @@ def checkpoint_due(trainer) -> bool:
     return any((n := every_n_train_steps(cb)) and step % n == 0 for cb in trainer.checkpoint_callbacks)
 
 
-def _part(cls, settings):
-    """A check built from its config node, or None when the node is null (the check is removed)."""
+def _part(name: str, cls, settings):
+    """A check built from its config node `callbacks.stability.<name>`, or None when the node is null (removed)."""
     if settings is None:
         return None
-    return cls(**(OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else settings))
+    settings = OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else dict(settings)
+    known = [p for p in inspect.signature(cls).parameters]
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ConfigError(f"callbacks.stability.{name}.{unknown[0]} is not a setting; use one of {', '.join(known)}")
+    return cls(**settings)
 
 
 class Stability(L.Callback):
@@ -56,12 +64,14 @@ class Stability(L.Callback):
     (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
 
     def __init__(self, guard=None, spike=None, stats=None, loss_scale=None, recovery=None, defer: bool = True):
-        self.guard = _part(NonFiniteGuard, guard)
-        self.spike = _part(SpikeDetector, spike)
-        self.stats = _part(GradParamStats, stats)
-        self.loss_scale = _part(LossScaleMonitor, loss_scale)
-        self.recovery = _part(Recovery, recovery if recovery is not None else {"every_n_steps": 0})
-        self.measure = StepMeasure(defer=bool(defer) and not (self.spike and self.spike.acts_before_update))
+        if not isinstance(defer, bool):
+            raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
+        self.guard = _part("guard", NonFiniteGuard, guard)
+        self.spike = _part("spike", SpikeDetector, spike)
+        self.stats = _part("stats", GradParamStats, stats)
+        self.loss_scale = _part("loss_scale", LossScaleMonitor, loss_scale)
+        self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
+        self.measure = StepMeasure(defer=defer and not (self.spike and self.spike.acts_before_update))
         self.stopped = False
         self.in_step = False  # inside `step`: the step under way has not reached the weights
         self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
