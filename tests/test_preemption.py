@@ -10,6 +10,7 @@ import random
 import shlex
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from steadylm.sweep import finish_job, summarize_sweep
 from steadylm.train import train
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
 
-STEPS = 12
+STEPS = 8
 # Dropout makes the losses depend on the RNG stream; no periodic checkpoint, so a resume can only come
 # from the preemption's own; validation every 3 steps falls next to the signal's step.
 EXACT = [
@@ -35,6 +36,23 @@ EXACT = [
 
 def drill(step: int, name: str = "SIGTERM", rank: int = 0) -> str:
     return f"+callbacks.drill={{_target_: steadylm.preemption_drill.SignalAtStep, step: {step}, signal: {name}, rank: {rank}}}"
+
+
+def processes_running(text: str, wait_s: float = 10.0) -> list[str]:
+    """Command lines of live processes that contain `text`, after giving them `wait_s` to exit."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue  # exited while we looked
+            if any(text in arg for arg in argv):
+                found.append(" ".join(argv))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def step_losses(run: Path) -> dict[int, float]:
@@ -110,6 +128,20 @@ def test_signal_stops_at_the_next_step_boundary_with_a_checkpoint(make_cfg, tmp_
     assert result["reason"] == f"{name} at step 5"
 
 
+def test_a_second_ctrl_c_interrupts_at_once(make_cfg, tmp_path):
+    """Two SIGINTs in one step: the second does not wait for the boundary (Lightning's interrupt, exit 1)."""
+    second = "+callbacks.drill2={_target_: steadylm.preemption_drill.SignalAtStep, step: 4, signal: SIGINT}"
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            train(make_cfg("trainer.max_steps=20", drill(4, "SIGINT"), second))
+    finally:
+        signal.signal(signal.SIGINT, previous)  # Lightning leaves SIGINT ignored after its interrupt
+    assert stopped.value.code == 1
+    assert safe_load(tmp_path / "run" / "checkpoints" / "exception.ckpt")["global_step"] == 4
+    assert not (tmp_path / "run" / "checkpoints" / "preempted.ckpt").exists()
+
+
 def test_sweep_summary_shows_a_preempted_job(tmp_path):
     for job, result in enumerate(
         [{"status": "ok", "val_loss": 2.0}, {"status": "preempted", "reason": "SIGTERM at step 40", "val_loss": None}]
@@ -135,6 +167,7 @@ def preempt_and_resume(shards_dir: Path, tmp_path: Path, extra: list[str], step:
 
     stopped = run_cli(*args, f"hydra.run.dir={split}", drill(step, rank=rank), cwd=tmp_path, timeout=120)
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-2000:]
+    assert processes_running(f"hydra.run.dir={split}") == []  # every rank exited; none hangs in a collective
     ckpt = split / "checkpoints" / "preempted.ckpt"
     lines = [line for line in stopped.stderr.splitlines() if line.startswith("preempted:")]
     assert len(lines) == 1, stopped.stderr[-2000:]  # one line, from rank 0 only
@@ -186,7 +219,7 @@ def test_slurm_pre_timeout_signal_checkpoints_and_requeues_once(shards_dir, tmp_
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-2000:]
     assert calls.read_text() == "requeue 4242\n"
     assert "requeued SLURM job 4242" in stopped.stderr
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "preempted.ckpt"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["preempted.ckpt"]
     assert not list(run.rglob("hpc_ckpt_*.ckpt"))
 
     again = run_cli(*args, cwd=tmp_path, timeout=120, env=slurm)  # the requeued job: the same command

@@ -159,7 +159,7 @@ class Preemption(L.Callback):
                 "checkpoint": str(self.path),
                 "requeue": agreed in self.requeue_signals,
             }
-            if step < trainer.max_steps:  # no scheduled validation on the way out (the grace period is short)
+            if not 0 <= trainer.max_steps <= step:  # no scheduled validation on the way out (the grace period is short)
                 trainer.limit_val_batches = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
