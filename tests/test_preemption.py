@@ -227,3 +227,17 @@ def test_slurm_pre_timeout_signal_checkpoints_and_requeues_once(shards_dir, tmp_
     assert "resume=auto: continuing from" in again.stdout + again.stderr and "preempted.ckpt" in again.stderr
     assert safe_load(run / "checkpoints" / "last.ckpt")["global_step"] == STEPS
     assert calls.read_text() == "requeue 4242\n"  # a run that finishes does not requeue
+
+
+@pytest.mark.slow
+def test_a_signal_in_a_multirun_ends_the_sweep_with_its_summary(shards_dir, tmp_path):
+    """The signal is for the process: job 0 is recorded as preempted, job 1 never starts, and the summary
+    of the jobs so far shows it."""
+    proc = run_cli("-m", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *CLI_TINY, drill(2), cwd=tmp_path, timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr[-2000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    assert json.loads((sweep / "0" / "result.json").read_text())["status"] == "preempted"
+    assert not (sweep / "1").exists()
+    rows = (sweep / "summary.md").read_text().splitlines()
+    assert rows[-1].startswith("| 0 |") and "| preempted | SIGTERM at step 3 |" in rows[-1]
+    assert f"hydra.run.dir={sweep / '0'} resume=auto" in proc.stderr  # that job alone, without -m

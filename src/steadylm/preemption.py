@@ -65,9 +65,10 @@ class CollectiveFlag:
     """The largest signal number any rank has received, agreed by every rank.
 
     Each poll starts an all-reduce (max) of the local flag on a host-side gloo group and returns the
-    result of the previous poll's all-reduce, which has long finished by then: the decision is one poll
-    late but identical on every rank, the host never waits on the others, and the flag never touches a
-    GPU stream (no device sync). With one process the local flag is the answer at once.
+    result of the previous poll's all-reduce, which has finished by then (a step of DDP's own collectives
+    lies between): the decision is one poll late but identical on every rank, the host does not stall on
+    the slowest rank, and the flag never touches a GPU stream (no device sync). With one process the
+    local flag is the answer at once.
     """
 
     def __init__(self) -> None:
