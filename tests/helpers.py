@@ -45,10 +45,13 @@ DDP_TWO_CPU = [
 ]
 
 
-def run_cli(*args: str, cwd: Path, timeout: int = 400, module: str | None = None) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` (or `python -m MODULE ARGS`) in `cwd`, as a user runs it; tests/ importable."""
+def run_cli(
+    *args: str, cwd: Path, timeout: int = 400, module: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` (or `python -m MODULE ARGS`) in `cwd`, as a user runs it; tests/ importable;
+    `env` adds to (or overrides) the environment."""
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
-    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(cwd), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(cwd), "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("HYDRA_FULL_ERROR", None)
     command = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

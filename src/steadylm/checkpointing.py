@@ -255,8 +255,8 @@ class SaveOnException(L.Callback):
         self._training = False
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if not self._training or trainer.world_size > 1:
-            return
+        if not self._training or trainer.world_size > 1 or getattr(exception, "state_saved", False):
+            return  # (a preemption has already saved its own checkpoint)
         self._training = False
         try:
             trainer.save_checkpoint(self.path)

@@ -46,16 +46,23 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
 
 
 def finish_job(
-    cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None
+    cfg: DictConfig,
+    metrics: dict[str, float],
+    error: BaseException | None = None,
+    preempted: dict[str, Any] | None = None,
 ) -> tuple[float | None, str | None]:
-    """Record the job's outcome (rank 0); return the metric a sweeper optimises (NaN when diverged) and why it diverged."""
+    """Record the job's outcome (rank 0); return the metric a sweeper optimises (NaN when diverged) and why it diverged.
+
+    A job stopped by a signal (`preempted`: the record of `steadylm.preemption`) is `preempted`, with the
+    step and the checkpoint `resume=auto` continues from."""
     run_dir = Path(cfg.paths.output_dir)
     reason = divergence(metrics, run_dir, error)
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         result = {
-            "status": "diverged" if reason else "ok",
-            "reason": reason,
+            "status": "preempted" if preempted else "diverged" if reason else "ok",
+            "reason": f"{preempted['signal']} at step {preempted['step']}" if preempted else reason,
+            **({"step": preempted["step"], "checkpoint": preempted["checkpoint"]} if preempted else {}),
             "lr": float(cfg.optim.lr),
             "val_loss": metrics.get("val/loss"),
             "train_loss": metrics.get("train/loss"),
@@ -156,4 +163,8 @@ class SweepSummary(Callback):
         if sweep_dir.is_dir():
             jobs = summarize_sweep(sweep_dir)
             diverged = sum(j["status"] == "diverged" for j in jobs)
-            print(f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {diverged} diverged)")
+            preempted = sum(j["status"] == "preempted" for j in jobs)
+            print(
+                f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {diverged} diverged"
+                + (f", {preempted} preempted)" if preempted else ")")
+            )

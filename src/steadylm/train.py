@@ -16,6 +16,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
@@ -26,6 +27,7 @@ from steadylm.errors import SteadyError, exit_with
 from steadylm.global_batch import apply_global_batch
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
+from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback, preemption_of
 from steadylm.preflight import check_environment, hydra_errors_as_messages
 from steadylm.sweep import finish_job
 
@@ -76,7 +78,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
-    callbacks = instantiate_named(cfg.get("callbacks"))
+    # Preemption runs after every other callback and is there even with callbacks=none (exit 75, docs/resume.md).
+    callbacks = place_last(instantiate_named(cfg.get("callbacks")), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         # Lightning's bar redraws every step (Python time on the hot path); the loss it shows changes only on
         # logging steps, so it redraws on those.
@@ -96,7 +99,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     use_fsdp_clipping(trainer)
     refuse_multirun_multiprocess(trainer)
     ckpt_path = checkpoint_to_resume(cfg, objects["module"])
-    trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
+    try:
+        trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
+    except Preempted:  # every rank stopped at one step, its state saved: the record is on the callback
+        pass
+    except SIGTERMException:  # a SIGTERM that reached Lightning's own handler (before the first step)
+        preemption_callback(trainer).stopped_by_lightning(trainer)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return metrics, objects
 
@@ -108,7 +116,7 @@ _task_started = [False]
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
     try:
-        metrics, _ = train(cfg)
+        metrics, objects = train(cfg)
     except SteadyError as err:
         exit_with(err)
     except Exception as err:
@@ -117,7 +125,10 @@ def _app(cfg: DictConfig) -> float | None:
         # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
         log.exception("job failed: %s", cfg.paths.output_dir)
         return finish_job(cfg, {}, err)[0]
-    value, diverged = finish_job(cfg, metrics)
+    preempted = preemption_of(objects["trainer"])
+    value, diverged = finish_job(cfg, metrics, preempted=preempted)
+    if preempted:
+        finish_preempted(cfg, preempted)  # exits 75
     if diverged and not in_multirun():
         run = cfg.paths.output_dir
         print(
