@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from steadylm.compat import attached_trainer
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
+from steadylm.model.mup import param_groups
 from steadylm.schedule import lr_at
 
 IGNORE_INDEX = -100
@@ -132,12 +133,8 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         o = self.optim_cfg
-        # Weight decay only on matrices (linears, embeddings); decaying gains and biases hurts.
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
+        groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
         opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
         sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
