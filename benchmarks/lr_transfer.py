@@ -9,7 +9,9 @@ training uses) in a plain loop; then the mean loss on fixed held-out windows. Th
 filled: from the previous width's best octave, neighbours are run until the best one has both of its
 neighbours run (about 4 runs per width instead of 10, which keeps the sweep to minutes on 2 CPU cores).
 The best LR per width is the vertex of the parabola through that minimum and its neighbours (in log2
-LR), and its move from the base width is printed in octaves. muP's base is the narrowest width, so at that width sp and mup are the same model.
+LR), and its move from the base width is printed in octaves. muP's hyperparameters are tuned at the base
+width only, as its recipe says: the LR and `model.mup_output_mult` (alpha_output, --output-mults); the
+wider mup models reuse the base's alpha. muP's base is the narrowest width (with alpha_output = 1 there, sp and mup are the same model).
 The plot (loss vs LR, one line per width, sp | mup) goes to --plot (docs/lr_transfer.png).
 """
 
@@ -41,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
     ap.add_argument("--parametrizations", default="sp,mup")
+    ap.add_argument("--output-mults", default="1,2,4,8,16", help="mup: alpha_output values tuned at the base width")
     ap.add_argument("--val-windows", type=int, default=128)
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "lr_transfer.png"))
     ap.add_argument("--json", default=None, help="also write the raw losses here")
@@ -64,7 +67,7 @@ def batch(ds: TokenWindows, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     return torch.stack(xs), torch.stack(ys)
 
 
-def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batches) -> float:
+def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batches, alpha: float = 1.0) -> float:
     model = dict(
         n_layer=args.layers,
         n_head=args.heads,
@@ -74,6 +77,7 @@ def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batche
         parametrization=param,
         mup_base_width=base,
         mup_base_head_dim=base // args.heads,
+        mup_output_mult=alpha,
         **FAMILIES[args.family],
     )
     lr = 2.0**log2_lr
@@ -169,18 +173,29 @@ def main() -> None:
     val_batches = [batch(val, val_idx[i : i + args.batch]) for i in range(0, len(val_idx), args.batch)]
     results: dict[str, dict[int, dict[int, float]]] = {}
     t0 = time.time()
+    alphas: dict[str, float] = {}
+    show = lambda runs: " ".join(f"2^{g}:{v:.3f}" for g, v in runs.items())  # noqa: E731
     for param in args.parametrizations.split(","):
-        results[param] = {}
-        start = args.start
-        for w in widths:
-            evaluate = lambda g, p=param, w=w: run(args, p, w, widths[0], g, train, val_batches)  # noqa: E731
+        # muP's hyperparameters are tuned at the base only: the LR and, for mup, alpha_output with it.
+        base_runs = {}
+        for alpha in [float(a) for a in args.output_mults.split(",")] if param == "mup" else [1.0]:
+            evaluate = lambda g, p=param, a=alpha: run(args, p, widths[0], widths[0], g, train, val_batches, a)  # noqa: E731
+            base_runs[alpha] = walk(evaluate, args.start, lo, hi)
+            print(f"{param:4} width {widths[0]:4} alpha {alpha:g}: {show(base_runs[alpha])}  ({time.time() - t0:.0f}s)")
+        alphas[param] = min(base_runs, key=lambda a: min(base_runs[a].values()))
+        results[param] = {widths[0]: base_runs[alphas[param]]}
+        start = min(results[param][widths[0]], key=results[param][widths[0]].__getitem__)
+        for w in widths[1:]:
+            evaluate = lambda g, p=param, w=w: run(args, p, w, widths[0], g, train, val_batches, alphas[p])  # noqa: E731
             results[param][w] = walk(evaluate, start, lo, hi)
             start = min(results[param][w], key=results[param][w].__getitem__)
-            shown = " ".join(f"2^{g}:{v:.3f}" for g, v in results[param][w].items())
-            print(f"{param:4} width {w:4}: {shown}  ({time.time() - t0:.0f}s)", flush=True)
+            print(
+                f"{param:4} width {w:4} alpha {alphas[param]:g}: {show(results[param][w])}  ({time.time() - t0:.0f}s)"
+            )
     print(
         f"\n{args.family}, {args.layers} layers, {args.steps} steps x {args.batch} x {args.context} tokens; base width {widths[0]}"
     )
+    print("alpha_output tuned at the base: " + ", ".join(f"{p} {a:g}" for p, a in alphas.items()))
     print("param  width  best log2(lr)  moved (octaves)  best loss")
     summary = {}
     for param in results:
@@ -200,7 +215,7 @@ def main() -> None:
     plot(results, widths, Path(args.plot))
     print(f"plot: {args.plot}; {time.time() - t0:.0f}s in all")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "summary": summary}, indent=2))
+        Path(args.json).write_text(json.dumps({"results": results, "alphas": alphas, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":

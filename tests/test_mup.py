@@ -58,6 +58,8 @@ def test_mup_at_its_base_shape_is_sp_bit_for_bit(family):
 def test_mup_multipliers_at_four_times_the_base():
     m = net(d_model=128, parametrization="mup", mup_base_width=32, mup_base_head_dim=8)
     assert m.logit_mult == 0.25
+    assert net(d_model=128, parametrization="mup", mup_base_width=32, mup_output_mult=2.0).logit_mult == 0.5
+    assert net(d_model=128, mup_base_width=32, mup_output_mult=2.0).logit_mult == 1.0  # sp ignores the mup keys
     assert m.blocks[0].attn.scale == pytest.approx(math.sqrt(8) / 32)  # 1/d_head, = 1/sqrt(8) at d_head 8
     # init: hidden std 0.02/sqrt(4), residual writers also / sqrt(2 n_layer); embeddings unchanged
     assert m.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.01, rel=0.05)
@@ -109,6 +111,7 @@ def test_lmmodule_groups_scale_hidden_lr_and_keep_lr_times_wd():
         (["model.parametrization=mup", "model.mup_base_width=0"], "model.mup_base_width=0 must be a whole number > 0"),
         (["model.parametrization=mup", "model.mup_base_width=100000"], "outside [1/64, 1024]"),
         (["model.parametrization=mup", "model.init=xavier"], "model.parametrization=mup needs model.init=gpt2"),
+        (["model.mup_output_mult=0"], "model.mup_output_mult=0 must be a number > 0"),
     ],
 )
 def test_bad_mup_values_are_refused_naming_the_key(overrides, message):
@@ -181,7 +184,7 @@ def test_exported_mup_model_matches_ours_in_transformers(family):
     pytest.importorskip("transformers")
     from steadylm.export import to_hf_model
 
-    kw = dict(d_model=64, mup_base_width=16, mup_base_head_dim=4, **FAMILIES[family])
+    kw = dict(d_model=64, mup_base_width=16, mup_base_head_dim=4, mup_output_mult=3.0, **FAMILIES[family])
     ours = net(parametrization="mup", **kw)
     perturb(ours)
     hf = to_hf_model(ours, eos_id=256)
@@ -203,7 +206,9 @@ def test_mup_trains_under_the_stability_suite_and_resumes_bitwise(make_cfg, tmp_
     assert divergence(metrics, full, None) is None  # the stability suite stopped nothing
     finish_job(cfg, metrics)  # what a sweep job records for its summary
     recorded = json.loads((full / "result.json").read_text())["model"]
-    assert recorded == dict(parametrization="mup", mup_base_width=32, mup_base_head_dim=16, d_model=64, pos="learned")
+    assert recorded == dict(
+        parametrization="mup", mup_base_width=32, mup_base_head_dim=16, mup_output_mult=1.0, d_model=64, pos="learned"
+    )
     assert metrics["train/loss"] < math.log(257) - 1.0  # it learned (byte-level: from ~ln 257)
     train(make_cfg(*common, "trainer.max_steps=8", out=split))
     train(make_cfg(*common, "trainer.max_steps=16", "resume=auto", out=split))
@@ -227,7 +232,9 @@ def write_result(sweep, num: int, lr: float, val_loss: float, model: dict) -> No
 
 
 def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_path):
-    model = dict(parametrization="mup", mup_base_width=128, mup_base_head_dim=32, d_model=128, pos="learned")
+    model = dict(
+        parametrization="mup", mup_base_width=128, mup_base_head_dim=32, mup_output_mult=1.0, d_model=128, pos="learned"
+    )
     for i, (lr, loss) in enumerate([(1e-3, 2.6), (4e-3, 2.3), (1.6e-2, 2.5)]):
         write_result(tmp_path / "mup", i, lr, loss, model)
         write_result(tmp_path / "sp", i, lr, loss, {**model, "parametrization": "sp"})
@@ -237,6 +244,13 @@ def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_p
     assert "**Best LR: 0.004** (job 1, val/loss 2.3)" in text and command in text
     assert validate_config(compose(command.split()[2:])) is None  # the command composes and validates
     assert OmegaConf.select(compose(command.split()[2:]), "model.d_model") == 768
+    write_result(tmp_path / "alpha", 0, 4e-3, 2.3, {**model, "mup_output_mult": 4.0, "pos": "rope"})
+    summarize_sweep(tmp_path / "alpha")
+    text = (tmp_path / "alpha" / "summary.md").read_text()
+    assert (
+        "model=llama_small model.parametrization=mup model.mup_base_width=128 model.mup_base_head_dim=32 model.mup_output_mult=4 optim.lr=0.004"
+        in text
+    )
     summarize_sweep(tmp_path / "sp")
     text = (tmp_path / "sp" / "summary.md").read_text()
     assert "**Best LR: 0.004**" in text and "Under sp it holds at this width only" in text and "model=small" not in text

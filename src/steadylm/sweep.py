@@ -25,7 +25,7 @@ from steadylm.stability.events import stop_event
 
 RESULT_FILE = "result.json"
 # What a sweep's best LR means beyond its own shape: the parametrisation and muP's base shape.
-TRANSFER_KEYS = ("parametrization", "mup_base_width", "mup_base_head_dim", "d_model", "pos")
+TRANSFER_KEYS = ("parametrization", "mup_base_width", "mup_base_head_dim", "mup_output_mult", "d_model", "pos")
 
 
 def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | None) -> str | None:
@@ -123,7 +123,9 @@ def best_lr(jobs: list[dict[str, Any]]) -> str:
     preset = "llama_small" if m.get("pos") == "rope" else "small"
     command = (
         f"python train.py model={preset} model.parametrization=mup model.mup_base_width={m['mup_base_width']} "
-        f"model.mup_base_head_dim={m['mup_base_head_dim']} optim.lr={best['lr']:g}"
+        f"model.mup_base_head_dim={m['mup_base_head_dim']}"
+        + (f" model.mup_output_mult={m['mup_output_mult']:g}" if m.get("mup_output_mult", 1.0) != 1.0 else "")
+        + f" optim.lr={best['lr']:g}"
     )
     return (
         f"{head} Under mup it holds at any width with the same base shape "

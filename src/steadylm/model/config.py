@@ -43,6 +43,7 @@ class GPTConfig:
     parametrization: str = "sp"  # sp | mup (muP: the LR found at the base shape holds at any width; model/mup.py)
     mup_base_width: int | None = None  # mup: the d_model the LR was tuned at (null: this d_model)
     mup_base_head_dim: int | None = None  # mup: that model's head size (null: this head size)
+    mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
@@ -95,6 +96,10 @@ class GPTConfig:
             self.mup_base_head_dim = self.head_dim
         _positive("mup_base_width", self.mup_base_width)
         _positive("mup_base_head_dim", self.mup_base_head_dim)
+        if not (isinstance(self.mup_output_mult, (int, float)) and self.mup_output_mult > 0):
+            raise ConfigError(
+                f"model.mup_output_mult={self.mup_output_mult!r} must be a number > 0 (1: the logits / width_mult)"
+            )
         if self.parametrization != "mup":
             return
         if self.init != "gpt2":

@@ -10,10 +10,10 @@ picks an LR that is also right 8x wider. With width multiplier m = d_model / mup
 | hidden matrices: Adam LR | lr | lr / m (`lr_mult`) | `param_groups` |
 | hidden matrices: weight decay | wd | wd * m (so lr * wd, the per-step shrink, is width-free) | `param_groups` |
 | embeddings wte/wpe, an untied lm_head, norm gains, biases | lr, N(0, 0.02) | the same | - |
-| logits | lm_head(ln_f(x)) | lm_head(ln_f(x) / m) | `GPT.forward` |
+| logits | lm_head(ln_f(x)) | lm_head(ln_f(x) * alpha / m), alpha = mup_output_mult (1) | `GPT.forward` |
 | attention scores | q.k / sqrt(d_head) | q.k * sqrt(b) / d_head, b = mup_base_head_dim | `CausalSelfAttention` |
 
-At the base shape (m = 1, d_head = b) every multiplier is exactly 1, so mup there is sp bit for bit:
+At the base shape (m = 1, d_head = b, alpha = 1) every multiplier is exactly 1, so mup there is sp bit for bit:
 the LR a user already tuned in sp at the base is the mup LR. Adam normalises gradients, so an update
 changes each weight by ~lr whatever the width; a hidden matrix sums fan_in such changes into each output,
 hence its LR falls as 1/m. Embedding tables and the readout have one finite side (vocab, positions), so
@@ -49,8 +49,10 @@ def hidden_init_mult(cfg: GPTConfig) -> float:
 
 
 def logit_mult(cfg: GPTConfig) -> float:
-    """Factor on the final hidden state before the readout: 1/m."""
-    return 1.0 / width_mult(cfg)
+    """Factor on the final hidden state before the readout: alpha_output / m (1 under sp)."""
+    if cfg.parametrization != "mup":
+        return 1.0
+    return cfg.mup_output_mult / width_mult(cfg)
 
 
 def attn_scale(cfg: GPTConfig) -> float | None:
