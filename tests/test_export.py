@@ -47,6 +47,11 @@ FAMILIES = {
         "LlamaForCausalLM",
     ),
     "llama-qk_norm": (["model=llama_tiny", "model.n_kv_head=2", "model.qk_norm=true"], "Qwen3ForCausalLM"),
+    # muP at 2x its base width: the logit and attention factors folded into the exported weights
+    "gpt2-mup": (
+        ["model.parametrization=mup", "model.mup_base_width=16", "model.mup_base_head_dim=4"],
+        "GPT2LMHeadModel",
+    ),
 }
 
 

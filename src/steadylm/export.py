@@ -10,7 +10,8 @@ A switch the chosen class cannot express is refused in one line naming it (exit 
 GPT-2 has LayerNorm, a GELU MLP, one k/v head per query head and no QK-norm; Llama and Qwen3 have RMSNorm
 and SwiGLU; Qwen3 has no MLP biases. What each class does express is mapped exactly: `bias=false` into
 GPT-2 as zero biases, untied embeddings as `tie_word_embeddings=false`, grouped k/v heads and biases
-(`attention_bias`, `mlp_bias`) into Llama. Our checkpoint stays the source of truth (as litgpt's does);
+(`attention_bias`, `mlp_bias`) into Llama, and `model.parametrization=mup` folded into the weights (its
+logit factor into the final norm, its attention factor into the queries: `mup.sp_state_dict`). Our checkpoint stays the source of truth (as litgpt's does);
 this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
 """
 
@@ -27,6 +28,7 @@ from steadylm.checkpointing import load_checkpoint
 from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError, SteadyError
 from steadylm.model import GPT, GPTConfig
+from steadylm.model.mup import sp_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,7 +91,7 @@ def _t(w: torch.Tensor) -> torch.Tensor:
 def gpt2_state(net: GPT) -> tuple[dict, dict]:
     """(GPT2Config kwargs, GPT2LMHeadModel state_dict). `bias=false` becomes zero biases."""
     c = net.cfg
-    sd = net.state_dict()
+    sd = sp_state_dict(net)  # muP's multipliers folded in: neither class has them
     zeros = lambda n: torch.zeros(n, dtype=sd["wte.weight"].dtype)  # noqa: E731
     bias = lambda key, n: sd.get(key, zeros(n))  # noqa: E731
     out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]}
@@ -138,7 +140,7 @@ def llama_state(net: GPT) -> tuple[dict, dict]:
     names plus `self_attn.q_norm`/`k_norm` are Qwen3's (whose config has no `mlp_bias`).
     """
     c = net.cfg
-    sd = net.state_dict()
+    sd = sp_state_dict(net)  # muP's multipliers folded in: neither class has them
     H, KV, D = c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.hidden
     out = {"model.embed_tokens.weight": sd["wte.weight"]}
     for i in range(c.n_layer):

@@ -19,6 +19,7 @@ from steadylm.compat import attached_trainer
 from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
+from steadylm.model.mup import param_groups
 from steadylm.schedule import lr_at, set_lr
 
 
@@ -144,12 +145,8 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         o = self.optim_cfg
-        # Weight decay only on matrices (linears, embeddings); decaying gains and biases hurts.
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
+        groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
         return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
 
     def _use_fused(self) -> bool:

@@ -4,7 +4,8 @@
 loss went non-finite, a stability callback stopped it (a non-finite streak or a spike past the rollback
 budget, or a final loss far above the run's best: see `stability.recovery`), or its `train()` raised. `SweepSummary` is a
 Hydra callback (`hydra.callbacks.sweep_summary`) that, when a multirun ends, writes
-`<sweep_dir>/summary.md` (one row per job) and `summary.png` (final val loss vs LR, diverged jobs marked).
+`<sweep_dir>/summary.md` (one row per job, then the best LR and, for a mup sweep, the command that trains
+a bigger preset with it) and `summary.png` (final val loss vs LR, diverged jobs marked).
 It only reads run dirs; it must never change a job's files.
 """
 
@@ -23,6 +24,8 @@ from steadylm.distributed import is_rank_zero_process
 from steadylm.stability.events import stop_event
 
 RESULT_FILE = "result.json"
+# What a sweep's best LR means beyond its own shape: the parametrisation and muP's base shape.
+TRANSFER_KEYS = ("parametrization", "mup_base_width", "mup_base_head_dim", "mup_output_mult", "d_model", "pos")
 
 
 def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | None) -> str | None:
@@ -67,6 +70,7 @@ def finish_job(
             "val_loss": metrics.get("val/loss"),
             "train_loss": metrics.get("train/loss"),
             "overrides": overrides,
+            "model": {k: cfg.model.get(k) for k in TRANSFER_KEYS},
         }
         run_dir.mkdir(parents=True, exist_ok=True)
         # json writes NaN/Infinity tokens, which json.loads reads back.
@@ -110,6 +114,33 @@ def summary_table(jobs: list[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def best_lr(jobs: list[dict[str, Any]]) -> str:
+    """The best finished job's LR and, under mup, the command that trains the bigger preset with it."""
+    done = [j for j in jobs if j["status"] == "ok" and j.get("val_loss") is not None and math.isfinite(j["val_loss"])]
+    if not done:
+        return "No job finished with a finite val/loss: no best LR.\n"
+    best = min(done, key=lambda j: j["val_loss"])
+    m = best.get("model") or {}
+    head = f"**Best LR: {best['lr']:g}** (job {best['job']}, val/loss {best['val_loss']:.4g})."
+    if m.get("parametrization") != "mup":
+        return (
+            f"{head} Under sp it holds at this width only (the optimum shrinks about an octave per doubling); "
+            "sweep with `model.parametrization=mup` to carry it to a wider preset.\n"
+        )
+    preset = "llama_small" if m.get("pos") == "rope" else "small"
+    command = (
+        f"python train.py model={preset} model.parametrization=mup model.mup_base_width={m['mup_base_width']} "
+        f"model.mup_base_head_dim={m['mup_base_head_dim']}"
+        + (f" model.mup_output_mult={m['mup_output_mult']:g}" if m.get("mup_output_mult", 1.0) != 1.0 else "")
+        + f" optim.lr={best['lr']:g}"
+    )
+    return (
+        f"{head} Under mup it holds at any width with the same base shape "
+        f"({m['mup_base_width']} wide, head size {m['mup_base_head_dim']}); train the bigger preset with it "
+        f"(plus your data and trainer overrides):\n\n    {command}\n"
+    )
+
+
 def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
     """Final val loss vs LR; diverged jobs drawn as red crosses along the top edge, not left out."""
     import matplotlib
@@ -149,7 +180,7 @@ def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
 def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
     """Write `summary.md` and `summary.png` into `sweep_dir`; returns the job records."""
     jobs = [read_job(d) for d in job_dirs(sweep_dir)]
-    text = f"# Sweep summary: {sweep_dir}\n\n{summary_table(jobs)}"
+    text = f"# Sweep summary: {sweep_dir}\n\n{summary_table(jobs)}\n{best_lr(jobs)}"
     (sweep_dir / "summary.md").write_text(text)
     plot_summary(jobs, sweep_dir / "summary.png")
     return jobs
@@ -168,3 +199,4 @@ class SweepSummary(Callback):
                 f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {diverged} diverged"
                 + (f", {preempted} preempted)" if preempted else ")")
             )
+            print(best_lr(jobs), end="")

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from steadylm.devices import devices_of
 from steadylm.doctor.check import FAIL, OK, Check, guarded
 from steadylm.doctor.config_checks import precision_of
+from steadylm.doctor.coord_check import check_coords
 from steadylm.memory import plan
 from steadylm.module import LMModule
 
@@ -210,4 +211,5 @@ def model_checks(cfg: DictConfig, batch: tuple[torch.Tensor, torch.Tensor] | Non
     rows += guarded("model: finite forward/backward", lambda: check_backward(module, x, y))
     rows += guarded("model: activation RMS", lambda: check_activations(net, x))
     rows += guarded("model: size and memory", lambda: check_memory(cfg, net.num_params(non_embedding=False)))
+    rows += guarded("model: coordinate check", lambda: check_coords(cfg, batch))
     return rows

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steadylm.model import mup
 from steadylm.model.config import GPTConfig
 from steadylm.model.norm import make_norm
 from steadylm.model.rope import apply_rope
@@ -30,6 +31,8 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
         self.dropout = cfg.dropout
+        # None: SDPA's 1/sqrt(head_dim) (sp); muP's 1/head_dim scaling otherwise (model/mup.py).
+        self.scale = mup.attn_scale(cfg)
         # Set by the stats callback on logging steps only: the explicit QK^T it needs costs O(T^2).
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None
@@ -56,7 +59,7 @@ class CausalSelfAttention(nn.Module):
             kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
             self.max_logit = self._max_causal_logit(q.detach(), kk.detach())
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, **gqa
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale, **gqa
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -69,10 +72,11 @@ class CausalSelfAttention(nn.Module):
         """
         q, k = q[0].float(), k[0].float()
         T = q.shape[-2]
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
         best = q.new_full((), float("-inf"))
         for start in range(0, T, rows):
             stop = min(start + rows, T)
-            logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)) / math.sqrt(self.head_dim)
+            logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)) * scale
             future = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu(start + 1)
             best = torch.maximum(best, logits.masked_fill(future, float("-inf")).amax())
         return best

@@ -17,6 +17,7 @@ POS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 INITS = ("gpt2", "xavier", "torch_default")
+PARAMETRIZATIONS = ("sp", "mup")
 
 
 @dataclass
@@ -39,11 +40,21 @@ class GPTConfig:
     mlp_multiple_of: int = 1  # the hidden size is rounded up to a multiple of this (256 in Llama)
     n_kv_head: int | None = None  # null: = n_head; fewer = grouped-query attention (must divide n_head)
     tie_embeddings: bool = True  # the output projection is the input embedding (one matrix)
+    parametrization: str = "sp"  # sp | mup (muP: the LR found at the base shape holds at any width; model/mup.py)
+    mup_base_width: int | None = None  # mup: the d_model the LR was tuned at (null: this d_model)
+    mup_base_head_dim: int | None = None  # mup: that model's head size (null: this head size)
+    mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
             _positive(key, getattr(self, key))
-        for key, allowed in (("pos", POS), ("norm", NORMS), ("mlp", MLPS), ("init", INITS)):
+        for key, allowed in (
+            ("pos", POS),
+            ("norm", NORMS),
+            ("mlp", MLPS),
+            ("init", INITS),
+            ("parametrization", PARAMETRIZATIONS),
+        ):
             if getattr(self, key) not in allowed:
                 raise ConfigError(
                     f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}"
@@ -75,6 +86,40 @@ class GPTConfig:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not self.norm_eps > 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0")
+        self._check_mup_base()
+
+    def _check_mup_base(self) -> None:
+        """The base shape muP measures width against: whole numbers, a whole number of heads, and a plausible ratio."""
+        if self.mup_base_width is None:
+            self.mup_base_width = self.d_model
+        if self.mup_base_head_dim is None:
+            self.mup_base_head_dim = self.head_dim
+        _positive("mup_base_width", self.mup_base_width)
+        _positive("mup_base_head_dim", self.mup_base_head_dim)
+        if not (isinstance(self.mup_output_mult, (int, float)) and self.mup_output_mult > 0):
+            raise ConfigError(
+                f"model.mup_output_mult={self.mup_output_mult!r} must be a number > 0 (1: the logits / width_mult)"
+            )
+        if self.parametrization != "mup":
+            return
+        if self.init != "gpt2":
+            raise ConfigError(
+                f"model.parametrization=mup needs model.init=gpt2, got {self.init!r}: muP's hidden init is gpt2's "
+                "N(0, 0.02) shrunk by sqrt(width ratio), while xavier and torch_default pick their own width scaling"
+            )
+        if self.mup_base_width % self.mup_base_head_dim:
+            raise ConfigError(
+                f"model.mup_base_head_dim={self.mup_base_head_dim} does not divide model.mup_base_width="
+                f"{self.mup_base_width}: the base model would have a fractional number of heads; give the base "
+                "shape the LR was tuned at (tiny: 128 and 32)"
+            )
+        ratio = self.d_model / self.mup_base_width
+        if not 1 / 64 <= ratio <= 1024:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is {ratio:.3g}x model.mup_base_width={self.mup_base_width}: "
+                "outside [1/64, 1024], which is a mistyped base width rather than a transfer; set "
+                "model.mup_base_width to the d_model the LR was tuned at"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from steadylm.model import mup
 from steadylm.model.attention import CausalSelfAttention
 from steadylm.model.config import GPTConfig
 from steadylm.model.init import init_weights
@@ -55,7 +56,9 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             # Weight tying: the input and output embeddings share one matrix (fewer params, better small LMs).
             self.lm_head.weight = self.wte.weight
-        init_weights(self, cfg.init, cfg.n_layer)
+        init_weights(self, cfg.init, cfg.n_layer, hidden_std_mult=mup.hidden_init_mult(cfg))
+        # muP's readout factor 1/width_mult (1 under sp), on the final hidden state: d_model floats, not vocab.
+        self.logit_mult = mup.logit_mult(cfg)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size)."""
@@ -71,7 +74,10 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if self.logit_mult != 1.0:
+            x = x * self.logit_mult
+        return self.lm_head(x)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count (a tied matrix once). `non_embedding` drops the tables that are only looked up,

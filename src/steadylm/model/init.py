@@ -16,16 +16,18 @@ from steadylm.errors import ConfigError
 from steadylm.model.config import INITS as INIT_SCHEMES
 
 
-def init_weights(model: nn.Module, scheme: str, n_layer: int) -> None:
+def init_weights(model: nn.Module, scheme: str, n_layer: int, hidden_std_mult: float = 1.0) -> None:
+    """`hidden_std_mult` (gpt2 only) scales every linear but the readout: muP's 1/sqrt(width_mult)."""
     if scheme not in INIT_SCHEMES:
         raise ConfigError(f"model.init={scheme!r} is not allowed; use one of: {', '.join(INIT_SCHEMES)}")
     if scheme == "torch_default":
         return
+    readout = getattr(model, "lm_head", None)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             if scheme == "gpt2":
                 std = 0.02 / math.sqrt(2 * n_layer) if getattr(module, "is_residual_proj", False) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.normal_(module.weight, mean=0.0, std=std if module is readout else std * hidden_std_mult)
             else:
                 nn.init.xavier_uniform_(module.weight)
             if module.bias is not None:
