@@ -30,6 +30,7 @@ import contextlib
 import copy
 import cProfile
 import gc
+import itertools
 import json
 import logging
 import pstats
@@ -46,6 +47,7 @@ import torch
 
 from steadylm.config import compose, set_key
 from steadylm.data.prepare import prepare
+from steadylm.schedule import lr_at, set_lr
 from steadylm.train import build, build_trainer
 
 WARMUP = 3  # steps dropped from each timed run: allocator, optimizer state and autotuning settle there
@@ -66,8 +68,8 @@ def since(start: Sample) -> Sample:
     return t[0] - start[0], t[1] - start[1]
 
 
-def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, forward=None) -> None:
-    """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, AdamW, LR, zero."""
+def raw_step(module, opt, lr: Callable[[], float], batch, clip: float | None, *, autocast=False, forward=None) -> None:
+    """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, the LR, AdamW, zero."""
     x, y = batch
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
@@ -75,16 +77,16 @@ def raw_step(module, opt, sched, batch, clip: float | None, *, autocast=False, f
     loss.backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    set_lr(opt, lr())
     opt.step()
-    sched.step()
     opt.zero_grad(set_to_none=True)
 
 
-def raw_block(module, opt, sched, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
+def raw_block(module, opt, lr, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
     samples = []
     for _ in range(steps + WARMUP):
         start = now()
-        raw_step(module, opt, sched, next(batches), clip, **kw)
+        raw_step(module, opt, lr, next(batches), clip, **kw)
         samples.append(since(start))
     return samples[WARMUP:]
 
@@ -254,9 +256,8 @@ def suite_hook_share(cfg, module, datamodule, steps: int) -> float:
     trainer.profiler = profiler = SimpleProfiler()
     trainer.fit(module, datamodule=datamodule)
     d = profiler.recorded_durations
-    in_suite = sum(
-        sum(v) for k, v in d.items() if k.startswith("[Callback]") and k[10:].split(".")[0].split("{")[0] in suite
-    )
+    keys = tuple(f"[Callback]{cb.state_key}." for cb in trainer.callbacks if type(cb).__name__ in suite)
+    in_suite = sum(sum(v) for k, v in d.items() if k.startswith(keys))
     return in_suite / sum(d["run_training_batch"])
 
 
@@ -360,8 +361,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     objects = build(cfg)
     module, datamodule = objects["module"], objects["datamodule"]
-    opt_cfg = module.configure_optimizers()  # the raw loop's own AdamW, built by the same recipe
-    opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    opt = module.configure_optimizers()  # the raw loop's own AdamW, built by the same recipe
+    o, raw_steps = module.optim_cfg, itertools.count()  # plain values: a DictConfig lookup costs calls each step
+    sched = lambda: lr_at(  # noqa: E731  (the raw loop's LR: the same schedule, by its own step count)
+        next(raw_steps), lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
+    )
     batches = endless(datamodule.train_dataloader())
     clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
 

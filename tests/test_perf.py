@@ -125,9 +125,9 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 # Where steadylm may read a tensor on an ordinary step: host-side values only (on a GPU none of these waits).
 HOST_SIDE = {
     ("sampler.py", "__iter__"),  # the epoch permutation, a CPU tensor
-    ("probe.py", "__init__"),
-    ("probe.py", "read"),
-}  # the probe's copy, read a step after it was sent
+    ("measure.py", "__init__"),
+    ("measure.py", "read"),
+}  # the measurement's copy, read a step after it was sent
 
 
 def test_no_steadylm_code_reads_a_tensor_on_the_host_on_ordinary_steps(make_cfg, monkeypatch):

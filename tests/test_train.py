@@ -45,7 +45,7 @@ def test_weight_decay_only_on_matrices(make_cfg):
     from steadylm.train import build
 
     module = build(make_cfg())["module"]
-    opt = module.configure_optimizers()["optimizer"]
+    opt = module.configure_optimizers()
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
