@@ -1,4 +1,4 @@
-"""The LightningModule: next-token loss, AdamW parameter groups, the per-step LR schedule.
+"""The LightningModule: next-token loss, the optimizer (AdamW, or Muon + AdamW), the per-step LR schedule.
 
 It owns the objective and the optimizer recipe, nothing else: stability checks live in callbacks
 (`steadylm.stability`) so each can be switched off and tested alone. It must never cast targets
@@ -19,6 +19,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from steadylm.compat import attached_trainer
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
+from steadylm.muon import Muon
+from steadylm.muon import param_groups as muon_groups
 from steadylm.schedule import lr_at
 
 IGNORE_INDEX = -100
@@ -132,15 +134,26 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         o = self.optim_cfg
+        opt = self._muon() if o.get("name", "adamw") == "muon" else self._adamw()
+        sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _adamw(self) -> torch.optim.AdamW:
+        o = self.optim_cfg
         # Weight decay only on matrices (linears, embeddings); decaying gains and biases hurts.
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
-        sched = LambdaLR(opt, lambda step: self.lr_factor(step - self.skipped_steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
+
+    def _muon(self) -> Muon:
+        """`optim=muon`: Muon on the blocks' matrices, AdamW (the same recipe as `_adamw`) on the rest."""
+        o, m = self.optim_cfg, self.optim_cfg["muon"]
+        knobs = {k: m[k] for k in ("momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr")}
+        groups = muon_groups(self.net, o)
+        return Muon(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused(), **knobs)
 
     def _use_fused(self) -> bool:
         """`optim.fused`: auto = fused wherever torch has the kernel (one kernel for all tensors, ~5x faster than the
