@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -18,7 +22,7 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.muon import Muon, orthogonalize, param_groups
 from steadylm.stability import read_events
 from steadylm.train import build, train
-from tests.helpers import run_cli
+from tests.helpers import ROOT, run_cli
 
 MUON = {"lr_mult": 1.0, "adjust_lr": "match_rms_adamw", "momentum": 0.95, "nesterov": True, "ns_steps": 5}
 OPTIM = {"lr": 3e-3, "weight_decay": 0.1, "muon": MUON}
@@ -46,7 +50,7 @@ def test_muon_takes_exactly_the_blocks_matrices_with_fused_projections_split(kw)
     net = tiny(**kw)
     groups = param_groups(net, OPTIM)
     names = {id(p): n for n, p in net.named_parameters()}
-    muon = {names[id(p)]: g["splits"] for g in groups if g["muon"] for p in g["params"]}
+    muon = {names[id(p)]: rows for g in groups if g["muon"] for p, rows in zip(g["params"], g["splits"])}
     adam = {names[id(p)] for g in groups if not g["muon"] for p in g["params"]}
     assert set(muon) == {n for n, p in net.named_parameters() if n.startswith("blocks.") and p.dim() == 2}
     assert set(muon) | adam == set(names.values()) and not set(muon) & adam  # every parameter once
@@ -219,3 +223,19 @@ def test_fsdp_with_muon_is_refused_in_one_line(tmp_path):
     out = run_cli("optim=muon", "trainer=fsdp", cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].count("FSDP") >= 1 and "optim=adamw" in out.stderr
+
+
+@pytest.mark.slow
+def test_time_to_loss_quick_mode_prints_every_row_and_the_step_cost(tmp_path):
+    out = tmp_path / "ttl.json"
+    bench = str(ROOT / "benchmarks" / "time_to_loss.py")
+    run = subprocess.run([sys.executable, bench, "--quick", "--json", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert set(r["rows"]) == {"steadylm adamw", "steadylm muon", "plain loop adamw"}
+    assert r["rows"]["steadylm adamw"]["ratios_steps_wall_cpu"] == [1.0, 1.0, 1.0]
+    assert all(len(row["curve"]) == 2 for row in r["rows"].values())  # 20 steps, val every 10
+    cost = subprocess.run([sys.executable, bench, "--quick", "--step-cost"], capture_output=True, text=True)
+    line = cost.stdout.strip().splitlines()[-1]
+    muon, adamw = (float(x) for x in re.findall(r"(?:muon|adamw) (\d\.\d+)", line))
+    assert line.startswith("optimizer step / training step: muon") and 0 < adamw < muon < 1, line
