@@ -38,6 +38,7 @@ from steadylm.config import compose
 from steadylm.data.prepare import prepare
 from steadylm.train import build
 
+QUICK = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4"]
 Point = tuple[int, float, float, float]  # (step, training wall seconds, training CPU seconds, val loss)
 TOLERANCE = 1e-4  # nats: the plain loop's val sum is added in another order than Lightning's
 
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.eval_every, args.val_batches = 20, 10, 2
         args.adamw_lrs, args.muon_lrs = args.adamw_lrs[:1], args.muon_lrs[:1]
+        args.overrides = [*QUICK, *args.overrides]
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="steadylm-ttl-"))
