@@ -8,9 +8,9 @@
 Same model (seeded init), same data order, same warmup/cosine schedule and clipping; the val loss is
 measured on the same val batches every --eval-every steps, and evaluation time is not counted. Each
 steadylm optimizer runs at every LR of its small sweep; its best LR is the one with the lowest final val
-loss. The target is steadylm-AdamW's final val loss at its best LR: each run prints the steps, training wall and CPU
-time it took to first reach it, and the ratios to steadylm-AdamW's. Runs go one after the other, so a busy
-neighbour moves the wall times; process CPU time leaves out the waits for a core and is the steadier one.
+loss. The target is steadylm-AdamW's final val loss at its best LR: each run prints the steps, training
+wall and CPU time it took to first reach it, and the ratios to steadylm-AdamW's. Runs go one after the
+other, so a busy neighbour moves the wall times; process CPU time leaves out the waits for a core.
 
 --step-cost (in `make bench`): Muon's and AdamW's optimizer step as a fraction of a whole training step,
 each step of one timed right after a step of the other, on the same model.

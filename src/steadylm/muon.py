@@ -60,8 +60,9 @@ def lr_ratio(rule: str, rows: int, cols: int) -> float:
 
 class Muon(torch.optim.Optimizer):
     """Each param group is marked `muon: True` (2-D matrices; optionally `splits`, one entry per parameter: the
-    row sizes orthogonalised apart, or None) or `muon: False` (AdamW). `defaults["fused"]` is True only when the AdamW groups are fused: then
-    `found_inf` skips the whole step on the device, and the stability suite may defer its host read."""
+    row sizes orthogonalised apart, or None) or `muon: False` (AdamW). `defaults["fused"]` is True only when
+    the AdamW groups are fused: then `found_inf` skips the whole step on the device (both kinds of group),
+    and the stability suite may defer its host read."""
 
     def __init__(
         self,
@@ -159,10 +160,10 @@ class Muon(torch.optim.Optimizer):
             update = p.grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
             new_bufs.append(new_buf)
             parts.append(update.split(rows) if rows else (update,))
-        ortho = self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device)
+        ortho = iter(self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device))
         skip = found_inf.bool() if found_inf is not None else None
-        for p, new_buf, n in zip(params, new_bufs, (len(ps) for ps in parts)):
-            mine, ortho = ortho[:n], ortho[n:]
+        for p, new_buf, ps in zip(params, new_bufs, parts):
+            mine = [next(ortho) for _ in ps]
             step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
             new_p = p.mul(1 - lr * group["weight_decay"]).sub_(step)  # decoupled decay, with the unscaled LR
             buf = self.state[p]["momentum_buffer"]
