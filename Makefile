@@ -65,8 +65,9 @@ tensorboard: $(VENV)/.installed ## serve a run (or sweep) dir on 127.0.0.1: make
 
 BENCHES := bench.py model_bench.py snapshot_bench.py prepare_bench.py
 
-bench: $(VENV)/.dev ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, prepare MB/s (ARGS=--quick)
+bench: $(VENV)/.dev ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, prepare MB/s, Muon's step cost (ARGS=--quick)
 	@for b in $(BENCHES); do echo "== benchmarks/$$b"; $(PY) benchmarks/$$b $(ARGS) || exit 1; done
+	@echo "== benchmarks/time_to_loss.py --step-cost"; $(PY) benchmarks/time_to_loss.py --step-cost $(ARGS)
 
 clean: ## remove logs and caches (keeps data/ and .venv)
 	rm -rf logs outputs multirun .pytest_cache

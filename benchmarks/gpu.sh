@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU throughput/MFU check of both reference recipes' models (experiment=gpt2_124m, llama_124m), bf16-mixed,
-# torch.compile: model=small, then the same with the stability probe read at the step itself, for the cost of
+# torch.compile: model=small, then the same with the stability measurement read at the step itself, for the cost of
 # that sync; then model=llama_small. Extra args go to benchmarks/gpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -129,8 +129,40 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
             f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)",
         ),
         ("optim.fused", o.get("fused", "auto"), o.get("fused", "auto") in ("auto", True, False), "auto, true or false"),
+        ("optim.name", o.get("name", "adamw"), o.get("name", "adamw") in OPTIMIZERS, " or ".join(OPTIMIZERS)),
     ]
+    if o.get("name") == "muon" and o.get("muon") is None:
+        rules.append(
+            ("optim.name", "muon", False, "chosen with the group, optim=muon (it brings the optim.muon.* keys)")
+        )
+    elif o.get("name") == "muon":
+        rules += _muon_rules(o.muon, t)
     return rules
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]]:
+    from steadylm.muon import ADJUST_LR, NS_DTYPES
+
+    strategy = t.get("strategy")
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
+    return [
+        ("optim.muon.lr_mult", m.lr_mult, _num(m.lr_mult) > 0, "a number > 0"),
+        ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
+        ("optim.muon.momentum", m.momentum, 0 <= _num(m.momentum) < 1, "a number in [0, 1), e.g. 0.95"),
+        ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
+        ("optim.muon.ns_steps", m.ns_steps, _int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
+        ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
+        (
+            "trainer.strategy",
+            target,
+            "fsdp" not in target.lower(),
+            "a strategy other than FSDP under optim=muon (Newton-Schulz needs whole matrices, FSDP shards them): "
+            "use DDP, or optim=adamw",
+        ),
+    ]
 
 
 def _int(v: Any) -> bool:

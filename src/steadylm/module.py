@@ -1,4 +1,4 @@
-"""The LightningModule: next-token loss, AdamW parameter groups, the LR of each update.
+"""The LightningModule: next-token loss, the optimizer (AdamW, or Muon + AdamW) and the LR of each update.
 
 It owns the objective and the optimizer recipe, nothing else: stability checks live in callbacks
 (`steadylm.stability`) so each can be switched off and tested alone. It must never cast targets
@@ -20,6 +20,8 @@ from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups
+from steadylm.muon import Muon
+from steadylm.muon import param_groups as muon_groups
 from steadylm.schedule import lr_at, set_lr
 
 
@@ -144,10 +146,20 @@ class LMModule(L.LightningModule):
         return base * self.lr_scale
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self._muon() if self.optim_cfg.get("name", "adamw") == "muon" else self._adamw()
+
+    def _adamw(self) -> torch.optim.AdamW:
         o = self.optim_cfg
         # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
         groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
         return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
+
+    def _muon(self) -> Muon:
+        """`optim=muon`: Muon on the blocks' matrices, AdamW (the same recipe as `_adamw`) on the rest."""
+        o, m = self.optim_cfg, self.optim_cfg["muon"]
+        knobs = {k: m[k] for k in ("momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr")}
+        groups = muon_groups(self.net, o)
+        return Muon(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused(), **knobs)
 
     def _use_fused(self) -> bool:
         """`optim.fused`: auto = fused wherever torch has the kernel (one kernel for all tensors, ~5x faster than the

@@ -354,6 +354,15 @@ def analyse(log: RunLog) -> Diagnosis:
     return Diagnosis(findings=ordered, facts=_facts(log))
 
 
+def _optimizer(log: RunLog) -> str:
+    """adamw, or muon with the knobs that set its step size (a run from before `optim.name` was AdamW)."""
+    name = log.setting("optim.name", "adamw")
+    if name != "muon":
+        return name
+    m = log.setting("optim.muon", {})
+    return f"muon (adjust_lr={m.get('adjust_lr')}, lr_mult={m.get('lr_mult')}, ns_dtype={m.get('ns_dtype')}; AdamW on the rest)"
+
+
 def _facts(log: RunLog) -> list[str]:
     facts = []
     steps, loss = log.series("train/loss")
@@ -368,7 +377,8 @@ def _facts(log: RunLog) -> list[str]:
         facts.append(f"val/loss at {len(vsteps)} evaluations, last {vloss[-1]:.3f} at step {vsteps[-1]}")
     if log.config is not None:
         facts.append(
-            f"config: optim.lr={log.setting('optim.lr')}, optim.warmup_steps={log.setting('optim.warmup_steps')}, "
+            f"config: optim={_optimizer(log)}, optim.lr={log.setting('optim.lr')}, "
+            f"optim.warmup_steps={log.setting('optim.warmup_steps')}, "
             f"trainer.gradient_clip_val={log.setting('trainer.gradient_clip_val')}, "
             f"trainer.precision={log.setting('trainer.precision')}"
         )
