@@ -120,11 +120,13 @@ def _app(cfg: DictConfig) -> float | None:
         # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
         log.exception("job failed: %s", cfg.paths.output_dir)
         return finish_job(cfg, {}, err)[0]
-    value, diverged = finish_job(cfg, metrics)
-    if diverged and not in_multirun():
-        run = cfg.paths.output_dir
+    value, status, reason = finish_job(cfg, metrics)
+    run = cfg.paths.output_dir
+    if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
+        print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
+    if status == "diverged" and not in_multirun():
         print(
-            f"error: training diverged ({diverged}); see {run}/stability/events.jsonl "
+            f"error: training diverged ({reason}); see {run}/stability/events.jsonl "
             f"or `python -m steadylm.diagnose {run}`",
             file=sys.stderr,
         )
