@@ -10,7 +10,7 @@ diverges everywhere else. The default policy runs `QKClip.step` after each updat
 does, and applies its LR backoff to every group.
 
 Prints each curve and the sensitivity; `--png` saves the plot (docs/lr_sensitivity.png).
-Usage: python benchmarks/lr_sensitivity.py [--steps N] [--png FILE] [--quick]
+Usage: python benchmarks/lr_sensitivity.py [--steps N (150)] [--png FILE] [--quick]
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from steadylm.schedule import lr_at  # noqa: E402
 from steadylm.stability.qk_clip import QKClip  # noqa: E402
 
 MODEL = dict(n_layer=2, n_head=4, d_model=128, context_length=64, vocab_size=320, qk_norm=False)
-OPTIM = dict(lr=1e-3, min_lr=0.0, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0, fused=False)
+OPTIM = dict(
+    lr=1e-3, min_lr=0.0, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0, total_steps=1, fused=False
+)
 VARIANTS = {
     "baseline": ({}, {}, False),
     "qk_norm": ({"qk_norm": True}, {}, False),
@@ -95,7 +97,7 @@ def sensitivity(losses: list[float], init: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--quick", action="store_true", help="3 LRs, 60 steps: a smoke run")
     parser.add_argument("--png", type=Path, default=None)
     args = parser.parse_args()
