@@ -69,19 +69,21 @@ def test_max_logit_is_tracked_only_when_asked():
     attn.track_max_logit = True
     model(x)
     assert torch.isfinite(attn.max_logit) and attn.max_logit.ndim == 0
+    assert attn.head_max_logit.shape == (attn.n_head,) and attn.head_max_logit.max() == attn.max_logit
 
 
 def test_max_logit_in_row_chunks_equals_the_full_causal_max():
-    """Chunk edges and the causal offset: every chunk size gives the brute-force max of sequence 0."""
+    """Chunk edges and the causal offset: every chunk size gives each head's brute-force max of sequence 0."""
     attn = tiny().blocks[0].attn
     hd = attn.head_dim
     q, k = torch.randn(2, attn.n_head, 32, hd), torch.randn(2, attn.n_head, 32, hd)
     q[1] *= 100  # the second sequence is not part of the measurement
-    k[0, :, 31] = 50.0 * q[0, :, 31]  # the largest logit: last query on last key, visible in the last chunk only
+    k[0, 1, 31] = 50.0 * q[0, 1, 31]  # head 1's largest logit: last query on last key, in the last chunk only
     full = (q[0] @ k[0].transpose(-2, -1)) / math.sqrt(hd)
-    expected = full.masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1), float("-inf")).amax()
+    expected = full.masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1), float("-inf")).amax(dim=(-2, -1))
+    assert expected.argmax() == 1
     for rows in (1, 5, 31, 32, 256):
-        assert attn._max_causal_logit(q, k, rows=rows).item() == pytest.approx(expected.item(), rel=1e-6)
+        assert attn._max_causal_logit(q, k, rows=rows).tolist() == pytest.approx(expected.tolist(), rel=1e-6)
 
 
 def test_flops_per_token_matches_a_flop_counter():

@@ -1,4 +1,4 @@
-"""Sweep bookkeeping: each job's outcome, and the summary (table + PNG) with diverged jobs marked."""
+"""Sweep bookkeeping: each job's outcome, and the summary (table + PNG) with unstable and diverged jobs marked."""
 
 import json
 import math
@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from steadylm.stability.instability import MATERIAL_CLIPS, PERSISTENT_ALARMS, instability
 from steadylm.sweep import divergence, summarize_sweep
 from tests.helpers import CLI_TINY, run_cli
 
@@ -34,6 +35,37 @@ def test_divergence_names_its_cause(tmp_path):
     assert divergence({"val/loss": 2.0}, tmp_path, None) == "stopped on nonfinite_grad at step 7"
 
 
+def write_events(run: Path, events: list[dict]) -> None:
+    (run / "stability").mkdir(parents=True, exist_ok=True)
+    (run / "stability" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def clip(step: int, logit: float = 150.0) -> dict:
+    return {"step": step, "kind": "qk_clip", "action": "clip", "detail": {"max_logit": logit, "tau": 100.0}}
+
+
+def test_instability_is_material_clipping_a_backoff_or_persisting_alarms(tmp_path):
+    """A few clips are the policy doing its job; MATERIAL_CLIPS of them, any LR backoff, or PERSISTENT_ALARMS
+    unmitigated alarms make the run unstable, with the cause and the fix in one line."""
+    assert instability(tmp_path) is None  # no events file at all
+    write_events(tmp_path / "few", [clip(s) for s in range(MATERIAL_CLIPS - 1)])
+    assert instability(tmp_path / "few", lr=0.1) is None
+    write_events(tmp_path / "many", [clip(s, 100.0 + s) for s in range(3, 3 + MATERIAL_CLIPS)])
+    line = instability(tmp_path / "many", lr=0.1)
+    assert line.startswith(
+        f"attention logits grew past the bar from step 3 (max 112); QK-clip acted on {MATERIAL_CLIPS}"
+    )
+    assert "fix: model.qk_norm=true, or optim.lr=0.0333" in line and "\n" not in line
+    backoff = {"step": 9, "kind": "lr_backoff", "action": "backoff", "detail": {"lr_scale": 0.25}}
+    write_events(tmp_path / "backoff", [clip(5), backoff])
+    assert "lowered the LR 1 time(s) to x0.25; fix: model.qk_norm=true, or optim.lr=0.025" in instability(
+        tmp_path / "backoff", lr=0.1
+    )
+    alarm = {"kind": "attn_logit", "action": "log", "detail": {"value": 300.0, "threshold": 100.0}}
+    write_events(tmp_path / "alarms", [{**alarm, "step": s} for s in range(PERSISTENT_ALARMS)])
+    assert f"on {PERSISTENT_ALARMS} logging steps, unmitigated" in instability(tmp_path / "alarms")
+
+
 def test_summary_marks_diverged_and_missing_jobs(tmp_path):
     ok = dict(status="ok", reason=None, val_loss=2.5)
     write_job(tmp_path, 0, ["optim.lr=0.001"], {**ok, "lr": 1e-3, "overrides": ["optim.lr=0.001"]})
@@ -43,9 +75,12 @@ def test_summary_marks_diverged_and_missing_jobs(tmp_path):
     )
     write_job(tmp_path, 2, ["optim.lr=10"], diverged)
     write_job(tmp_path, 10, ["optim.lr=30"], None)  # killed before it could write a result
+    unstable = dict(status="unstable", reason="QK-clip acted", lr=0.1, val_loss=2.7, overrides=["optim.lr=0.1"])
+    write_job(tmp_path, 3, ["optim.lr=0.1"], unstable)
     jobs = summarize_sweep(tmp_path)
-    assert [j["job"] for j in jobs] == ["0", "1", "2", "10"]
-    assert [j["status"] for j in jobs] == ["ok", "ok", "diverged", "missing"]
+    assert [j["job"] for j in jobs] == ["0", "1", "2", "3", "10"]
+    assert [j["status"] for j in jobs] == ["ok", "ok", "diverged", "unstable", "missing"]
+    assert "| 3 | `optim.lr=0.1` | 0.1 | 2.7 | unstable | QK-clip acted |" in (tmp_path / "summary.md").read_text()
     table = (tmp_path / "summary.md").read_text()
     assert "| 1 | `optim.lr=0.003` | 0.003 | 2.2 | ok |" in table
     assert "| 2 | `optim.lr=10` | 10 | nan | diverged | non-finite val/loss |" in table
@@ -67,7 +102,7 @@ def test_three_job_multirun_summary_marks_the_diverged_job(shards_dir, tmp_path)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
-    assert f"sweep summary: {sweep / 'summary.md'} (3 jobs, 1 diverged)" in proc.stdout
+    assert f"sweep summary: {sweep / 'summary.md'} (3 jobs, 0 unstable, 1 diverged)" in proc.stdout
     results = [json.loads((sweep / str(i) / "result.json").read_text()) for i in range(3)]
     assert [r["status"] for r in results] == ["ok", "ok", "diverged"]
     assert [r["lr"] for r in results] == [1e-3, 3e-3, 1e6]

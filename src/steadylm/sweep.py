@@ -2,10 +2,12 @@
 
 `finish_job` runs at the end of every job (rank 0 writes) and classifies it: a job *diverged* when its
 loss went non-finite, a stability callback stopped it (a non-finite streak or a spike past the rollback
-budget, or a final loss far above the run's best: see `stability.recovery`), or its `train()` raised. `SweepSummary` is a
+budget, or a final loss far above the run's best: see `stability.recovery`), or its `train()` raised; a job that
+finished is *unstable* when its events show persisting logit growth or a mitigation acting materially
+(`stability.instability`), and *ok* otherwise. `SweepSummary` is a
 Hydra callback (`hydra.callbacks.sweep_summary`) that, when a multirun ends, writes
 `<sweep_dir>/summary.md` (one row per job, then the best LR and, for a mup sweep, the command that trains
-a bigger preset with it) and `summary.png` (final val loss vs LR, diverged jobs marked).
+a bigger preset with it) and `summary.png` (final val loss vs LR, unstable and diverged jobs marked).
 It only reads run dirs; it must never change a job's files.
 """
 
@@ -22,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from steadylm.distributed import is_rank_zero_process
 from steadylm.stability.events import stop_event
+from steadylm.stability.instability import instability
 
 RESULT_FILE = "result.json"
 # What a sweep's best LR means beyond its own shape: the parametrisation and muP's base shape.
@@ -53,18 +56,23 @@ def finish_job(
     metrics: dict[str, float],
     error: BaseException | None = None,
     preempted: dict[str, Any] | None = None,
-) -> tuple[float | None, str | None]:
-    """Record the job's outcome (rank 0); return the metric a sweeper optimises (NaN when diverged) and why it diverged.
-
-    A job stopped by a signal (`preempted`: the record of `steadylm.preemption`) is `preempted`, with the
-    step and the checkpoint `resume=auto` continues from."""
+) -> tuple[float | None, str, str | None]:
+    """Record the job's outcome (rank 0); return the metric a sweeper optimises (NaN when diverged), the status
+    (ok | unstable | diverged | preempted) and its reason. An unstable job keeps its metric: it finished, its
+    loss is real. A job stopped by a signal (`preempted`: the record of `steadylm.preemption`) is `preempted`,
+    with the step and the checkpoint `resume=auto` continues from."""
     run_dir = Path(cfg.paths.output_dir)
     reason = divergence(metrics, run_dir, error)
+    status = "diverged" if reason else "ok"
+    if preempted:
+        status, reason = "preempted", f"{preempted['signal']} at step {preempted['step']}"
+    elif not reason and (reason := instability(run_dir, float(cfg.optim.lr))):
+        status = "unstable"
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         result = {
-            "status": "preempted" if preempted else "diverged" if reason else "ok",
-            "reason": f"{preempted['signal']} at step {preempted['step']}" if preempted else reason,
+            "status": status,
+            "reason": reason,
             **({"step": preempted["step"], "checkpoint": preempted["checkpoint"]} if preempted else {}),
             "lr": float(cfg.optim.lr),
             "val_loss": metrics.get("val/loss"),
@@ -77,8 +85,8 @@ def finish_job(
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
     metric = cfg.get("optimized_metric")
     if not metric:
-        return None, reason
-    return (float("nan") if reason else metrics.get(metric)), reason
+        return None, status, reason
+    return (float("nan") if status == "diverged" else metrics.get(metric)), status, reason
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -153,11 +161,14 @@ def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
         for j in jobs
         if j["status"] == "ok" and j.get("val_loss") is not None and math.isfinite(j["val_loss"])
     )
+    unstable = [(j["lr"], j["val_loss"]) for j in jobs if j["status"] == "unstable" and j.get("val_loss") is not None]
     diverged = [j["lr"] for j in jobs if j["status"] == "diverged" and j.get("lr") is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     if ok:
         ax.plot(*zip(*ok), "o-", color="tab:blue", label="final val/loss")
-    top = max((loss for _, loss in ok), default=1.0) * 1.1
+    if unstable:
+        ax.plot(*zip(*unstable), "s", color="tab:orange", markersize=9, label="unstable (mitigated)")
+    top = max((loss for _, loss in ok + unstable if math.isfinite(loss)), default=1.0) * 1.1
     if diverged:
         ax.plot(diverged, [top] * len(diverged), "x", color="tab:red", markersize=12, mew=3, label="diverged")
         for lr in diverged:
@@ -165,12 +176,12 @@ def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
                 "diverged", (lr, top), textcoords="offset points", xytext=(0, -16), ha="center", color="tab:red"
             )
         ax.set_ylim(top=top * 1.05)
-    lrs = [lr for lr, _ in ok] + diverged
+    lrs = [lr for lr, _ in ok + unstable] + diverged
     if lrs and min(lrs) > 0 and len(set(lrs)) > 1:
         ax.set_xscale("log")
     ax.set_xlabel("optim.lr")
     ax.set_ylabel("final val/loss")
-    ax.set_title(f"sweep: {len(jobs)} jobs, {len(diverged)} diverged")
+    ax.set_title(f"sweep: {len(jobs)} jobs, {len(unstable)} unstable, {len(diverged)} diverged")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -194,9 +205,10 @@ class SweepSummary(Callback):
         if sweep_dir.is_dir():
             jobs = summarize_sweep(sweep_dir)
             diverged = sum(j["status"] == "diverged" for j in jobs)
+            unstable = sum(j["status"] == "unstable" for j in jobs)
             preempted = sum(j["status"] == "preempted" for j in jobs)
             print(
-                f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {diverged} diverged"
+                f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {unstable} unstable, {diverged} diverged"
                 + (f", {preempted} preempted)" if preempted else ")")
             )
             print(best_lr(jobs), end="")

@@ -126,13 +126,15 @@ def _app(cfg: DictConfig) -> float | None:
         log.exception("job failed: %s", cfg.paths.output_dir)
         return finish_job(cfg, {}, err)[0]
     preempted = preemption_of(objects["trainer"])
-    value, diverged = finish_job(cfg, metrics, preempted=preempted)
+    value, status, reason = finish_job(cfg, metrics, preempted=preempted)
     if preempted:
         finish_preempted(cfg, preempted)  # exits 75
-    if diverged and not in_multirun():
-        run = cfg.paths.output_dir
+    run = cfg.paths.output_dir
+    if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
+        print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
+    if status == "diverged" and not in_multirun():
         print(
-            f"error: training diverged ({diverged}); see {run}/stability/events.jsonl "
+            f"error: training diverged ({reason}); see {run}/stability/events.jsonl "
             f"or `python -m steadylm.diagnose {run}`",
             file=sys.stderr,
         )

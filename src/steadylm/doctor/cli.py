@@ -1,4 +1,5 @@
-"""Preflight checks with the same overrides as `train.py`; `deep=true` rescans every token id.
+"""Preflight checks with the same overrides as `train.py`; `deep=true` rescans every token id, `lr_probe=false`
+skips the short training runs of the LR-stability probe.
 
 Exit 0 when nothing fails, 1 when a check fails, 2 when the overrides themselves cannot be composed.
 """
@@ -18,6 +19,7 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
     # Imported here so a mistyped override is reported before torch and Lightning load.
     from steadylm.doctor.config_checks import check_schedule, config_checks
     from steadylm.doctor.data_checks import data_checks
+    from steadylm.doctor.lr_probe import check_lr_probe
     from steadylm.doctor.model_checks import model_checks
 
     rows = config_checks(cfg)
@@ -25,6 +27,8 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
     rows += data_rows
     rows += guarded("model: build", lambda: model_checks(cfg, batch))
     rows += guarded("schedule: LR curve", lambda: check_schedule(cfg, out_dir / "lr_schedule.png"))
+    if cfg.get("lr_probe", False) and not any(r.failed for r in rows):  # it trains: needs a config that works
+        rows += guarded("lr probe: stability at x1, x3, x10", lambda: check_lr_probe(cfg))
     return rows
 
 

@@ -33,9 +33,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         # None: SDPA's 1/sqrt(head_dim) (sp); muP's 1/head_dim scaling otherwise (model/mup.py).
         self.scale = mup.attn_scale(cfg)
-        # Set by the stats callback on logging steps only: the explicit QK^T it needs costs O(T^2).
+        # Set by the stability callback on its measuring steps only: the explicit QK^T costs O(T^2).
         self.track_max_logit = False
-        self.max_logit: torch.Tensor | None = None
+        self.max_logit: torch.Tensor | None = None  # the layer's largest logit (a scalar)
+        self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x (B, T, C); `rope`: this length's (cos, sin) tables, each (T, 1, head_dim), or None."""
@@ -57,26 +58,28 @@ class CausalSelfAttention(nn.Module):
                 gqa = {"enable_gqa": True}
         if self.track_max_logit:
             kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
-            self.max_logit = self._max_causal_logit(q.detach(), kk.detach())
+            self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
+            self.max_logit = self.head_max_logit.amax()
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale, **gqa
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
     def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, rows: int = 256) -> torch.Tensor:
-        """Largest pre-softmax logit a query gives a visible key: its growth precedes attention collapse.
+        """Each head's largest pre-softmax logit a query gives a visible key, (n_head,): its growth precedes
+        attention collapse.
 
         Taken on the batch's first sequence, `rows` queries at a time: logit growth is a property of
         the weights, so one sequence shows it, and the explicit QK^T stays at heads x rows x T floats
-        (a whole batch at T=2048 would be gigabytes on the logging step).
+        (a whole batch at T=2048 would be gigabytes on the measuring step).
         """
         q, k = q[0].float(), k[0].float()
         T = q.shape[-2]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
-        best = q.new_full((), float("-inf"))
+        best = q.new_full((q.shape[0],), float("-inf"))
         for start in range(0, T, rows):
             stop = min(start + rows, T)
             logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)) * scale
             future = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu(start + 1)
-            best = torch.maximum(best, logits.masked_fill(future, float("-inf")).amax())
+            best = torch.maximum(best, logits.masked_fill(future, float("-inf")).amax(dim=(-2, -1)))
         return best

@@ -22,11 +22,13 @@ KINDS = (
     "update_ratio",
     "attn_logit",
     "fp16_skip_streak",
+    "qk_clip",
+    "lr_backoff",
     "rollback",
     "stop",
 )
 STOP = "stop"  # the action of an event that ended the run (`sweep` reads it: the run diverged)
-ACTIONS = ("log", "skip", "rollback", "stop")
+ACTIONS = ("log", "skip", "clip", "backoff", "rollback", "stop")
 
 
 def stability_dir(trainer) -> Path:

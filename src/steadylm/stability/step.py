@@ -7,9 +7,10 @@ One optimizer step, as Lightning runs it:
 - forward, loss, backward (`LMModule`); each micro-batch's loss reaches `on_before_backward`;
 - `on_before_optimizer_step` -> `step` (read it: the whole order is there);
 - `LMModule.on_before_optimizer_step`: every group's LR from the applied steps and the LR scale; clipping; the update;
-- `on_train_batch_end`: the stats of the update; before a checkpoint, the measurement in flight is acted on.
+- `on_train_batch_end`: QK-clip bounds the attention logits the next step starts from; the stats of the update;
+  before a checkpoint, the measurement in flight is acted on.
 
-The checks (`guard`, `spike`, `loss_scale`, `stats`, `recovery`) are plain classes with their own state; they
+The checks (`guard`, `spike`, `loss_scale`, `qk_clip`, `stats`, `recovery`) are plain classes with their own state; they
 return `Verdict`s and this class applies them, so escalation, the rollback budget and the stop live here.
 Every decision comes from the one all-reduced measurement, so every rank applies the same verdicts: no rank
 ever raises or stops alone.
@@ -20,6 +21,9 @@ from __future__ import annotations
 import inspect
 
 import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.checkpointing import STABILITY_STATE_KEY
@@ -31,6 +35,7 @@ from steadylm.stability.forensics import name_culprit, write_bundle
 from steadylm.stability.guard import NonFiniteGuard
 from steadylm.stability.loss_scale import LossScaleMonitor
 from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
+from steadylm.stability.qk_clip import QKClip
 from steadylm.stability.recovery import Recovery, restore_weights_and_optimizer
 from steadylm.stability.rollback import checkpoint_dir
 from steadylm.stability.spike import SpikeDetector
@@ -63,13 +68,16 @@ class Stability(L.Callback):
     """`callbacks.stability`: each part is tunable (`callbacks.stability.spike.sigma=5`) or removable
     (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
 
-    def __init__(self, guard=None, spike=None, stats=None, loss_scale=None, recovery=None, defer: bool = True):
+    def __init__(
+        self, guard=None, spike=None, stats=None, loss_scale=None, qk_clip=None, recovery=None, defer: bool = True
+    ):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
         self.guard = _part("guard", NonFiniteGuard, guard)
         self.spike = _part("spike", SpikeDetector, spike)
         self.stats = _part("stats", GradParamStats, stats)
         self.loss_scale = _part("loss_scale", LossScaleMonitor, loss_scale)
+        self.qk_clip = _part("qk_clip", QKClip, qk_clip)
         self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
         self.measure = StepMeasure(defer=defer and not (self.spike and self.spike.acts_before_update))
         self.stopped = False
@@ -77,6 +85,8 @@ class Stability(L.Callback):
         self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
         self._culprit: tuple[str | None, str] = (None, "")  # the module named at the start of a non-finite streak
         self._log: dict[str, float] | None = None  # this logging step's optimizer metrics, written at batch end
+        self._clip_armed = -1  # the step whose logits QK-clip measures
+        self._clipped: tuple | None = None  # (step, host copy of its per-head max logits, CUDA event): read a step late
 
     @property
     def state_key(self) -> str:
@@ -87,6 +97,10 @@ class Stability(L.Callback):
         self.measure.add_batch(batch, batch_idx)
         if self.stats is not None:
             self.stats.arm(trainer.global_step, pl_module)
+        if self.qk_clip is not None and self.qk_clip.due(trainer.global_step):
+            for attn in self._clip_targets(trainer, pl_module):
+                attn.track_max_logit = True
+            self._clip_armed = trainer.global_step
         spike_window = {"spike": self.spike.window_state()} if self.spike is not None else {}
         self.recovery.maybe_snapshot(trainer, pl_module, spike_window)
 
@@ -263,6 +277,8 @@ class Stability(L.Callback):
                 write_metrics(trainer, metrics)
             for v in alarms:
                 emit(trainer, v.onset, v.kind, v.action, v.detail)
+        if self.qk_clip is not None and not self.stopped:
+            self.clip_logits(trainer, pl_module)
         if self._log is not None:
             write_metrics(trainer, {**self._log, "optim/skipped_steps": float(pl_module.skipped_steps)})
             self._log = None
@@ -270,6 +286,57 @@ class Stability(L.Callback):
         # good file, which a save of NaN weights would replace. On save steps only: a host read each.
         if self.measure.deferred and checkpoint_due(trainer):
             self.settle(trainer, pl_module, trainer.optimizers[0])
+        if self._clipped is not None and checkpoint_due(trainer):
+            self._account_clip(trainer, pl_module)
+
+    # -- QK-clip: after the update, so the next step starts from bounded logits ----------------------------------
+    @staticmethod
+    def _clip_targets(trainer, pl_module) -> list:
+        """The attention layers QK-clip can act on: none under QK-norm (rescaling W_q/W_k cannot change normalised
+        logits) or FSDP (whose sharded weights it does not slice)."""
+        net = getattr(pl_module, "net", None)
+        if net is None or net.cfg.qk_norm or isinstance(trainer.strategy, FSDPStrategy):
+            return []
+        return [b.attn for b in net.blocks]
+
+    def clip_logits(self, trainer, pl_module) -> None:
+        """Clip on the device the heads the measured step saw over tau (every rank the same factors: the maxima are
+        all-reduced with MAX), and account for the previous clip from its host copy, which has arrived by now."""
+        if self._clip_armed < 0 or trainer.global_step <= self._clip_armed:
+            return  # not measured, or still accumulating micro-batches of the measured step
+        step, self._clip_armed = self._clip_armed, -1
+        attns = self._clip_targets(trainer, pl_module)
+        if not attns or any(a.head_max_logit is None for a in attns):
+            return
+        head_max = torch.stack([a.head_max_logit.float() for a in attns])
+        for a in attns:
+            a.head_max_logit, a.track_max_logit = None, False
+        if trainer.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(head_max, op=dist.ReduceOp.MAX)
+        self.qk_clip.clip(head_max, attns)
+        if self._clipped is not None:
+            self._account_clip(trainer, pl_module)
+        event = None
+        host = head_max.to("cpu", non_blocking=True)
+        if head_max.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._clipped = (step, host, event)
+
+    def _account_clip(self, trainer, pl_module) -> None:
+        step, host, event = self._clipped
+        self._clipped = None
+        if event is not None:
+            event.synchronize()
+        evidence = self.qk_clip.account(step, list(host))
+        if evidence is None:
+            return
+        emit(trainer, step, "qk_clip", "clip", evidence)
+        if "lr_backoff" in evidence:
+            pl_module.lr_scale *= evidence["lr_backoff"]
+            keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
+            why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
+            emit(trainer, step, "lr_backoff", "backoff", {**{k: evidence[k] for k in keys}, "reason": why})
 
     def settle(self, trainer, pl_module, optimizer=None) -> None:
         """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""
@@ -279,6 +346,8 @@ class Stability(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.settle(trainer, pl_module)
+        if self._clipped is not None:
+            self._account_clip(trainer, pl_module)
         if self.spike is not None and not self.stopped:
             v = self.spike.finish()  # ended inside a spike episode: report it
             if v.kind is not None:
@@ -313,13 +382,19 @@ class Stability(L.Callback):
 
     # -- resume -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        parts = {"guard": self.guard, "spike": self.spike, "loss_scale": self.loss_scale, "recovery": self.recovery}
+        parts = {
+            "guard": self.guard,
+            "spike": self.spike,
+            "loss_scale": self.loss_scale,
+            "qk_clip": self.qk_clip,
+            "recovery": self.recovery,
+        }
         state = {name: part.state_dict() for name, part in parts.items() if part is not None}
         return {**state, "measure": self.measure.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.measure.load_state_dict(state.get("measure"))
-        for name in ("guard", "spike", "loss_scale", "recovery"):
+        for name in ("guard", "spike", "loss_scale", "qk_clip", "recovery"):
             part = getattr(self, name)
             if part is not None and name in state:
                 part.load_state_dict(state[name])

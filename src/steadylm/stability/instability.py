@@ -1,0 +1,46 @@
+"""Whether a run that finished was unstable, from its events log: the `unstable` status of `result.json`.
+
+A run can end without diverging and still have been unstable: attention logits that kept growing past the
+alarm, or a mitigation that had to keep acting. Such a run trained worse than its LR promised (a run that
+never learns well never falls from its best, so the `diverged` rule cannot see it), and a sweep must not
+rank it as healthy. The rule, from `stability/events.jsonl` alone so `train.py` and the sweep summary agree:
+
+- the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps (a
+  few clips early in a run are the policy doing its job; dozens mean the LR sits in the unstable region);
+- or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps.
+
+It only reads; it must never change a run's files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from steadylm.stability.events import read_events
+
+MATERIAL_CLIPS = 10
+PERSISTENT_ALARMS = 5
+
+
+def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
+    """One line, the cause and the fix, when the run was unstable; None when it was not."""
+    events = read_events(run_dir)
+    clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
+    backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
+    alarms = [e for e in events if e.get("kind") == "attn_logit"]
+    if not backoffs and len(clips) < MATERIAL_CLIPS and len(alarms) < PERSISTENT_ALARMS:
+        return None
+    first = (clips or alarms)[0] if clips or alarms else backoffs[0]
+    peak = max((float(e["detail"].get("max_logit", e["detail"].get("value", 0.0))) for e in clips + alarms), default=0)
+    cause = f"attention logits grew past the bar from step {first['step']} (max {peak:.3g})"
+    if clips:
+        cause += f"; QK-clip acted on {len(clips)} steps"
+    if backoffs:
+        scale = float(backoffs[-1]["detail"]["lr_scale"])
+        lower = f"optim.lr={lr * scale:.3g}" if lr else f"optim.lr x{scale:g}"
+        cause += f", and lowered the LR {len(backoffs)} time(s) to x{scale:g}"
+    else:
+        lower = f"optim.lr={lr / 3:.3g}" if lr else "a lower optim.lr"
+    if not clips and not backoffs:
+        cause += f" on {len(alarms)} logging steps, unmitigated"
+    return f"{cause}; fix: model.qk_norm=true, or {lower} (python -m steadylm.doctor runs the LR probe)"

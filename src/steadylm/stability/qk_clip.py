@@ -1,0 +1,160 @@
+"""`QKClip`: bound each attention head's pre-softmax logits by rescaling its W_q / W_k rows (Kimi K2's QK-clip).
+
+A model without QK-norm lets attention logits grow without bound at a high LR: one head saturates its
+softmax, its gradients vanish, the loss stalls or climbs (Wortsman et al. 2023, Dehghani et al. 2023). After
+an optimizer step, every head whose measured max logit S exceeds `tau` gets its logits scaled by tau / S,
+split evenly between its query and key rows (each by sqrt(tau / S)). The architecture is untouched, so a
+clipped model exports exactly like any other; only the weights change, and a head below tau never does.
+
+Which rows (`qkv` holds n_head query heads, then n_kv_head key heads, then n_kv_head value heads, each
+head_dim rows, bias entries alike): query head h is rows [h*D, (h+1)*D); key head j is rows
+[(H+j)*D, (H+j+1)*D). Under grouped-query attention key head j serves query heads j*G .. j*G+G-1
+(G = H / n_kv_head, the `repeat_interleave` order). Each query head h wants its logits scaled by
+g_h = min(1, tau / S_h); the shared key head takes sqrt(min of its group's g) and each query head the rest,
+g_h / sqrt(min g), so every head's logits scale by exactly g_h: a head of the group below tau keeps its
+logits (its query rows grow as much as the key rows shrink). With G = 1 this is sqrt(g) on both. Rotary
+positions rotate pairs of a head's dimensions after the projection; a scalar per head commutes with that
+rotation, so the same rows serve `model.pos=rope`.
+
+Bounded: one intervention scales a head's logits by at least `min_factor`; a measurement that is not
+finite is ignored (the guard owns non-finite steps); after `max_clips` clipping steps the policy stops
+acting (and says so once). When clipping persists, i.e. `backoff_after` measurements in a row needed it,
+it asks for the LR to be multiplied by `lr_backoff`, at most `max_backoffs` times in the run. It is a plain
+class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, all-reduces
+the logits with MAX, clips on the device at once (`clip`: no host read) and accounts for the clip a step
+later from a host copy (`account`), applies the LR factor and writes the events.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from steadylm.errors import ConfigError
+
+
+class QKClip:
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        tau: float = 100.0,
+        min_factor: float = 0.1,
+        max_clips: int = 1000,
+        backoff_after: int | None = 20,
+        lr_backoff: float | None = 0.5,
+        max_backoffs: int = 3,
+    ) -> None:
+        where = "callbacks.stability.qk_clip"
+        if every_n_steps < 1:
+            raise ConfigError(f"{where}.every_n_steps={every_n_steps} must be >= 1")
+        if not tau > 0:
+            raise ConfigError(f"{where}.tau={tau} must be > 0 (Kimi K2 uses 100)")
+        if not 0 < min_factor <= 1:
+            raise ConfigError(f"{where}.min_factor={min_factor} must be in (0, 1]")
+        if lr_backoff is not None and not 0 < lr_backoff <= 1:
+            raise ConfigError(f"{where}.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR")
+        if backoff_after is not None and backoff_after < 1:
+            raise ConfigError(f"{where}.backoff_after={backoff_after} must be >= 1, or null to never lower the LR")
+        self.every_n_steps = int(every_n_steps)
+        self.tau, self.min_factor, self.max_clips = float(tau), float(min_factor), int(max_clips)
+        self.backoff_after, self.lr_backoff, self.max_backoffs = backoff_after, lr_backoff, int(max_backoffs)
+        self.clips = 0  # steps on which at least one head was clipped
+        self.streak = 0  # measurements in a row that clipped
+        self.onset = -1  # the step at which the current streak began
+        self.backoffs = 0
+        self.lr_scale = 1.0  # the product of the LR factors asked for so far
+        self.exhausted = False
+
+    def factors(self, head_max: torch.Tensor, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query-row factor per query head, key-row factor per key head) for one layer's per-head max logits."""
+        s = head_max.float()
+        g = torch.where(torch.isfinite(s) & (s > self.tau), self.tau / s, torch.ones_like(s))
+        g = g.clamp(min=self.min_factor)
+        k = g.view(n_kv_head, -1).amin(dim=1).sqrt()
+        return g / k.repeat_interleave(g.numel() // n_kv_head), k
+
+    @torch.no_grad()
+    def apply(self, attn, q_factor: torch.Tensor, k_factor: torch.Tensor) -> None:
+        """Scale one `CausalSelfAttention`'s query and key rows (weight and bias) in place."""
+        H, KV, D = attn.n_head, attn.n_kv_head, attn.head_dim
+        rows = torch.cat([q_factor.repeat_interleave(D), k_factor.repeat_interleave(D)])
+        for p in (attn.qkv.weight, attn.qkv.bias):
+            if p is not None:
+                scale = rows.to(p.device, p.dtype)
+                p[: (H + KV) * D].mul_(scale.view(-1, *([1] * (p.dim() - 1))))
+
+    def due(self, step: int) -> bool:
+        """Step `step` is measured (and clipped after its update)."""
+        return step % self.every_n_steps == 0
+
+    @torch.no_grad()
+    def clip(self, head_max: torch.Tensor, attns: list) -> None:
+        """Rescale, on the device, every head whose max logit (row i of `head_max` for layer i, all-reduced)
+        exceeds tau; a head below it is multiplied by exactly 1. No host read."""
+        if self.exhausted:
+            return
+        for attn, row in zip(attns, head_max):
+            self.apply(attn, *self.factors(row, attn.n_kv_head))
+
+    def step(self, step: int, head_max: list[torch.Tensor], attns: list) -> dict | None:
+        """`clip` then `account` at once (the host reads the logits now)."""
+        self.clip(torch.stack(list(head_max)), attns)
+        return self.account(step, head_max)
+
+    def account(self, step: int, head_max) -> dict | None:
+        """The record of step `step`'s clip, from the host's copy of its logits: counts, the streak, the LR
+        backoff it asks for; the event's evidence, or None when no head was over tau."""
+        over = [
+            (layer, head, s)
+            for layer, row in enumerate(head_max)
+            for head, s in enumerate(row.tolist())
+            if math.isfinite(s) and s > self.tau
+        ]
+        if not over:
+            self.streak = 0
+            return None
+        if self.exhausted:
+            return None
+        self.clips += 1
+        if self.streak == 0:
+            self.onset = step
+        self.streak += 1
+        worst = max(over, key=lambda t: t[2])
+        evidence = {
+            "tau": self.tau,
+            "max_logit": worst[2],
+            "layer": worst[0],
+            "head": worst[1],
+            "factor": max(self.tau / worst[2], self.min_factor),
+            "heads_clipped": [[layer, head, round(s, 2)] for layer, head, s in over],
+            "clips": self.clips,
+            "budget": self.max_clips,
+        }
+        if self.backoff_after is not None and self.lr_backoff is not None and self.lr_backoff < 1:
+            if self.streak >= self.backoff_after and self.backoffs < self.max_backoffs:
+                self.backoffs += 1
+                self.lr_scale *= self.lr_backoff
+                self.streak = 0
+                evidence.update(
+                    lr_backoff=self.lr_backoff, lr_scale=self.lr_scale, backoffs=self.backoffs, onset=self.onset
+                )
+        if self.clips >= self.max_clips:
+            self.exhausted = True
+            evidence["exhausted"] = True
+        return evidence
+
+    def state_dict(self) -> dict:
+        return {
+            "clips": self.clips,
+            "streak": self.streak,
+            "onset": self.onset,
+            "backoffs": self.backoffs,
+            "lr_scale": self.lr_scale,
+            "exhausted": self.exhausted,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clips, self.streak, self.backoffs = int(state["clips"]), int(state["streak"]), int(state["backoffs"])
+        self.onset = int(state["onset"])
+        self.lr_scale, self.exhausted = float(state["lr_scale"]), bool(state["exhausted"])

@@ -1,0 +1,94 @@
+"""QK-clip: the per-head rescaling brings exactly the heads above tau down to tau (MHA, GQA, RoPE), it is
+bounded and its state survives a checkpoint, and the default callbacks clip a high-LR run but never a healthy one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steadylm.model import GPT, GPTConfig
+from steadylm.stability import read_events
+from steadylm.stability.qk_clip import QKClip
+from steadylm.train import train
+from tests.helpers import stability_of
+
+
+def head_maxima(net: GPT, x: torch.Tensor) -> list[torch.Tensor]:
+    for b in net.blocks:
+        b.attn.track_max_logit = True
+    net(x)
+    return [b.attn.head_max_logit.clone() for b in net.blocks]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(n_head=4),  # one key head per query head: sqrt(tau / S) on both
+        dict(n_head=4, n_kv_head=2),  # grouped-query: a key head shared by two query heads
+        dict(n_head=4, n_kv_head=1, pos="rope", bias=False),  # rotary positions, one key head for all
+    ],
+)
+def test_clipped_heads_end_at_tau_and_the_others_keep_their_logits(shape):
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(n_layer=1, d_model=64, context_length=32, vocab_size=64, **shape))
+    attn, D = net.blocks[0].attn, net.blocks[0].attn.head_dim
+    with torch.no_grad():  # blow up query heads 1 and 3 (in different key groups under n_kv_head=2)
+        attn.qkv.weight[D : 2 * D] *= 60.0
+        attn.qkv.weight[3 * D : 4 * D] *= 30.0
+    x = torch.randint(0, 64, (2, 32))
+    (before,) = head_maxima(net, x)
+    tau = 3.0 * float(max(before[0], before[2]))
+    assert float(before[1]) > tau and float(before[3]) > tau
+    policy = QKClip(tau=tau, min_factor=1e-4)
+    evidence = policy.step(7, [before], [attn])
+    (after,) = head_maxima(net, x)
+    assert after.tolist() == pytest.approx([before[0].item(), tau, before[2].item(), tau], rel=1e-4)
+    assert evidence["clips"] == 1 and evidence["head"] == max((1, 3), key=lambda h: before[h])
+    assert {(layer, head) for layer, head, _ in evidence["heads_clipped"]} == {(0, 1), (0, 3)}
+    assert policy.step(8, [torch.full((4,), tau)], [attn]) is None  # at tau: nothing to do
+
+
+def test_the_policy_is_bounded_and_its_state_round_trips():
+    attn = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, context_length=8, vocab_size=16)).blocks[0].attn
+    policy = QKClip(tau=10.0, min_factor=0.5, max_clips=3, backoff_after=2, lr_backoff=0.5, max_backoffs=1)
+    w = attn.qkv.weight.detach().clone()
+    first = policy.step(0, [torch.tensor([1000.0, float("nan")])], [attn])
+    assert first["factor"] == 0.5  # tau / S = 0.01, floored by min_factor
+    q_rows = attn.qkv.weight[:8]  # head 0's query rows scaled by 0.5 / sqrt(0.5), its key rows by sqrt(0.5)
+    assert torch.allclose(q_rows, w[:8] * 0.5**0.5) and torch.allclose(attn.qkv.weight[16:24], w[16:24] * 0.5**0.5)
+    assert torch.equal(attn.qkv.weight[8:16], w[8:16])  # head 1 measured NaN: ignored, untouched
+    assert torch.equal(attn.qkv.weight[32:], w[32:])  # values never change
+    second = policy.step(1, [torch.tensor([20.0, 5.0])], [attn])
+    assert second["lr_backoff"] == 0.5 and second["lr_scale"] == 0.5  # two clipping measurements in a row
+    third = policy.step(2, [torch.tensor([20.0, 5.0])], [attn])
+    assert "lr_backoff" not in third and third["exhausted"]  # max_backoffs=1; max_clips=3 reached
+    state = json.loads(json.dumps(policy.state_dict()))
+    w = attn.qkv.weight.detach().clone()
+    resumed = QKClip(tau=10.0, max_clips=3)
+    resumed.load_state_dict(state)
+    assert resumed.step(3, [torch.tensor([50.0, 5.0])], [attn]) is None and torch.equal(attn.qkv.weight, w)
+    assert (resumed.clips, resumed.backoffs, resumed.lr_scale) == (3, 1, 0.5)
+
+
+@pytest.mark.slow
+def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cfg, tmp_path):
+    """lr 0.1 without QK-norm: clips from the first steps past tau, events with evidence, counts in the checkpoint."""
+    overrides = ("model.qk_norm=false", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=30")
+    _, objects = train(make_cfg(*overrides, "callbacks.checkpoint.every_n_train_steps=30"))
+    clips = [e for e in read_events(tmp_path / "run") if e["kind"] == "qk_clip"]
+    assert len(clips) >= 5, clips
+    assert all(e["detail"]["max_logit"] > 100.0 and e["detail"]["heads_clipped"] for e in clips)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    state = ckpt["callbacks"]["steadylm.stability"]["qk_clip"]
+    assert state["clips"] == len(clips)
+    after = make_cfg(*overrides, "trainer.max_steps=32", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
+    _, resumed = train(after)
+    assert stability_of(resumed["trainer"]).qk_clip.clips >= len(clips)
+
+
+@pytest.mark.slow
+def test_a_healthy_run_is_never_clipped(make_cfg, tmp_path):
+    train(make_cfg("model.qk_norm=false", "trainer.max_steps=60"))
+    assert not [e for e in read_events(tmp_path / "run") if e["kind"] in ("qk_clip", "lr_backoff")]
