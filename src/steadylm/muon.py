@@ -20,6 +20,8 @@ import math
 import torch
 from torch.optim.adamw import adamw
 
+from steadylm import compat
+
 # Keller Jordan's quintic coefficients: steepest slope at 0, so 5 steps bring every singular value near 1.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR = ("match_rms_adamw", "original", "none")
@@ -106,7 +108,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)  # set by the stability suite (deferred mode)
+        found_inf = compat.found_inf(self)  # set by the stability suite (deferred mode)
         for group in self.param_groups:
             (self._muon_step if group["muon"] else self._adamw_step)(group, found_inf)
         return loss
