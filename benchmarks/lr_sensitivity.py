@@ -67,7 +67,7 @@ def val_loss(module: LMModule, val) -> float:
 def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, val) -> float:
     torch.manual_seed(0)
     module = LMModule(model=model, optim={**optim, "lr": lr})
-    opt = module.configure_optimizers()["optimizer"]
+    opt = module.configure_optimizers()
     params = [p for p in module.parameters() if p.requires_grad]
     attns = [b.attn for b in module.net.blocks]
     policy = QKClip() if clip else None

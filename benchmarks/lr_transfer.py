@@ -29,6 +29,7 @@ import torch
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.prepare import prepare
 from steadylm.module import LMModule
+from steadylm.schedule import lr_at, set_lr
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,8 +94,7 @@ def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batche
     )
     torch.manual_seed(0)
     module = LMModule(model=model, optim=optim)
-    sched = module.configure_optimizers()["lr_scheduler"]["scheduler"]
-    opt = sched.optimizer
+    opt = module.configure_optimizers()
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1)).tolist()
     for step in range(args.steps):
         start = step * args.batch % (len(order) - args.batch)
@@ -104,8 +104,10 @@ def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batche
             return math.inf
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        set_lr(
+            opt, lr_at(step, lr=lr, min_lr=optim["min_lr"], warmup_steps=optim["warmup_steps"], total_steps=args.steps)
+        )
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
     with torch.no_grad():
         losses = [module.loss(module(x), y)[0].item() for x, y in val_batches]

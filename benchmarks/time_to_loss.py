@@ -36,6 +36,7 @@ import torch
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
+from steadylm.schedule import lr_at, set_lr
 from steadylm.train import build
 
 QUICK = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4"]
@@ -118,8 +119,8 @@ def plain_run(cfg) -> list[Point]:
     """The plain loop on the model and data `build` makes (same init, same order): nothing of Lightning runs."""
     objects = build(cfg)
     module, dm = objects["module"], objects["datamodule"]
-    opt_cfg = module.configure_optimizers()  # AdamW and the LR schedule by the same recipe
-    opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    opt = module.configure_optimizers()  # AdamW by the same recipe; the same LR schedule below
+    o = module.optim_cfg
     clip, every, steps = cfg.trainer.gradient_clip_val, cfg.trainer.val_check_interval, cfg.trainer.max_steps
     curve, wall, cpu, step = [], 0.0, 0.0, 0
     module.train()
@@ -129,8 +130,11 @@ def plain_run(cfg) -> list[Point]:
             loss, _ = module.loss(module.net(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            lr = lr_at(
+                step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
+            )
+            set_lr(opt, lr)
             opt.step()
-            sched.step()
             opt.zero_grad(set_to_none=True)
             end = now()
             wall, cpu = wall + end[0] - start[0], cpu + end[1] - start[1]
@@ -157,7 +161,7 @@ def step_cost(cfg, steps: int) -> dict[str, float]:
     opts = {}
     for name in ("adamw", "muon"):
         module.optim_cfg = {**module.optim_cfg, "name": name}
-        opts[name] = module.configure_optimizers()["optimizer"]
+        opts[name] = module.configure_optimizers()
     share: dict[str, list[float]] = {name: [] for name in opts}
     batches = iter(dm.train_dataloader())
     for i in range(2 * steps + 6):

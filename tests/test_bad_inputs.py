@@ -185,6 +185,10 @@ CLI_CASES = {
         ["+callbacks.stability.spike.sigmaa=5"],
         r"callbacks\.stability\.spike\.sigmaa is not a setting; use one of sigma, window",
     ),
+    "mup_with_muon": (
+        ["optim=muon", "model.parametrization=mup"],
+        r"model\.parametrization='mup' is not allowed; it must be sp under optim=muon",
+    ),
     "guard_defer": (["callbacks.stability.defer=maybe"], r"callbacks\.stability\.defer='maybe' must be true or false"),
 }
 

@@ -52,7 +52,7 @@ def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
     optimizer.found_inf = flag
 
 
-def found_inf(optimizer: Any) -> torch.Tensor | None:
+def read_found_inf(optimizer: Any) -> torch.Tensor | None:
     """The flag `set_found_inf` left on `optimizer` (None: none): what an optimizer of ours reads in `step()`."""
     return getattr(optimizer, "found_inf", None)
 

@@ -108,7 +108,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = compat.found_inf(self)  # set by the stability suite (deferred mode)
+        found_inf = compat.read_found_inf(self)  # set by the stability suite (deferred mode)
         for group in self.param_groups:
             (self._muon_step if group["muon"] else self._adamw_step)(group, found_inf)
         return loss

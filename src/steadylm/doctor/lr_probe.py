@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from steadylm.doctor.check import FAIL, OK, WARN, Check
 from steadylm.module import LMModule
-from steadylm.schedule import lr_at
+from steadylm.schedule import lr_at, set_lr
 
 MULTIPLES = (1.0, 3.0, 10.0)
 DOWN = (1 / 3, 1 / 10, 1 / 30)
@@ -105,15 +105,14 @@ def run_probe(
     """Train a fresh model (seed 0) for `steps` steps at peak `lr`; stops early once the LR shows itself unstable."""
     torch.manual_seed(0)
     module = LMModule(model=model, optim={**optim, "lr": lr, "fused": False})
-    opt = module.configure_optimizers()["optimizer"]
+    opt = module.configure_optimizers()
     attns = [b.attn for b in module.net.blocks]
     params = [p for p in module.parameters() if p.requires_grad]
     out = Probe(lr, [], [], [], [])
     module.train()
     for step in range(steps):
         x, y = batches[step % len(batches)]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=lr, min_lr=lr, warmup_steps=warmup, total_steps=steps)
+        set_lr(opt, lr_at(step, lr=lr, min_lr=lr, warmup_steps=warmup, total_steps=steps))
         for a in attns:
             a.track_max_logit = True
         logits = module(x)

@@ -105,10 +105,11 @@ class QKClip:
     def account(self, step: int, head_max) -> dict | None:
         """The record of step `step`'s clip, from the host's copy of its logits: counts, the streak, the LR
         backoff it asks for; the event's evidence, or None when no head was over tau."""
+        rows = torch.stack(list(head_max)).tolist()  # a host copy (the owner's) or the caller's tensors
         over = [
             (layer, head, s)
-            for layer, row in enumerate(head_max)
-            for head, s in enumerate(row.tolist())
+            for layer, row in enumerate(rows)
+            for head, s in enumerate(row)
             if math.isfinite(s) and s > self.tau
         ]
         if not over:
