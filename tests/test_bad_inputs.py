@@ -189,6 +189,10 @@ CLI_CASES = {
         ["optim=muon", "model.parametrization=mup"],
         r"model\.parametrization='mup' is not allowed; it must be sp under optim=muon",
     ),
+    "callback_without_target": (
+        ["+callbacks.guard.max_consecutive=2"],
+        r"callbacks\.guard has no _target_, so nothing would run it",
+    ),
     "guard_defer": (["callbacks.stability.defer=maybe"], r"callbacks\.stability\.defer='maybe' must be true or false"),
 }
 

@@ -240,5 +240,6 @@ def test_a_signal_in_a_multirun_ends_the_sweep_with_its_summary(shards_dir, tmp_
     assert json.loads((sweep / "0" / "result.json").read_text())["status"] == "preempted"
     assert not (sweep / "1").exists()
     rows = (sweep / "summary.md").read_text().splitlines()
-    assert rows[-1].startswith("| 0 |") and "| preempted | SIGTERM at step 3 |" in rows[-1]
+    row = next(r for r in rows if r.startswith("| 0 |"))
+    assert "| preempted | SIGTERM at step 3 |" in row
     assert f"hydra.run.dir={sweep / '0'} resume=auto" in proc.stderr  # that job alone, without -m

@@ -23,7 +23,7 @@ from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
 from steadylm.devices import devices_of
 from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
-from steadylm.errors import SteadyError, exit_with
+from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.global_batch import apply_global_batch
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
@@ -40,10 +40,16 @@ def enable_fast_matmul() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-def instantiate_named(group: DictConfig | None) -> list[Any]:
+def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
     if not group:
         return []
+    for name, node in group.items():
+        if node is not None and "_target_" not in node:  # a setting meant for an entry that is not there
+            raise ConfigError(
+                f"{key}.{name} has no _target_, so nothing would run it: set keys of an existing entry "
+                f"(e.g. callbacks.stability.{name}.*) or give it a _target_"
+            )
     try:
         return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
     except InstantiationException as err:
@@ -79,7 +85,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
     # Preemption runs after every other callback and is there even with callbacks=none (exit 75, docs/resume.md).
-    callbacks = place_last(instantiate_named(cfg.get("callbacks")), f"{cfg.paths.output_dir}/checkpoints")
+    callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         # Lightning's bar redraws every step (Python time on the hot path); the loss it shows changes only on
         # logging steps, so it redraws on those.
@@ -87,7 +93,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     trainer = instantiate(
         cfg.trainer,
         callbacks=callbacks,
-        logger=instantiate_named(cfg.get("logger")) or False,
+        logger=instantiate_named(cfg.get("logger"), "logger") or False,
         precision=resolve_precision(cfg.trainer.precision, devices_of(cfg).accelerator),
     )
     return trainer
