@@ -18,7 +18,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from steadylm.checkpointing import latest_checkpoint, safe_load
 from steadylm.errors import ConfigError
-from steadylm.preemption import PREEMPTED_EXIT, Preemption, resume_command, signal_numbers, slurm_requeue_command
+from steadylm.preemption import (
+    PREEMPTED_EXIT,
+    Preemption,
+    requeue,
+    resume_command,
+    signal_numbers,
+    slurm_requeue_command,
+    submitit_signal,
+)
 from steadylm.sweep import finish_job, summarize_sweep
 from steadylm.train import train
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
@@ -86,6 +94,19 @@ def test_resume_command_keeps_the_overrides_and_pins_the_run_dir():
     ]
 
 
+def test_submitit_jobs_catch_submitit_signal_and_leave_the_requeue_to_it(monkeypatch):
+    assert submitit_signal({}) is None
+    assert submitit_signal({"SUBMITIT_EXECUTOR": "slurm"}) == signal.SIGUSR2
+    assert submitit_signal({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == signal.SIGUSR1
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    callback = Preemption(dirpath="ckpts")
+    assert signal.SIGUSR2 in callback.signals
+    assert (callback.requeuer(signal.SIGUSR2), callback.requeuer(signal.SIGUSR1)) == ("submitit", "scontrol")
+    assert callback.requeuer(signal.SIGTERM) is None
+    record = {"requeue": "submitit"}  # submitit's handler requeues: never a second `scontrol requeue`
+    assert requeue(record, {"SLURM_JOB_ID": "5"}) == "; submitit requeues the job, and it resumes by itself"
+
+
 def test_slurm_requeue_names_the_job_or_the_array_task():
     assert slurm_requeue_command({}) is None
     assert slurm_requeue_command({"SLURM_JOB_ID": "77"}) == ["scontrol", "requeue", "77"]
@@ -111,7 +132,12 @@ def test_signal_stops_at_the_next_step_boundary_with_a_checkpoint(make_cfg, tmp_
     trainer = objects["trainer"]
     record = next(c for c in trainer.callbacks if isinstance(c, Preemption)).record
     ckpt = tmp_path / "run" / "checkpoints" / "preempted.ckpt"
-    assert record == {"signal": name, "step": 5, "checkpoint": str(ckpt), "requeue": name == "SIGUSR1"}
+    assert record == {
+        "signal": name,
+        "step": 5,
+        "checkpoint": str(ckpt),
+        "requeue": "scontrol" if name == "SIGUSR1" else None,
+    }
     assert trainer.global_step == 5 and not trainer.received_sigterm
     assert "val/loss" not in trainer.callback_metrics  # the validation due at step 5 is skipped on the way out
     assert latest_checkpoint(ckpt.parent) == ckpt  # nothing newer (last.ckpt at an end-of-epoch state) for resume=auto
@@ -228,6 +254,36 @@ def test_slurm_pre_timeout_signal_checkpoints_and_requeues_once(shards_dir, tmp_
     assert "resume=auto: continuing from" in again.stdout + again.stderr and "preempted.ckpt" in again.stderr
     assert safe_load(run / "checkpoints" / "last.ckpt")["global_step"] == STEPS
     assert calls.read_text() == "requeue 4242\n"  # a run that finishes does not requeue
+
+
+@pytest.mark.slow
+def test_submitit_launcher_signal_checkpoints_requeues_and_the_job_resumes_bitwise(shards_dir, tmp_path):
+    """The template's submitit launcher, run for real (its local executor: the same signal handling and
+    requeue decision as on SLURM, with a restart for `scontrol requeue`): submitit's SIGUSR2 stops the job at
+    the next step boundary with preempted.ckpt, submitit requeues it, and the requeued job, started by
+    submitit with the same command (no resume=auto), continues from that checkpoint to the same losses as an
+    uninterrupted run."""
+    step = random.randrange(1, STEPS - 2)
+    args = [*EXACT, f"data.dir={shards_dir}"]
+    full, sweep = tmp_path / "full", tmp_path / "sweep"
+    done = run_cli(*args, f"hydra.run.dir={full}", cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    launcher = ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=60", f"hydra.sweep.dir={sweep}"]
+    proc = run_cli("-m", *launcher, *args, drill(step, "SIGUSR2"), cwd=tmp_path, timeout=240)
+    logs = "".join(p.read_text() for p in sorted((sweep / ".submitit").rglob("*_log.*")))
+    assert proc.returncode == 0, proc.stderr[-2000:] + logs[-3000:]
+    lines = [line for line in logs.splitlines() if line.startswith("preempted:")]
+    assert len(lines) == 1 and lines[0].startswith(f"preempted: SIGUSR2 at step {step + 1}, state saved in "), logs
+    assert lines[0].endswith(
+        f"hydra.run.dir={sweep / '0'} resume=auto; submitit requeues the job, and it resumes by itself"
+    )
+    assert "resume with: python train.py " in lines[0]  # the user's script, not submitit's entry point
+    assert "submitit requeued this job: continuing from" in logs and "preempted.ckpt" in logs
+    run = sweep / "0"
+    assert safe_load(run / "checkpoints" / "preempted.ckpt")["global_step"] == step + 1
+    assert json.loads((run / "result.json").read_text())["status"] == "ok"  # the requeued job finished it
+    assert step_losses(run) == step_losses(full), f"signal at step {step}"
 
 
 @pytest.mark.slow

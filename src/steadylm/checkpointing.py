@@ -173,7 +173,8 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 def resolve_ckpt_path(cfg) -> str | None:
     """`ckpt_path=<file>` resumes from that file; `resume=auto` from the newest good checkpoint in
-    this run's `checkpoints/` (a fresh start if there is none, so one command serves start and restart)."""
+    this run's `checkpoints/` (a fresh start if there is none, so one command serves start and restart).
+    A requeued submitit job resumes as if `resume=auto` (the launcher cannot add it to the command)."""
     ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
     if resume not in (None, "auto"):
         raise CheckpointError(
@@ -181,11 +182,16 @@ def resolve_ckpt_path(cfg) -> str | None:
         )
     if resume == "auto" and ckpt_path:
         raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
+    folder = Path(cfg.paths.output_dir) / "checkpoints"
+    if resume is None and os.environ.get("SUBMITIT_EXECUTOR") and (found := latest_checkpoint(folder)):
+        # A submitit job that finds checkpoints in its own run dir was requeued (preempted or timed out):
+        # it continues by itself, from its own progress rather than from where it first started.
+        log.info("submitit requeued this job: continuing from %s", found)
+        return str(found)
     if ckpt_path:
         return str(ckpt_path)
     if resume != "auto":
         return None
-    folder = Path(cfg.paths.output_dir) / "checkpoints"
     found = latest_checkpoint(folder)
     if found is None:
         log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)

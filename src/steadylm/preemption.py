@@ -11,6 +11,11 @@ Exit code 75 is `EX_TEMPFAIL` from sysexits.h ("temporary failure; the user is i
 neither failure (1), bad input (2) nor divergence (3), nor 128+N (killed by a signal, no state saved), and
 schedulers can act on it (SLURM's `RequeueExit=75`, a Kubernetes `podFailurePolicy` on exit code 75).
 
+Under the submitit launcher (`hydra/launcher=slurm`), submitit's own pre-timeout signal (SIGUSR2, or
+`$SUBMITIT_PREEMPT_SIGNAL`) joins the signals: the step-boundary checkpoint comes first, then the run hands
+the signal to submitit's handler, which requeues the job (SLURM: `scontrol requeue`; the local executor:
+a restart); `resolve_ckpt_path` lets the requeued job continue from its own checkpoints by itself.
+
 This module must never stop one rank alone: a rank leaving while the others wait in a collective hangs them.
 """
 
@@ -38,6 +43,13 @@ log = logging.getLogger("steadylm")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL (see the module docstring)
 CHECKPOINT_NAME = "preempted.ckpt"
+
+
+def submitit_signal(env: dict[str, str]) -> int | None:
+    """The signal submitit sends this job before its time limit (None outside a submitit job)."""
+    if not env.get("SUBMITIT_EXECUTOR"):
+        return None
+    return int(getattr(signal, "SIG" + env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")))
 
 
 def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
@@ -121,11 +133,15 @@ class Preemption(L.Callback):
             raise ConfigError(f"callbacks.preemption.every_n_steps={every_n_steps} must be >= 1")
         self.path = Path(dirpath) / filename
         self.signals = signal_numbers(signals, "callbacks.preemption.signals")
+        self.submitit = submitit_signal(dict(os.environ))  # submitit's requeue signal, caught too
+        if self.submitit is not None and self.submitit not in self.signals:
+            self.signals.append(self.submitit)
         self.requeue_signals = signal_numbers(requeue_signals, "callbacks.preemption.requeue_signals")
         self.every_n_steps = int(every_n_steps)
         self.flag = CollectiveFlag()
         self.received = 0  # the first signal this process received (0: none)
         self.record: dict[str, Any] | None = None  # set on every rank when the run stopped for a signal
+        self.previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's requeue among them)
         self._last_step = -1
 
     def _on_signal(self, signum: int, frame) -> None:
@@ -141,8 +157,7 @@ class Preemption(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_step = trainer.global_step
-        for signum in self.signals:
-            signal.signal(signum, self._on_signal)
+        self.previous = {signum: signal.signal(signum, self._on_signal) for signum in self.signals}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -158,7 +173,7 @@ class Preemption(L.Callback):
                 "signal": signal.Signals(agreed).name,
                 "step": step,
                 "checkpoint": str(self.path),
-                "requeue": agreed in self.requeue_signals,
+                "requeue": self.requeuer(agreed),  # who asks the cluster to requeue the job, if anyone
             }
             if not 0 <= trainer.max_steps <= step:  # no scheduled validation on the way out (the grace period is short)
                 trainer.limit_val_batches = 0
@@ -175,10 +190,28 @@ class Preemption(L.Callback):
         self.flag.wait()  # leave no all-reduce in flight
         self.record = None  # the signal came at the last step: the run finished all the same
 
+    def requeuer(self, signum: int) -> str | None:
+        """`submitit` for submitit's own signal (its handler requeues), `scontrol` for a pre-timeout signal
+        under plain SLURM (`requeue`), None for a signal that only stops the run."""
+        if signum == self.submitit:
+            return "submitit"
+        return "scontrol" if signum in self.requeue_signals else None
+
+    def hand_over(self) -> None:
+        """After the checkpoint and result.json: give submitit's signal to the handler it installed, which
+        requeues the job and exits (its rank 0; on the other ranks it returns). Submitit refusing to
+        requeue (too many timeouts) is reported, and the run still exits 75."""
+        handler = self.previous.get(self.submitit)
+        if self.record and self.record["requeue"] == "submitit" and callable(handler):
+            try:
+                handler(self.submitit, None)
+            except Exception as err:
+                log.error("submitit did not requeue the job: %s", err)
+
     def stopped_by_lightning(self, trainer) -> None:
         """Lightning's own SIGTERM handler ended the run (the signal came before `on_train_start`, or is not
         in `signals`): its `SIGTERMException` left no step-boundary checkpoint, but the run is still preempted."""
-        self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": False}
+        self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
 
 
 def preemption_callback(trainer) -> Preemption:
@@ -214,7 +247,9 @@ def slurm_requeue_command(env: dict[str, str]) -> list[str] | None:
 
 def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
     """Ask SLURM to requeue this job when the signal was a pre-timeout one; a note for the user's line."""
-    command = slurm_requeue_command(env) if record["requeue"] else None
+    if record["requeue"] == "submitit":
+        return "; submitit requeues the job, and it resumes by itself"
+    command = slurm_requeue_command(env) if record["requeue"] == "scontrol" else None
     if command is None:
         return ""
     try:
@@ -226,13 +261,16 @@ def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
     return f"; requeued SLURM job {command[-1]} (it resumes by itself with resume=auto)"
 
 
-def finish_preempted(cfg, record: dict[str, Any]) -> None:
+def finish_preempted(cfg, preemption: Preemption) -> None:
     """The end of a preempted run (result.json already written): one line, the requeue, exit 75.
 
-    In a multirun the process ends too (the signal was for it), after summarising the jobs run so far."""
+    In a multirun the process ends too (the signal was for it), after summarising the jobs run so far;
+    a submitit job is one job of the sweep, which its submitting process summarises."""
+    record = preemption.record
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-        command = resume_command(str(cfg.paths.output_dir), overrides, sys.argv[0] or "train.py")
+        script = "train.py" if record["requeue"] == "submitit" else sys.argv[0] or "train.py"  # not submitit's
+        command = resume_command(str(cfg.paths.output_dir), overrides, script)
         saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
         note = requeue(record, dict(os.environ))
         print(
@@ -240,6 +278,7 @@ def finish_preempted(cfg, record: dict[str, Any]) -> None:
             file=sys.stderr,
             flush=True,
         )
-        if in_multirun():
+        if in_multirun() and record["requeue"] != "submitit":
             summarize_sweep(Path(HydraConfig.get().sweep.dir))
+    preemption.hand_over()
     sys.exit(PREEMPTED_EXIT)

@@ -134,7 +134,7 @@ def _app(cfg: DictConfig) -> float | None:
     preempted = preemption_of(objects["trainer"])
     value, status, reason = finish_job(cfg, metrics, preempted=preempted)
     if preempted:
-        finish_preempted(cfg, preempted)  # exits 75
+        finish_preempted(cfg, preemption_callback(objects["trainer"]))  # exits 75 (or submitit requeues)
     run = cfg.paths.output_dir
     if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
         print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
