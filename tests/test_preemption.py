@@ -222,9 +222,11 @@ def test_sigterm_at_a_random_step_then_resume_auto_is_bitwise_exact(shards_dir, 
 @pytest.mark.slow
 def test_ddp_signal_to_one_rank_stops_both_at_one_step_and_resumes_bitwise(shards_dir, tmp_path):
     """SIGTERM to rank 1 only (Lightning's own handling would never see it on rank 0): the flag reaches
-    every rank one poll late, both save one checkpoint at the same step, and the resume is exact."""
+    every rank one poll late, both save one checkpoint at the same step, and the resume is exact. Under
+    muP (a quarter of its base width here), so its per-group LR multipliers are exercised over DDP and resume."""
     step = random.randrange(1, STEPS - 3)
-    expected, got = preempt_and_resume(shards_dir, tmp_path, DDP_TWO_CPU, step, rank=1, stop=step + 2)
+    extra = [*DDP_TWO_CPU, "model.parametrization=mup"]
+    expected, got = preempt_and_resume(shards_dir, tmp_path, extra, step, rank=1, stop=step + 2)
     assert len(expected) == STEPS and got == expected, f"signal at step {step}"
 
 
