@@ -1,6 +1,6 @@
 """Does the best LR found at the base width hold at 8x the width? sp against mup, on the embedded corpus.
 
-`python benchmarks/lr_transfer.py [--widths 32,64,128,256] [--lrs -12:-4] [--steps 150] [--plot FILE]`
+`python benchmarks/lr_transfer.py [--widths 32,64,128,256] [--lrs -12:-4] [--steps 150] [--seeds 0,1,2] [--plot FILE]`
 
 For each parametrisation and width: the same init seed, the same batches, the same warmup + cosine
 schedule and weight decay, short runs at LRs on a grid of octaves (within 2^-12 .. 2^-3), through
@@ -46,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--parametrizations", default="sp,mup")
     ap.add_argument("--output-mults", default="1,2,4,8,16", help="mup: alpha_output values tuned at the base width")
     ap.add_argument("--val-windows", type=int, default=128)
+    ap.add_argument("--seeds", default="0", help="init/data-order seeds; each point is the mean loss over them")
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "lr_transfer.png"))
     ap.add_argument("--json", default=None, help="also write the raw losses here")
     return ap.parse_args()
@@ -69,6 +70,12 @@ def batch(ds: TokenWindows, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batches, alpha: float = 1.0) -> float:
+    """The held-out loss at one point, the mean over `--seeds` (inf if any seed diverged)."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    return sum(run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, s) for s in seeds) / len(seeds)
+
+
+def run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, seed: int) -> float:
     model = dict(
         n_layer=args.layers,
         n_head=args.heads,
@@ -92,10 +99,10 @@ def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batche
         total_steps=args.steps,
         fused=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     module = LMModule(model=model, optim=optim)
     opt = module.configure_optimizers()
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1)).tolist()
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     for step in range(args.steps):
         start = step * args.batch % (len(order) - args.batch)
         x, y = batch(train, order[start : start + args.batch])

@@ -17,6 +17,7 @@ from torch import nn
 
 from steadylm.model import mup
 from steadylm.model.config import GPTConfig
+from steadylm.model.init import layer
 from steadylm.model.norm import make_norm
 from steadylm.model.rope import apply_rope
 
@@ -25,8 +26,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.qkv = layer(
+            nn.Linear, cfg.init, cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias
+        )
+        self.proj = layer(nn.Linear, cfg.init, cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_proj = True
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()

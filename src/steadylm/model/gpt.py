@@ -16,7 +16,7 @@ from torch import nn
 from steadylm.model import mup
 from steadylm.model.attention import CausalSelfAttention
 from steadylm.model.config import GPTConfig
-from steadylm.model.init import init_weights
+from steadylm.model.init import init_weights, layer
 from steadylm.model.mlp import MLP
 from steadylm.model.norm import make_norm
 from steadylm.model.rope import rope_tables
@@ -41,9 +41,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wte = layer(nn.Embedding, cfg.init, cfg.vocab_size, cfg.d_model)
         if cfg.pos == "learned":
-            self.wpe = nn.Embedding(cfg.context_length, cfg.d_model)
+            self.wpe = layer(nn.Embedding, cfg.init, cfg.context_length, cfg.d_model)
         else:
             self.wpe = None
             cos, sin = rope_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta)
@@ -52,7 +52,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = layer(nn.Linear, cfg.init, cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             # Weight tying: the input and output embeddings share one matrix (fewer params, better small LMs).
             self.lm_head.weight = self.wte.weight

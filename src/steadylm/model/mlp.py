@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from steadylm.model.config import GPTConfig
+from steadylm.model.init import layer
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
-        self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
+        self.fc = layer(nn.Linear, cfg.init, cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
+        self.proj = layer(nn.Linear, cfg.init, cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_proj = True
         self.dropout = nn.Dropout(cfg.dropout)
 
