@@ -12,7 +12,7 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.stability import read_events
 from steadylm.stability.qk_clip import QKClip
 from steadylm.train import train
-from tests.helpers import stability_of
+from tests.helpers import faults, fit, stability_of
 
 
 def head_maxima(net: GPT, x: torch.Tensor) -> list[torch.Tensor]:
@@ -92,3 +92,23 @@ def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cf
 def test_a_healthy_run_is_never_clipped(make_cfg, tmp_path):
     train(make_cfg("model.qk_norm=false", "trainer.max_steps=60"))
     assert not [e for e in read_events(tmp_path / "run") if e["kind"] in ("qk_clip", "lr_backoff")]
+
+
+def test_a_rollback_never_clips_the_restored_weights_by_the_abandoned_steps_logits(make_cfg, tmp_path):
+    """tau so low that every measured step clips: the step a rollback happens in measured its logits on the
+    weights the rollback abandons, so it must clip (and record) nothing."""
+    out = tmp_path / "run"
+    cfg = make_cfg(
+        "trainer.max_steps=70",
+        "callbacks.stability.defer=false",  # the rollback happens inside the step it is judged at
+        "callbacks.stability.qk_clip.tau=1e-3",
+        "callbacks.stability.qk_clip.lr_backoff=null",
+        faults({"kind": "lr_spike", "step": 50, "factor": 1000}),
+        out=out,
+    )
+    fit(cfg)
+    events = read_events(out)
+    rollbacks = [e["step"] for e in events if e["kind"] == "rollback"]
+    clipped = {e["step"] for e in events if e["kind"] == "qk_clip"}
+    assert rollbacks, [(e["step"], e["kind"]) for e in events]
+    assert 49 in clipped and not clipped & set(rollbacks), (sorted(clipped), rollbacks)

@@ -27,8 +27,6 @@ later from a host copy (`account`), applies the LR factor and writes the events.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from steadylm.errors import ConfigError
@@ -105,12 +103,11 @@ class QKClip:
     def account(self, step: int, head_max) -> dict | None:
         """The record of step `step`'s clip, from the host's copy of its logits: counts, the streak, the LR
         backoff it asks for; the event's evidence, or None when no head was over tau."""
-        rows = torch.stack(list(head_max)).tolist()  # a host copy (the owner's) or the caller's tensors
+        logits = torch.stack(list(head_max)).float()  # a host copy (the owner's) or the caller's tensors
+        clipped = (torch.isfinite(logits) & (logits > self.tau)).tolist()  # `factors`' own test, in its precision
+        rows = logits.tolist()
         over = [
-            (layer, head, s)
-            for layer, row in enumerate(rows)
-            for head, s in enumerate(row)
-            if math.isfinite(s) and s > self.tau
+            (layer, head, rows[layer][head]) for layer, row in enumerate(clipped) for head, hit in enumerate(row) if hit
         ]
         if not over:
             self.streak = 0

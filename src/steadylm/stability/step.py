@@ -191,6 +191,7 @@ class Stability(L.Callback):
         if self.in_step:  # the step under way was computed on the abandoned weights
             self._drop_grads(pl_module)
             self.measure.abandon()
+        self._disarm_clip(trainer, pl_module)  # its logits too: never clip the restored weights by them
         pl_module.skipped_steps = trainer.global_step + self.in_step - restored.pop("applied")
         windows = restored.pop("detectors")
         if self.spike is not None and "spike" in windows:
@@ -322,6 +323,12 @@ class Stability(L.Callback):
             event = torch.cuda.Event()
             event.record()
         self._clipped = (step, host, event)
+
+    def _disarm_clip(self, trainer, pl_module) -> None:
+        """Forget a max-logit measurement in flight (every rank rolls back at the same step, so all forget it)."""
+        self._clip_armed = -1
+        for a in self._clip_targets(trainer, pl_module):
+            a.head_max_logit, a.track_max_logit = None, False
 
     def _account_clip(self, trainer, pl_module) -> None:
         step, host, event = self._clipped
