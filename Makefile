@@ -41,11 +41,14 @@ demo: $(VENV)/.installed $(DEMO_DATA) ## fresh clone -> a BPE trained on the emb
 	$(PY) -m steadylm.diagnose logs/demo
 	@echo "demo done: logs/demo (make tensorboard RUN=logs/demo)"
 
-test: $(VENV)/.dev ## run the fast test suite (a few minutes on 2 cores)
-	$(PY) -m pytest -q $(ARGS)
+# The fast suite runs on JOBS pytest-xdist workers: its tests pin torch to one thread each (conftest), so one
+# worker leaves a core idle. The slow suite stays serial: its DDP runs already start two processes each.
+JOBS ?= 2
+test: $(VENV)/.dev ## run the fast test suite (a few minutes on 2 cores; JOBS=1 for one worker)
+	$(PY) -m pytest -q -n $(JOBS) --durations=15 $(ARGS)
 
 test-slow: $(VENV)/.dev ## run only the slow tests (survival of every fault, false-alarm sweep, DDP, sweeps)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -m slow --durations=15 $(ARGS)
 
 lint: $(VENV)/.dev ## ruff: lint and format check (pre-commit runs the same)
 	$(VENV)/bin/ruff check .
