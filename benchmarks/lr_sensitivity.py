@@ -6,11 +6,12 @@ on the baseline} and each LR of a log grid from 3e-4 to 3e-1, a small GPT trains
 embedded corpus (the real `LMModule` loss and AdamW groups, warmup then cosine, clipping 1.0); its final val
 loss is the mean over fixed val batches. LR sensitivity = mean over LRs of min(loss(lr), loss at init) minus
 the best loss of the curve: 0 for a curve that is flat at its best, up to (init - best) for one that
-diverges everywhere else. The default policy runs `QKClip.step` after each update, as `callbacks.stability.qk_clip`
-does, and applies its LR backoff to every group.
+diverges everywhere else. The default policy runs `QKClip.step` after each update with the settings of
+conf/callbacks/default.yaml, as `callbacks.stability.qk_clip` does, applies its LR backoff to every group and
+rewinds to an in-memory snapshot (every `recovery.every_n_steps`, `keep` of them) as `Recovery.rewind` does.
 
 Prints each curve and the sensitivity; `--png` saves the plot (docs/lr_sensitivity.png).
-Usage: python benchmarks/lr_sensitivity.py [--steps N (150)] [--png FILE] [--quick]
+Usage: python benchmarks/lr_sensitivity.py [--steps N (150)] [--png FILE] [--quick] [--only VARIANT ...]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -37,6 +39,10 @@ MODEL = dict(n_layer=2, n_head=4, d_model=128, context_length=64, vocab_size=320
 OPTIM = dict(
     lr=1e-3, min_lr=0.0, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0, total_steps=1, fused=False
 )
+# The default policy of conf/callbacks/default.yaml (callbacks.stability.qk_clip and recovery's snapshots).
+DEFAULTS = OmegaConf.load(ROOT / "conf" / "callbacks" / "default.yaml").stability
+QK_CLIP = {k: v for k, v in OmegaConf.to_container(DEFAULTS.qk_clip).items() if k != "every_n_steps"}
+SNAPSHOT_EVERY, SNAPSHOT_KEEP = DEFAULTS.recovery.every_n_steps, DEFAULTS.recovery.keep
 VARIANTS = {
     "baseline": ({}, {}, False),
     "qk_norm": ({"qk_norm": True}, {}, False),
@@ -70,13 +76,19 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
     opt = module.configure_optimizers()
     params = [p for p in module.parameters() if p.requires_grad]
     attns = [b.attn for b in module.net.blocks]
-    policy = QKClip() if clip else None
+    policy = QKClip(**QK_CLIP) if clip else None
     warmup = steps // 10
+    snapshots: list[tuple[int, int, dict, dict]] = []  # (step, applied, weights, optimizer): Recovery's, in memory
+    skipped = 0
     for step in range(steps):
         x, y = train_b[step % len(train_b)]
+        if policy and step % SNAPSHOT_EVERY == 0:
+            copy = copy_state(module.state_dict()), copy_state(opt.state_dict())
+            snapshots = [*snapshots, (step, step - skipped, *copy)][-SNAPSHOT_KEEP:]
         scale = policy.lr_scale if policy else 1.0
         for group in opt.param_groups:
-            group["lr"] = scale * lr_at(step, lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps)
+            at = step - skipped
+            group["lr"] = scale * lr_at(at, lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps)
         for a in attns:
             a.track_max_logit = clip
         loss, _ = module.loss(module(x), y)
@@ -87,8 +99,22 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
         opt.step()
         opt.zero_grad(set_to_none=True)
         if policy:
-            policy.step(step, [a.head_max_logit for a in attns], attns)
+            evidence = policy.step(step, [a.head_max_logit for a in attns], attns)
+            before = (evidence or {}).get("rewind_before")
+            good = [s for s in snapshots if before is not None and s[0] <= before]
+            if good:  # Recovery.rewind: one snapshot before the newest from before the clipping began
+                to, applied, weights, optim = good[-2] if len(good) > 1 else good[-1]
+                module.load_state_dict(weights)
+                opt.load_state_dict(copy_state(optim))
+                snapshots = [s for s in snapshots if s[0] <= to]
+                skipped = step + 1 - applied
     return val_loss(module, val)
+
+
+def copy_state(state):
+    return {
+        k: copy_state(v) if isinstance(v, dict) else v.clone() if torch.is_tensor(v) else v for k, v in state.items()
+    }
 
 
 def sensitivity(losses: list[float], init: float) -> float:
@@ -100,6 +126,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--quick", action="store_true", help="3 LRs, 60 steps: a smoke run")
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--only", choices=list(VARIANTS), action="append", help="these variants only (repeatable)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     lrs = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
@@ -117,6 +144,8 @@ def main() -> None:
     curves = {}
     started = time.perf_counter()
     for name, (m, o, clip) in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
         losses = [train({**MODEL, **m}, {**OPTIM, **o}, clip, lr, steps, train_b, val) for lr in lrs]
         curves[name] = losses
         print(f"{name:18} " + " ".join(f"{v:7.3f}" for v in losses) + f"  {sensitivity(losses, init):.3f}")

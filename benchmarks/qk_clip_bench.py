@@ -1,10 +1,12 @@
 """What the default QK-clip costs: a step that measures per-head max logits and runs the policy / a plain step.
 
 `callbacks.stability.qk_clip` (every_n_steps=1 by default) switches on the attention's explicit QK^T on one sequence
-for the step's forward, stacks the per-head maxima, copies them to the host once and hands them to
-`QKClip.step`. This times that against the same step without it, on one model, fused AdamW, random tokens,
-step by step in a seeded random order (a busy neighbour slows both sides alike), and prints the ratio of
-medians with a 90 % bootstrap interval against the 2 % target, per preset:
+for the step's forward, stacks the per-head maxima, clips on the device (`QKClip.clip`; on a CPU, where a read
+is free, only when a head is over tau), copies them to the host and accounts for them a step later
+(`QKClip.account`), as `Stability.clip_logits` does. This times that against the same step without it, on
+one model, fused AdamW, random tokens (a healthy model: no head over tau), step by step in a seeded random
+order (a busy neighbour slows both sides alike), and prints the ratio of medians with a 90 % bootstrap
+interval against the 2 % target, per preset:
 
   tiny       the tiny preset at its own context (128), batch 16
   small      GPT-2 small's width (768, 12 heads) at its context (1024), batch 8; --quick: 2 layers, context 256
@@ -59,12 +61,16 @@ def bench(model_cfg: dict, batch: int, steps: int, device: str) -> tuple[float, 
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if measure:  # what Stability.clip_logits does after the step
+        if measure:  # what Stability.clip_logits does after the step: clip on the device, account a step late
             head_max = torch.stack([a.head_max_logit.float() for a in attns])
-            policy.step(0, list(head_max.cpu()), attns)
+            policy.clip(head_max, attns)
+            if pending:
+                policy.account(0, list(pending.pop()))
+            pending.append(head_max.to("cpu", non_blocking=True))
         sync(device)
         return time.perf_counter() - start
 
+    pending: list[torch.Tensor] = []  # the host copy of the last measured step's logits
     coin = random.Random(0)
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(2 * steps + WARMUP):

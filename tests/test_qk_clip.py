@@ -70,20 +70,38 @@ def test_the_policy_is_bounded_and_its_state_round_trips():
     resumed.load_state_dict(state)
     assert resumed.step(3, [torch.tensor([50.0, 5.0])], [attn]) is None and torch.equal(attn.qkv.weight, w)
     assert (resumed.clips, resumed.backoffs, resumed.lr_scale) == (3, 1, 0.5)
+    rewinding = QKClip(tau=10.0, backoff_after=2, rewind=True)  # a backoff names the step to rewind to
+    assert rewinding.step(5, [torch.tensor([20.0, 5.0])], [attn])["clips"] == 1
+    assert rewinding.step(6, [torch.tensor([20.0, 5.0])], [attn])["rewind_before"] == 4  # before the onset, 5
 
 
 @pytest.mark.slow
 def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cfg, tmp_path):
-    """lr 0.1 without QK-norm: clips from the first steps past tau, events with evidence, counts in the checkpoint."""
+    """lr 0.1 without QK-norm: clips from the first steps past tau, events with evidence; a streak of clips lowers
+    the LR x0.1 and rewinds to the snapshot from before it, the schedule resuming there; counts in the checkpoint.
+    This small model clips on and off, so the streak is 2 here (5 by default)."""
     overrides = ("model.qk_norm=false", "optim.lr=0.1", "optim.warmup_steps=5", "trainer.max_steps=30")
-    _, objects = train(make_cfg(*overrides, "callbacks.checkpoint.every_n_train_steps=30"))
-    clips = [e for e in read_events(tmp_path / "run") if e["kind"] == "qk_clip"]
-    assert len(clips) >= 5, clips
+    streak = "callbacks.stability.qk_clip.backoff_after=2"
+    _, objects = train(make_cfg(*overrides, streak, "callbacks.checkpoint.every_n_train_steps=30"))
+    events = read_events(tmp_path / "run")
+    clips = [e for e in events if e["kind"] == "qk_clip"]
+    assert len(clips) >= 2, clips
     assert all(e["detail"]["max_logit"] > 100.0 and e["detail"]["heads_clipped"] for e in clips)
+    backoffs = [e for e in events if e["kind"] == "lr_backoff"]
+    rewinds = [e for e in events if e["kind"] == "rollback"]
+    assert 1 <= len(backoffs) == len(rewinds) <= 2  # max_backoffs
+    backoff, rewind = backoffs[0], rewinds[0]
+    onset = backoff["detail"]["onset"]
+    assert backoff["step"] == onset + 1 and backoff["detail"]["lr_scale"] == pytest.approx(0.1)
+    assert objects["module"].lr_scale == pytest.approx(0.1 ** len(backoffs))
+    assert rewind["detail"]["cause"] == "qk_clip" and rewind["detail"]["source"] == "memory"
+    assert rewind["step"] == backoff["step"] and rewind["detail"]["to_step"] == backoff["detail"]["rewound_to"] < onset
+    if len(rewinds) == 1:  # the schedule resumed at the rewound weights (accounted a step late): the steps since
+        assert objects["module"].skipped_steps == backoff["step"] + 2 - rewind["detail"]["to_step"]  # no longer count
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     state = ckpt["callbacks"]["steadylm.stability"]["qk_clip"]
     assert state["clips"] == len(clips)
-    after = make_cfg(*overrides, "trainer.max_steps=32", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
+    after = make_cfg(*overrides, streak, "trainer.max_steps=32", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
     _, resumed = train(after)
     assert stability_of(resumed["trainer"]).qk_clip.clips >= len(clips)
 

@@ -37,6 +37,12 @@ def grad_norm_ceiling(d_model: int, n_layer: int) -> float:
     return math.sqrt(2 * d_model * (n_layer + 1))
 
 
+INIT_OTHERWISE = (
+    "model.init is gpt2 already: look for weights changed after init (a loaded checkpoint, a custom init), "
+    "or set optim.z_loss=1e-4"
+)
+
+
 def init_fix(init: str, otherwise: str) -> str:
     """Advice that never recommends the setting already in use."""
     return "use model.init=gpt2 (N(0, 0.02), residual projections scaled by depth)" if init != "gpt2" else otherwise
@@ -81,11 +87,7 @@ def check_init_loss(module: LMModule, x: torch.Tensor, y: torch.Tensor) -> list[
                 name,
                 FAIL,
                 f"{evidence}: the initial predictions are far from uniform (over-confident logits)",
-                init_fix(
-                    module.net.cfg.init,
-                    "model.init is gpt2 already: look for weights changed after init "
-                    "(a loaded checkpoint, a custom init), or set optim.z_loss=1e-4",
-                ),
+                init_fix(module.net.cfg.init, INIT_OTHERWISE),
             )
         ]
     return [Check(name, OK, evidence)]

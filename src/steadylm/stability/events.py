@@ -24,6 +24,7 @@ KINDS = (
     "fp16_skip_streak",
     "qk_clip",
     "lr_backoff",
+    "init_loss",
     "rollback",
     "stop",
 )

@@ -7,7 +7,8 @@ rank it as healthy. The rule, from `stability/events.jsonl` alone so `train.py` 
 
 - the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps (a
   few clips early in a run are the policy doing its job; dozens mean the LR sits in the unstable region);
-- or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps.
+- or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps;
+- or the run started from a wrong init: an `init_loss` event (its first loss far from ln(vocab_size)).
 
 It only reads; it must never change a run's files.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from steadylm.doctor.model_checks import INIT_OTHERWISE, init_fix
 from steadylm.stability.events import read_events
 
 MATERIAL_CLIPS = 10
@@ -25,6 +27,13 @@ PERSISTENT_ALARMS = 5
 def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
     """One line, the cause and the fix, when the run was unstable; None when it was not."""
     events = read_events(run_dir)
+    init = [e["detail"] for e in events if e.get("kind") == "init_loss"]
+    if init:
+        d = init[0]
+        return (
+            f"the initial loss was {d['loss']:.3g} nats, ln({d['vocab_size']}) = {d['expected']:.3g} expected: the "
+            f"init is wrong (over-confident logits); fix: {init_fix(d.get('init'), INIT_OTHERWISE)}"
+        )
     clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
     backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
     alarms = [e for e in events if e.get("kind") == "attn_logit"]

@@ -19,7 +19,9 @@ rotation, so the same rows serve `model.pos=rope`.
 Bounded: one intervention scales a head's logits by at least `min_factor`; a measurement that is not
 finite is ignored (the guard owns non-finite steps); after `max_clips` clipping steps the policy stops
 acting (and says so once). When clipping persists, i.e. `backoff_after` measurements in a row needed it,
-it asks for the LR to be multiplied by `lr_backoff`, at most `max_backoffs` times in the run. It is a plain
+it asks for the LR to be multiplied by `lr_backoff`, at most `max_backoffs` times in the run, and (`rewind`)
+for the weights to go back to a snapshot from before the streak began: the damage of a too-high LR (a
+residual stream grown 100-fold) is done before the logits cross tau, and clipping cannot undo it. It is a plain
 class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, all-reduces
 the logits with MAX, clips on the device at once (`clip`: no host read) and accounts for the clip a step
 later from a host copy (`account`), applies the LR factor and writes the events.
@@ -39,9 +41,10 @@ class QKClip:
         tau: float = 100.0,
         min_factor: float = 0.1,
         max_clips: int = 1000,
-        backoff_after: int | None = 20,
-        lr_backoff: float | None = 0.5,
-        max_backoffs: int = 3,
+        backoff_after: int | None = 5,
+        lr_backoff: float | None = 0.1,
+        max_backoffs: int = 2,
+        rewind: bool = True,
     ) -> None:
         where = "callbacks.stability.qk_clip"
         if every_n_steps < 1:
@@ -56,7 +59,10 @@ class QKClip:
             raise ConfigError(f"{where}.backoff_after={backoff_after} must be >= 1, or null to never lower the LR")
         self.every_n_steps = int(every_n_steps)
         self.tau, self.min_factor, self.max_clips = float(tau), float(min_factor), int(max_clips)
+        if not isinstance(rewind, bool):
+            raise ConfigError(f"{where}.rewind={rewind!r} must be true or false")
         self.backoff_after, self.lr_backoff, self.max_backoffs = backoff_after, lr_backoff, int(max_backoffs)
+        self.rewind = rewind
         self.clips = 0  # steps on which at least one head was clipped
         self.streak = 0  # measurements in a row that clipped
         self.onset = -1  # the step at which the current streak began
@@ -65,22 +71,22 @@ class QKClip:
         self.exhausted = False
 
     def factors(self, head_max: torch.Tensor, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query-row factor per query head, key-row factor per key head) for one layer's per-head max logits."""
+        """(query-row factor per query head, key-row factor per key head) from per-head max logits (..., n_head):
+        one layer's, or every layer's at once (L, n_head)."""
         s = head_max.float()
         g = torch.where(torch.isfinite(s) & (s > self.tau), self.tau / s, torch.ones_like(s))
         g = g.clamp(min=self.min_factor)
-        k = g.view(n_kv_head, -1).amin(dim=1).sqrt()
-        return g / k.repeat_interleave(g.numel() // n_kv_head), k
+        k = g.unflatten(-1, (n_kv_head, -1)).amin(dim=-1).sqrt()
+        return g / k.repeat_interleave(g.shape[-1] // n_kv_head, dim=-1), k
 
-    @torch.no_grad()
-    def apply(self, attn, q_factor: torch.Tensor, k_factor: torch.Tensor) -> None:
-        """Scale one `CausalSelfAttention`'s query and key rows (weight and bias) in place."""
-        H, KV, D = attn.n_head, attn.n_kv_head, attn.head_dim
-        rows = torch.cat([q_factor.repeat_interleave(D), k_factor.repeat_interleave(D)])
+    @staticmethod
+    def _scale_rows(attn, rows: torch.Tensor) -> None:
+        """Scale one `CausalSelfAttention`'s first rows.numel() `qkv` rows (its query and key heads, weight and
+        bias) in place."""
         for p in (attn.qkv.weight, attn.qkv.bias):
             if p is not None:
                 scale = rows.to(p.device, p.dtype)
-                p[: (H + KV) * D].mul_(scale.view(-1, *([1] * (p.dim() - 1))))
+                p[: rows.numel()].mul_(scale.view(-1, *([1] * (p.dim() - 1))))
 
     def due(self, step: int) -> bool:
         """Step `step` is measured (and clipped after its update)."""
@@ -90,10 +96,16 @@ class QKClip:
     def clip(self, head_max: torch.Tensor, attns: list) -> None:
         """Rescale, on the device, every head whose max logit (row i of `head_max` for layer i, all-reduced)
         exceeds tau; a head below it is multiplied by exactly 1. No host read."""
-        if self.exhausted:
+        if self.exhausted or not attns:
             return
-        for attn, row in zip(attns, head_max):
-            self.apply(attn, *self.factors(row, attn.n_kv_head))
+        if head_max.device.type == "cpu" and not bool((head_max > self.tau).any()):
+            return  # on the host a read costs nothing, and a healthy step has nothing to scale
+        # Every layer's factors at once (the layers share their head shape): a few ops, then two per layer.
+        D = attns[0].head_dim
+        q, k = self.factors(head_max, attns[0].n_kv_head)
+        rows = torch.cat([q.repeat_interleave(D, dim=-1), k.repeat_interleave(D, dim=-1)], dim=-1)
+        for attn, row in zip(attns, rows):
+            self._scale_rows(attn, row)
 
     def step(self, step: int, head_max: list[torch.Tensor], attns: list) -> dict | None:
         """`clip` then `account` at once (the host reads the logits now)."""
@@ -137,6 +149,8 @@ class QKClip:
                 evidence.update(
                     lr_backoff=self.lr_backoff, lr_scale=self.lr_scale, backoffs=self.backoffs, onset=self.onset
                 )
+                if self.rewind:
+                    evidence["rewind_before"] = self.onset - 1
         if self.clips >= self.max_clips:
             self.exhausted = True
             evidence["exhausted"] = True

@@ -211,13 +211,7 @@ class Recovery:
         strikes = self.strikes + 1 if same_place else 1
         snap = self.newest_good(before=onset, older=strikes >= 2)
         if snap is not None:
-            restore_weights_and_optimizer(trainer, pl_module, snap)
-            set_rng_state(snap.rng)
-            restored = {"source": "memory", "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
-            # Newer snapshots hold the weights being abandoned.
-            while self.good and self.good[-1].step > snap.step:
-                self._spare = self.good.pop()
-            self.candidate = None
+            restored = self._restore(trainer, pl_module, snap)
         else:
             found = disk.rollback(trainer, pl_module, optimizer, onset)
             if found is None:
@@ -238,6 +232,25 @@ class Recovery:
         if strikes >= 3 and self.lr_backoff is not None and self.lr_backoff < 1:
             restored["lr_backoff"] = self.lr_backoff
         return restored
+
+    def _restore(self, trainer, pl_module, snap: Snapshot) -> dict:
+        restore_weights_and_optimizer(trainer, pl_module, snap)
+        set_rng_state(snap.rng)
+        # Newer snapshots hold the weights being abandoned.
+        while self.good and self.good[-1].step > snap.step:
+            self._spare = self.good.pop()
+        self.candidate = None
+        return {"source": "memory", "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
+
+    def rewind(self, trainer, pl_module, before: int) -> dict | None:
+        """Restore the good snapshot one before the newest taken at or before step `before` (the newest itself
+        when it is the only one): what grew past a bar at `before` began growing earlier. Outside the spike
+        escalation: no strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff).
+        None when memory holds none (after a resume, or without snapshots): the caller keeps its weights."""
+        snap = self.newest_good(before=before, older=True)
+        if snap is None:
+            return None
+        return {**self._restore(trainer, pl_module, snap), "skipped_data_steps": trainer.global_step - snap.step}
 
     def why_not(self) -> str:
         """Why a rollback was refused, for the stop reason."""

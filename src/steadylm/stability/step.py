@@ -33,6 +33,7 @@ from steadylm.logging_steps import will_log, write_metrics
 from steadylm.stability.events import KINDS, emit
 from steadylm.stability.forensics import name_culprit, write_bundle
 from steadylm.stability.guard import NonFiniteGuard
+from steadylm.stability.init_loss import InitLoss
 from steadylm.stability.loss_scale import LossScaleMonitor
 from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
 from steadylm.stability.qk_clip import QKClip
@@ -69,7 +70,15 @@ class Stability(L.Callback):
     (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
 
     def __init__(
-        self, guard=None, spike=None, stats=None, loss_scale=None, qk_clip=None, recovery=None, defer: bool = True
+        self,
+        guard=None,
+        spike=None,
+        stats=None,
+        loss_scale=None,
+        qk_clip=None,
+        init_loss=None,
+        recovery=None,
+        defer: bool = True,
     ):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
@@ -78,6 +87,7 @@ class Stability(L.Callback):
         self.stats = _part("stats", GradParamStats, stats)
         self.loss_scale = _part("loss_scale", LossScaleMonitor, loss_scale)
         self.qk_clip = _part("qk_clip", QKClip, qk_clip)
+        self.init_loss = _part("init_loss", InitLoss, init_loss)
         self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
         self.measure = StepMeasure(defer=defer and not (self.spike and self.spike.acts_before_update))
         self.stopped = False
@@ -137,6 +147,9 @@ class Stability(L.Callback):
             self.guard.check(m, scaler=scaler is not None) if self.guard else OK,  # 2. non-finite: skip; a streak
             self.spike.check(m, trainer.world_size) if self.spike else OK,  # 3. loss spike: persisting -> rollback
             self.loss_scale.check(m, scaler.get_scale() if scaler else None) if self.loss_scale else OK,  # 4. fp16
+            self.init_loss.check(m, getattr(getattr(pl_module, "net", None), "cfg", None))
+            if self.init_loss
+            else OK,  # step 0 vs ln(V)
         ]
         self.recovery.confirm(m, suspect=any(v.suspect for v in verdicts))  # 5. known-good snapshot, or dropped
         for v in verdicts:  # 6. act
@@ -191,13 +204,7 @@ class Stability(L.Callback):
         if self.in_step:  # the step under way was computed on the abandoned weights
             self._drop_grads(pl_module)
             self.measure.abandon()
-        self._disarm_clip(trainer, pl_module)  # its logits too: never clip the restored weights by them
-        pl_module.skipped_steps = trainer.global_step + self.in_step - restored.pop("applied")
-        windows = restored.pop("detectors")
-        if self.spike is not None and "spike" in windows:
-            self.spike.load_window_state(windows["spike"])
-        if self.guard is not None:
-            self.guard.rolled_back()
+        self._continue_from(trainer, pl_module, restored)
         if "lr_backoff" in restored:
             pl_module.lr_scale *= restored["lr_backoff"]
             restored["lr_scale"] = pl_module.lr_scale
@@ -315,8 +322,8 @@ class Stability(L.Callback):
         if trainer.world_size > 1 and dist.is_initialized():
             dist.all_reduce(head_max, op=dist.ReduceOp.MAX)
         self.qk_clip.clip(head_max, attns)
-        if self._clipped is not None:
-            self._account_clip(trainer, pl_module)
+        if self._clipped is not None and self._account_clip(trainer, pl_module):
+            return  # rewound: this step's logits belong to the abandoned weights
         event = None
         host = head_max.to("cpu", non_blocking=True)
         if head_max.is_cuda:
@@ -330,20 +337,50 @@ class Stability(L.Callback):
         for a in self._clip_targets(trainer, pl_module):
             a.head_max_logit, a.track_max_logit = None, False
 
-    def _account_clip(self, trainer, pl_module) -> None:
+    def _account_clip(self, trainer, pl_module) -> bool:
+        """The events of the clip in flight; an LR backoff it asks for, and its rewind. True when it rewound."""
         step, host, event = self._clipped
         self._clipped = None
         if event is not None:
             event.synchronize()
         evidence = self.qk_clip.account(step, list(host))
         if evidence is None:
-            return
+            return False
         emit(trainer, step, "qk_clip", "clip", evidence)
-        if "lr_backoff" in evidence:
-            pl_module.lr_scale *= evidence["lr_backoff"]
-            keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
-            why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
-            emit(trainer, step, "lr_backoff", "backoff", {**{k: evidence[k] for k in keys}, "reason": why})
+        if "lr_backoff" not in evidence:
+            return False
+        pl_module.lr_scale *= evidence["lr_backoff"]
+        keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
+        why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
+        detail = {**{k: evidence[k] for k in keys}, "reason": why}
+        restored = self._rewind(trainer, pl_module, evidence["rewind_before"]) if "rewind_before" in evidence else None
+        if restored is not None:
+            detail["rewound_to"] = restored["to_step"]
+        emit(trainer, step, "lr_backoff", "backoff", detail)
+        if restored is not None:
+            emit(trainer, step, "rollback", "rollback", {**restored, "cause": "qk_clip", "onset": evidence["onset"]})
+        return restored is not None
+
+    def _rewind(self, trainer, pl_module, before: int) -> dict | None:
+        """Back to the newest good snapshot from before the logits' growth crossed tau (the weights grown since
+        are the damage the clip cannot undo); the LR schedule resumes where those weights left off."""
+        restored = self.recovery.rewind(trainer, pl_module, before)
+        if restored is None:
+            return None
+        self.measure.abandon()  # the step just done measured the abandoned weights
+        self._continue_from(trainer, pl_module, restored)
+        return restored
+
+    def _continue_from(self, trainer, pl_module, restored: dict) -> None:
+        """After a restore: the LR schedule resumes at the restored weights' applied steps, the checks' windows
+        at theirs. Pops `applied` and `detectors` from `restored` (the rest is the event's)."""
+        self._disarm_clip(trainer, pl_module)  # logits measured on the abandoned weights never clip the restored
+        pl_module.skipped_steps = trainer.global_step + self.in_step - restored.pop("applied")
+        windows = restored.pop("detectors")
+        if self.spike is not None and "spike" in windows:
+            self.spike.load_window_state(windows["spike"])
+        if self.guard is not None:
+            self.guard.rolled_back()
 
     def settle(self, trainer, pl_module, optimizer=None) -> None:
         """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""

@@ -1,0 +1,37 @@
+"""`InitLoss`: a fresh run whose first loss is far from ln(vocab_size) started from a wrong init.
+
+A healthy init predicts nearly uniformly, so step 0's loss is ln(vocab_size) within `tolerance` nats (the
+bar of doctor's `model: initial loss` row). PyTorch's default init (tied N(0, 1) embeddings, no depth
+scaling) starts the tiny model at ~43 nats: nothing diverges afterwards, no other check fires, and the run
+ends merely worse than a proper init would (`experiment=divergence/deep_default_init`). This check writes
+one `init_loss` event (action `log`) from step 0's measurement, already on the host, so the run ends
+`unstable` (`stability/instability.py`) with the fix instead of `ok`. A resumed run starts past step 0 and
+is not judged again.
+"""
+
+from __future__ import annotations
+
+import math
+
+from steadylm.errors import ConfigError
+from steadylm.stability.measure import Measurement
+from steadylm.stability.verdict import OK, Verdict
+
+
+class InitLoss:
+    def __init__(self, tolerance: float = 1.0) -> None:
+        if not tolerance > 0:
+            raise ConfigError(f"callbacks.stability.init_loss.tolerance={tolerance} must be > 0 (nats)")
+        self.tolerance = float(tolerance)
+
+    def check(self, m: Measurement, model_cfg) -> Verdict:
+        """`model_cfg`: the model's `GPTConfig` (its vocab_size and init), None for a model without one."""
+        vocab_size = getattr(model_cfg, "vocab_size", None)
+        if m.step != 0 or not vocab_size or m.nonfinite:
+            return OK
+        expected = math.log(vocab_size)
+        if abs(m.loss - expected) <= self.tolerance:
+            return OK
+        detail = {"loss": m.loss, "expected": expected, "tolerance": self.tolerance, "vocab_size": vocab_size}
+        detail["init"] = getattr(model_cfg, "init", None)
+        return Verdict("log", "init_loss", detail, onset=m.step)
