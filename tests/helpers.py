@@ -119,6 +119,30 @@ class Snapshot(L.Callback):
             self.after = self._state(trainer, pl_module)
 
 
+class StateByStep(L.Callback):
+    """Weights and the whole optimizer state (AdamW moments, Muon momentum, step counts) at the start and the end
+    of every optimizer step: `start[s]`, `end[s]` (a tiny model's, for a rollback to be compared bitwise)."""
+
+    def __init__(self):
+        self.start, self.end = {}, {}
+
+    @staticmethod
+    def _state(trainer, pl_module) -> list:
+        opt = trainer.optimizers[0]
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in pl_module.parameters()]
+        return [p.detach().clone() for p in pl_module.parameters()] + [v for s in state for v in s.values()]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start[trainer.global_step] = self._state(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.end[trainer.global_step - 1] = self._state(trainer, pl_module)
+
+
+def same_tensors(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
 def stability_of(trainer):
     """The Trainer's one `Stability` callback."""
     from steadylm.stability import Stability

@@ -22,7 +22,7 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.muon import Muon, orthogonalize, param_groups
 from steadylm.stability import read_events
 from steadylm.train import build, train
-from tests.helpers import ROOT, run_cli
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, ROOT, faults, run_cli
 
 MUON = {"lr_mult": 1.0, "adjust_lr": "match_rms_adamw", "momentum": 0.95, "nesterov": True, "ns_steps": 5}
 OPTIM = {"lr": 3e-3, "weight_decay": 0.1, "muon": MUON}
@@ -200,6 +200,37 @@ def test_an_inf_gradient_under_muon_is_skipped_on_the_device_and_the_run_carries
     assert objs["module"].skipped_steps == 1 and objs["trainer"].global_step == 30
     assert equal(around.before, around.after)  # weights, momentum, moments and step counts
     assert all(p.isfinite().all() for p in objs["module"].parameters())
+
+
+@pytest.mark.slow
+def test_two_process_ddp_under_muon_skips_a_rank_1_inf_on_both_ranks_and_resumes_bitwise(shards_dir, tmp_path):
+    """An inf gradient on rank 1 only (after the all-reduce) skips the step on both ranks, Muon's momentum included;
+    a resume from the step-4 checkpoint reaches step 8 with both ranks' weights and Muon state equal to the run's."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    args = [
+        *DDP_TWO_CPU,
+        *CLI_TINY,
+        f"data.dir={shards_dir}",
+        "optim=muon",
+        "trainer.max_steps=8",
+        "trainer.limit_val_batches=0",
+        "callbacks.checkpoint.every_n_train_steps=4",
+        "callbacks.checkpoint.save_top_k=-1",
+    ]
+    inf = faults({"kind": "inf_grad", "step": 2, "rank": 1, "param": "blocks.0.attn.qkv.weight"})
+    for out, extra in ((full, [inf]), (resumed, [f"ckpt_path={full / 'checkpoints' / 'step0000004.ckpt'}"])):
+        out.mkdir()
+        hashes = f"+callbacks.hash={{_target_: tests.helpers.ParamHash, out: {out}}}"
+        proc = run_cli(*args, *extra, f"hydra.run.dir={out}", hashes, cwd=tmp_path, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = {out: [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)] for out in (full, resumed)}
+    assert ranks[full][0] == ranks[full][1] == ranks[resumed][0] == ranks[resumed][1]
+    assert ranks[full][0]["skipped"] == 1 and ranks[full][0]["step"] == 8
+    assert [(e["step"], e["kind"], e["action"]) for e in read_events(full)] == [(2, "nonfinite_grad", "skip")]
+    a, b = safe_load(full / "checkpoints" / "last.ckpt"), safe_load(resumed / "checkpoints" / "last.ckpt")
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert any("momentum_buffer" in s for s in sa.values())
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 def test_export_generate_doctor_and_diagnose_work_on_a_muon_run(make_cfg, tmp_path, capsys):

@@ -13,7 +13,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from steadylm.schedule import lr_at
 from steadylm.stability import read_events
 from steadylm.stability.spike import RobustWindow, SpikeDetector
-from tests.helpers import CLI_TINY, DDP_TWO_CPU, FAST, Snapshot, faults, fit, run_cli
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, FAST, Snapshot, StateByStep, faults, fit, run_cli, same_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,13 +47,16 @@ def test_inf_grad_skips_exactly_that_step_and_leaves_weights_and_adam_bitwise_un
     assert final == pytest.approx(clean["trainer"].callback_metrics["train/loss"].item(), rel=0.05)
 
 
-def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(make_cfg, tmp_path):
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(make_cfg, tmp_path, optim):
     cfg = make_cfg(
         *FAST,
+        f"optim={optim}",
         "callbacks.stability.guard.max_consecutive=2",
         faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
     )
-    objs = fit(cfg)
+    states = StateByStep()
+    objs = fit(cfg, states)
     events = read_events(tmp_path / "run")
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [
         (6, "nonfinite_loss", "skip"),
@@ -66,6 +69,9 @@ def test_nan_weight_is_named_skipped_then_rolled_back_to_last_good_checkpoint(ma
     assert all(p.isfinite().all() for p in module.parameters())
     assert module.skipped_steps == 8 - 4  # steps 4..7 are not in the weights
     assert math.isfinite(objs["trainer"].callback_metrics["train/loss"].item())
+    # The rollback lands in step 7, whose update is dropped: after it the weights and the whole optimizer state
+    # (AdamW moments and step counts; Muon's momentum) are step 4's, bitwise; at its start they were not.
+    assert same_tensors(states.end[7], states.start[4]) and not same_tensors(states.start[7], states.start[4])
 
 
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "same-step"])
@@ -91,9 +97,11 @@ def test_nan_weight_with_stop_halts_every_rank_and_writes_forensics(make_cfg, tm
     assert len(bundle["batch"][0]) == 4
 
 
-def test_random_labels_fire_the_loss_spike_detector_at_that_step(make_cfg, tmp_path):
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_random_labels_fire_the_loss_spike_detector_at_that_step(make_cfg, tmp_path, optim):
     cfg = make_cfg(
         *FAST,
+        f"optim={optim}",
         "trainer.max_steps=30",
         "optim.lr=1e-2",
         "callbacks.stability.spike.window=12",
@@ -105,8 +113,9 @@ def test_random_labels_fire_the_loss_spike_detector_at_that_step(make_cfg, tmp_p
     assert [s for s, _ in spikes] == [26] and spikes[0][1] > 5.0  # ~ln(vocab) on random labels
 
 
-def test_lr_times_1000_for_one_step_raises_the_update_ratio_alarm(make_cfg, tmp_path):
-    cfg = make_cfg(*FAST, faults({"kind": "lr_spike", "step": 7, "factor": 1000}))
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_lr_times_1000_for_one_step_raises_the_update_ratio_alarm(make_cfg, tmp_path, optim):
+    cfg = make_cfg(*FAST, f"optim={optim}", faults({"kind": "lr_spike", "step": 7, "factor": 1000}))
     fit(cfg)
     events = read_events(tmp_path / "run")
     ratio = [e for e in events if e["kind"] == "update_ratio"]

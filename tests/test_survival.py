@@ -90,12 +90,14 @@ def test_a_transient_nan_activation_names_no_module(make_cfg, tmp_path):
     assert events[0]["detail"]["evidence"] == "transient: not reproduced on re-run"
 
 
-def test_repeated_rollbacks_escalate_then_stop_every_rank_past_the_budget(make_cfg, tmp_path):
+@pytest.mark.parametrize("optim", [[], ["optim=muon", "optim.muon.lr_mult=2"]], ids=["adamw", "muon"])
+def test_repeated_rollbacks_escalate_then_stop_every_rank_past_the_budget(make_cfg, tmp_path, optim):
     out = tmp_path / "run"
     spikes = [{"kind": "lr_spike", "step": s, "factor": 1000} for s in (60, 70, 90, 120)]
     objs = fit(
         make_cfg(
             *LONG,
+            *optim,
             "trainer.max_steps=140",
             "callbacks.stability.recovery.every_n_steps=10",
             "callbacks.stability.recovery.max_rollbacks=3",
@@ -106,6 +108,12 @@ def test_repeated_rollbacks_escalate_then_stop_every_rank_past_the_budget(make_c
     assert [r["strikes"] for r in rollbacks] == [1, 2, 3]
     assert "skip_more_steps" not in rollbacks[0] and rollbacks[1]["skip_more_steps"] == 10
     assert rollbacks[2]["lr_scale"] == 0.5
+    # The last update's LR, per unit of each group's multiplier (Muon's 2): one value, under half the peak (the
+    # schedule alone is still at ~0.8 of it here), so the backoff reached every group, Muon's included.
+    groups = objs["trainer"].optimizers[0].param_groups
+    per_unit = {g["lr"] / g.get("lr_mult", 1.0) for g in groups}
+    assert len(per_unit) == 1 and per_unit.pop() < 0.5 * objs["module"].optim_cfg["lr"]
+    assert {g.get("lr_mult", 1.0) for g in groups} == ({1.0, 2.0} if optim else {1.0})
     stop = [e for e in read_events(out) if e["action"] == "stop" and e["kind"] == "stop"]
     assert len(stop) == 1 and "budget" in stop[0]["detail"]["reason"]
     assert objs["trainer"].global_step < 140  # stopped early, every rank at the same step
@@ -175,14 +183,18 @@ def test_at_each_spike_a_poisoned_window_is_ranked_first_and_its_text_can_be_pri
 HEALTHY_GRID = [
     (seed, bs, layers) for seed in (1, 2, 3) for bs, layers in ((4, 2), (4, 12), (16, 8), (64, 2), (64, 12))
 ]
+# Muon, one seed: the noisiest batch at the largest depth, and the largest batch (the 15-run grid costs ~10 min).
+MUON_GRID = [(1, 4, 12), (1, 64, 2)]
 
 
 @pytest.mark.slow
-def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg, tmp_path):
-    for seed, bs, layers in HEALTHY_GRID:
+@pytest.mark.parametrize("optim,grid", [("adamw", HEALTHY_GRID), ("muon", MUON_GRID)], ids=["adamw", "muon"])
+def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg, tmp_path, optim, grid):
+    for seed, bs, layers in grid:
         out = tmp_path / f"s{seed}-b{bs}-l{layers}"
         objs = fit(
             make_cfg(
+                f"optim={optim}",
                 f"seed={seed}",
                 f"data.batch_size={bs}",
                 f"model.n_layer={layers}",

@@ -43,9 +43,16 @@ def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     if tall:  # iterate on the short side: the Gram matrix is min(A, B) squared
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    batched = x.dim() == 3
+    x = x if batched else x.unsqueeze(0)
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        # a·X + (b·G + c·G²)·X as one product (a·I + b·G + c·G²)·X: the scalings and sums act on the small Gram
+        # matrix, none on X (separate elementwise passes took a third of the iteration on a CPU; performance.md).
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·G + c·G²
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        x = torch.bmm(poly, x)
+    x = x if batched else x.squeeze(0)
     return x.mT if tall else x
 
 
@@ -169,11 +176,12 @@ class Muon(torch.optim.Optimizer):
             step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
             new_p = p.mul(1 - lr * group["weight_decay"]).sub_(step)  # decoupled decay, with the unscaled LR
             buf = self.state[p]["momentum_buffer"]
-            if skip is not None:
-                new_buf = torch.where(skip, buf, new_buf)
-                new_p = torch.where(skip, p, new_p)
-            buf.copy_(new_buf)
-            p.copy_(new_p)
+            if skip is None:
+                buf.copy_(new_buf)
+                p.copy_(new_p)
+            else:  # written in place: one pass each instead of a select and a copy
+                torch.where(skip, buf, new_buf, out=buf)
+                torch.where(skip, p, new_p, out=p)
 
     @staticmethod
     def _orthogonalize_by_shape(parts: list[torch.Tensor], group: dict, device: torch.device) -> list[torch.Tensor]:
