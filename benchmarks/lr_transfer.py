@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -172,6 +173,21 @@ def plot(results: dict, widths: list[int], path: Path) -> None:
     plt.close(fig)
 
 
+def paired(args, results, alphas, widths, seeds, train, val_batches) -> None:
+    """mup - sp at the widest width, seed by seed, each at its best grid LR: the difference and its standard
+    error (the seeds' spread is larger than the gap between the means)."""
+    wide, base = widths[-1], widths[0]
+    best = {p: min(results[p][wide], key=results[p][wide].__getitem__) for p in ("sp", "mup")}
+    diffs = []
+    for s in seeds:
+        sp = run_seed(args, "sp", wide, base, best["sp"], train, val_batches, alphas["sp"], s)
+        mup = run_seed(args, "mup", wide, base, best["mup"], train, val_batches, alphas["mup"], s)
+        diffs.append(mup - sp)
+        print(f"seed {s}: sp (2^{best['sp']}) {sp:.4f}, mup (2^{best['mup']}) {mup:.4f}, mup - sp {mup - sp:+.4f}")
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5
+    print(f"width {wide}: mup - sp = {statistics.mean(diffs):+.4f} +- {se:.4f} nats (mean, standard error)")
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
@@ -221,6 +237,9 @@ def main() -> None:
             print(
                 f"{param}: optimum moved {summary[f'{param}/{wide}']['moved_octaves']:+.2f} octaves base -> {wide // widths[0]}x"
             )
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if {"sp", "mup"} <= set(results) and len(seeds) > 1:
+        paired(args, results, alphas, widths, seeds, train, val_batches)
     plot(results, widths, Path(args.plot))
     print(f"plot: {args.plot}; {time.time() - t0:.0f}s in all")
     if args.json:
