@@ -12,7 +12,7 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.stability import read_events
 from steadylm.stability.qk_clip import QKClip
 from steadylm.train import train
-from tests.helpers import faults, fit, stability_of
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, faults, fit, run_cli, stability_of
 
 
 def head_maxima(net: GPT, x: torch.Tensor) -> list[torch.Tensor]:
@@ -130,3 +130,45 @@ def test_a_rollback_never_clips_the_restored_weights_by_the_abandoned_steps_logi
     clipped = {e["step"] for e in events if e["kind"] == "qk_clip"}
     assert rollbacks, [(e["step"], e["kind"]) for e in events]
     assert 49 in clipped and not clipped & set(rollbacks), (sorted(clipped), rollbacks)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_clips_backs_off_and_rewinds_every_rank_alike(shards_dir, tmp_path):
+    """lr 0.1 without QK-norm on 2 ranks that see different data: each rank's logits differ, the clip factors come
+    from their all-reduced maxima, so both ranks clip, back off and rewind at the same steps to the same weights
+    (DDP averages gradients, never weights: a factor that differed by rank would leave the ranks apart; without
+    the all-reduce this test fails)."""
+    out = tmp_path / "ddp"
+    out.mkdir()
+    proc = run_cli(
+        *DDP_TWO_CPU,
+        *CLI_TINY,
+        f"data.dir={shards_dir}",
+        f"hydra.run.dir={out}",
+        "model.n_layer=2",
+        "model.d_model=64",
+        "model.qk_norm=false",
+        "optim.lr=0.1",
+        "optim.warmup_steps=5",
+        "trainer.max_steps=40",
+        "trainer.limit_val_batches=0",
+        "callbacks.stability.recovery.every_n_steps=5",
+        "callbacks.stability.qk_clip.backoff_after=2",
+        "callbacks.stability.qk_clip.max_backoffs=1",
+        "callbacks.stability.qk_clip.lr_backoff=0.5",
+        "callbacks.checkpoint.every_n_train_steps=1000",
+        f"+callbacks.hash={{_target_: tests.helpers.ParamHash, out: {out}}}",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # `unstable` is a finished run: exit 0
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # the same clips, the same rewinds, the same weights
+    events = read_events(out)
+    backoffs = [e for e in events if e["kind"] == "lr_backoff"]
+    rewinds = [e for e in events if e["kind"] == "rollback"]
+    assert len(backoffs) == len(rewinds) == 1, [(e["step"], e["kind"]) for e in events]  # max_backoffs
+    # x0.5 leaves the LR high enough to clip after the rewind: the clips the final weights carry
+    assert [e for e in events if e["kind"] == "qk_clip" and e["step"] > rewinds[0]["step"]]
+    assert all(r["detail"]["cause"] == "qk_clip" and r["detail"]["source"] == "memory" for r in rewinds)
+    assert json.loads((out / "result.json").read_text())["status"] == "unstable"

@@ -9,6 +9,7 @@ available, and a mask that cannot leak the future by construction.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,6 +21,12 @@ from steadylm.model.config import GPTConfig
 from steadylm.model.init import layer
 from steadylm.model.norm import make_norm
 from steadylm.model.rope import apply_rope
+
+
+@functools.lru_cache(maxsize=16)
+def _future(rows: int, cols: int, start: int, device: torch.device) -> torch.Tensor:
+    """The keys query rows start .. start+rows-1 must not see: built once per shape, not on every measuring step."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).triu(start + 1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,10 +86,12 @@ class CausalSelfAttention(nn.Module):
         q, k = q[0].float(), k[0].float()
         T = q.shape[-2]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
-        best = q.new_full((q.shape[0],), float("-inf"))
+        best = None
         for start in range(0, T, rows):
             stop = min(start + rows, T)
-            logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)) * scale
-            future = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu(start + 1)
-            best = torch.maximum(best, logits.masked_fill(future, float("-inf")).amax(dim=(-2, -1)))
-        return best
+            logits = (q[:, start:stop] @ k[:, :stop].transpose(-2, -1)).masked_fill_(
+                _future(stop - start, stop, start, q.device), float("-inf")
+            )
+            chunk = logits.amax(dim=(-2, -1))
+            best = chunk if best is None else torch.maximum(best, chunk)
+        return best * scale  # scale > 0: the max of the scaled logits, without scaling every one

@@ -116,14 +116,14 @@ class QKClip:
         """The record of step `step`'s clip, from the host's copy of its logits: counts, the streak, the LR
         backoff it asks for; the event's evidence, or None when no head was over tau."""
         logits = torch.stack(list(head_max)).float()  # a host copy (the owner's) or the caller's tensors
-        clipped = (torch.isfinite(logits) & (logits > self.tau)).tolist()  # `factors`' own test, in its precision
-        rows = logits.tolist()
-        over = [
-            (layer, head, rows[layer][head]) for layer, row in enumerate(clipped) for head, hit in enumerate(row) if hit
-        ]
-        if not over:
+        hit = torch.isfinite(logits) & (logits > self.tau)  # `factors`' own test, in its precision
+        if not bool(hit.any()):  # a healthy step: one read
             self.streak = 0
             return None
+        clipped, rows = hit.tolist(), logits.tolist()
+        over = [
+            (layer, head, rows[layer][head]) for layer, row in enumerate(clipped) for head, h in enumerate(row) if h
+        ]
         if self.exhausted:
             return None
         self.clips += 1
