@@ -82,13 +82,18 @@ def raw_step(module, opt, lr: Callable[[], float], batch, clip: float | None, *,
     opt.zero_grad(set_to_none=True)
 
 
-def raw_block(module, opt, lr, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
+def timed(step: Callable[[], None], steps: int) -> list[Sample]:
+    """`steps` timed calls of `step`, after WARMUP untimed ones."""
     samples = []
     for _ in range(steps + WARMUP):
         start = now()
-        raw_step(module, opt, lr, next(batches), clip, **kw)
+        step()
         samples.append(since(start))
     return samples[WARMUP:]
+
+
+def raw_block(module, opt, lr, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
+    return timed(lambda: raw_step(module, opt, lr, next(batches), clip, **kw), steps)
 
 
 class PairedSteps(L.Callback):
@@ -318,25 +323,27 @@ def loader_tokens_per_sec(datamodule, batches: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite; numbers are not meaningful")
-    ap.add_argument("--rounds", type=int, default=5, help="trainer.fit runs for the overhead ratios")
-    ap.add_argument("--steps", type=int, default=60, help="timed steps per run")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (compiling takes a while)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.d_model=256")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps, args.no_compile = 1, 2 * CHUNK, True
-    if args.rounds < 1 or args.steps < CHUNK:
-        ap.error(f"--rounds must be >= 1 and --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
-    # Lightning's own logger sets INFO on import: its per-fit banners and tips would bury the progress lines.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+class RawLoop:
+    """The raw loop's own AdamW (the same recipe as Lightning's), its LR by its own step count, its batches."""
 
+    def __init__(self, cfg, module, datamodule) -> None:
+        self.module, self.opt = module, module.configure_optimizers()
+        o, steps = module.optim_cfg, itertools.count()  # plain values: a DictConfig lookup costs calls each step
+        self.sched = lambda: lr_at(
+            next(steps), lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
+        )
+        self.batches = endless(datamodule.train_dataloader())
+        self.clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
+
+    def __call__(self) -> None:
+        raw_step(self.module, self.opt, self.sched, next(self.batches), self.clip)
+
+
+def setup(quick: bool, overrides: list[str]):
+    """(cfg, module, datamodule, raw loop): `train.py`'s objects on fresh shards of the embedded corpus."""
     work = Path(tempfile.mkdtemp(prefix="steadylm-bench-"))
     data_dir = work / "data"
-    prepare(input=None, out_dir=data_dir, max_bytes=300_000 if args.quick else 3_000_000, progress=False)
+    prepare(input=None, out_dir=data_dir, max_bytes=300_000 if quick else 3_000_000, progress=False)
     cfg = compose(
         [
             "trainer=cpu",
@@ -356,21 +363,32 @@ def main(argv: list[str] | None = None) -> dict:
             "optim.min_lr=1e-5",
             "callbacks=default",
             "~callbacks.checkpoint",
-            *args.overrides,
+            *overrides,
         ]
     )
     objects = build(cfg)
     module, datamodule = objects["module"], objects["datamodule"]
-    opt = module.configure_optimizers()  # the raw loop's own AdamW, built by the same recipe
-    o, raw_steps = module.optim_cfg, itertools.count()  # plain values: a DictConfig lookup costs calls each step
-    sched = lambda: lr_at(  # noqa: E731  (the raw loop's LR: the same schedule, by its own step count)
-        next(raw_steps), lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
-    )
-    batches = endless(datamodule.train_dataloader())
-    clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
+    return cfg, module, datamodule, RawLoop(cfg, module, datamodule)
 
-    def raw():
-        raw_step(module, opt, sched, next(batches), clip)
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite; numbers are not meaningful")
+    ap.add_argument("--rounds", type=int, default=5, help="trainer.fit runs for the overhead ratios")
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (compiling takes a while)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.d_model=256")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.no_compile = 1, 2 * CHUNK, True
+    if args.rounds < 1 or args.steps < CHUNK:
+        ap.error(f"--rounds must be >= 1 and --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
+    # Lightning's own logger sets INFO on import: its per-fit banners and tips would bury the progress lines.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+    cfg, module, datamodule, raw = setup(args.quick, args.overrides)
+    opt, sched, batches, clip = raw.opt, raw.sched, raw.batches, raw.clip
 
     print(f"overhead: {args.rounds} runs of {args.steps} steps, each paired with a raw step …", file=sys.stderr)
     runs = []

@@ -8,7 +8,8 @@ loss is the mean over fixed val batches. LR sensitivity = mean over LRs of min(l
 the best loss of the curve: 0 for a curve that is flat at its best, up to (init - best) for one that
 diverges everywhere else. The default policy runs `QKClip.step` after each update with the settings of
 conf/callbacks/default.yaml, as `callbacks.stability.qk_clip` does, applies its LR backoff to every group and
-rewinds to an in-memory snapshot (every `recovery.every_n_steps`, `keep` of them) as `Recovery.rewind` does.
+rewinds to an in-memory snapshot (every `recovery.every_n_steps`, `keep` of them) as `Recovery.rewind` does,
+then warms the LR up again over `rewarm_steps` as `LMModule.lr_now` does.
 
 Prints each curve and the sensitivity; `--png` saves the plot (docs/lr_sensitivity.png).
 Usage: python benchmarks/lr_sensitivity.py [--steps N (150)] [--png FILE] [--quick] [--only VARIANT ...]
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from steadylm.data.datamodule import ShardDataModule  # noqa: E402
 from steadylm.data.prepare import prepare  # noqa: E402
 from steadylm.module import LMModule  # noqa: E402
-from steadylm.schedule import lr_at  # noqa: E402
+from steadylm.schedule import lr_at, rewarm_factor  # noqa: E402
 from steadylm.stability.qk_clip import QKClip  # noqa: E402
 
 MODEL = dict(n_layer=2, n_head=4, d_model=128, context_length=64, vocab_size=320, qk_norm=False)
@@ -79,16 +80,17 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
     policy = QKClip(**QK_CLIP) if clip else None
     warmup = steps // 10
     snapshots: list[tuple[int, int, dict, dict]] = []  # (step, applied, weights, optimizer): Recovery's, in memory
-    skipped = 0
+    skipped, rewarm = 0, (0, 0)  # the module's `rewarm`: (applied step it began, its length)
     for step in range(steps):
         x, y = train_b[step % len(train_b)]
         if policy and step % SNAPSHOT_EVERY == 0:
             copy = copy_state(module.state_dict()), copy_state(opt.state_dict())
             snapshots = [*snapshots, (step, step - skipped, *copy)][-SNAPSHOT_KEEP:]
         scale = policy.lr_scale if policy else 1.0
+        at = step - skipped
+        ramp = rewarm_factor(at, rewarm)
         for group in opt.param_groups:
-            at = step - skipped
-            group["lr"] = scale * lr_at(at, lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps)
+            group["lr"] = scale * ramp * lr_at(at, lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps)
         for a in attns:
             a.track_max_logit = clip
         loss, _ = module.loss(module(x), y)
@@ -108,6 +110,7 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
                 opt.load_state_dict(copy_state(optim))
                 snapshots = [s for s in snapshots if s[0] <= to]
                 skipped = step + 1 - applied
+                rewarm = (applied, policy.rewarm_steps)
     return val_loss(module, val)
 
 

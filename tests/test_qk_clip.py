@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
+from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
+from steadylm.schedule import rewarm_factor
 from steadylm.stability import read_events
 from steadylm.stability.qk_clip import QKClip
 from steadylm.train import train
@@ -75,6 +77,15 @@ def test_the_policy_is_bounded_and_its_state_round_trips():
     assert rewinding.step(6, [torch.tensor([20.0, 5.0])], [attn])["rewind_before"] == 4  # before the onset, 5
 
 
+def test_a_rewind_warms_the_lr_up_again_from_the_restored_step():
+    """After a rewind to applied step 20 with a 100-step re-warmup: 1/100 of the LR at step 20, half at 69, all of
+    it from 120 on; before the rewind's step, and with no re-warmup, the schedule alone."""
+    assert [rewarm_factor(s, (20, 100)) for s in (20, 69, 119, 120, 500)] == [0.01, 0.5, 1.0, 1.0, 1.0]
+    assert rewarm_factor(19, (20, 100)) == 1.0 and rewarm_factor(20, (0, 0)) == 1.0
+    with pytest.raises(ConfigError, match=r"rewarm_steps=-1 must be an integer >= 0"):
+        QKClip(rewarm_steps=-1)
+
+
 @pytest.mark.slow
 def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cfg, tmp_path):
     """lr 0.1 without QK-norm: clips from the first steps past tau, events with evidence; a streak of clips lowers
@@ -96,6 +107,9 @@ def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cf
     assert objects["module"].lr_scale == pytest.approx(0.1 ** len(backoffs))
     assert rewind["detail"]["cause"] == "qk_clip" and rewind["detail"]["source"] == "memory"
     assert rewind["step"] == backoff["step"] and rewind["detail"]["to_step"] == backoff["detail"]["rewound_to"] < onset
+    assert backoff["detail"]["rewarm_steps"] == 100  # the LR warms up again from the restored weights
+    start, length = objects["module"].rewarm
+    assert length == 100 and start == backoffs[-1]["detail"]["rewound_to"]  # no step skipped before: applied = step
     if len(rewinds) == 1:  # the schedule resumed at the rewound weights (accounted a step late): the steps since
         assert objects["module"].skipped_steps == backoff["step"] + 2 - rewind["detail"]["to_step"]  # no longer count
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
@@ -104,6 +118,7 @@ def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cf
     after = make_cfg(*overrides, streak, "trainer.max_steps=32", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
     _, resumed = train(after)
     assert stability_of(resumed["trainer"]).qk_clip.clips >= len(clips)
+    assert resumed["module"].rewarm == (start, length)  # the re-warmup survives the checkpoint
 
 
 @pytest.mark.slow

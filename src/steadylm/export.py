@@ -123,7 +123,7 @@ def gpt2_state(net: GPT) -> tuple[dict, dict]:
         n_layer=c.n_layer,
         n_head=c.n_head,
         n_inner=c.hidden,
-        activation_function="gelu_new",  # = F.gelu(approximate="tanh")
+        activation_function="gelu",  # = F.gelu (exact); "gelu_new" is the tanh form
         resid_pdrop=c.dropout,
         embd_pdrop=c.dropout,
         attn_pdrop=c.dropout,

@@ -22,7 +22,7 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups
 from steadylm.muon import Muon
 from steadylm.muon import param_groups as muon_groups
-from steadylm.schedule import lr_at, set_lr
+from steadylm.schedule import lr_at, rewarm_factor, set_lr
 
 
 def _plain(cfg: Any) -> dict:
@@ -67,6 +67,8 @@ class LMModule(L.LightningModule):
         # the LR counts only applied steps. `lr_scale` multiplies the schedule (a repeated rollback lowers it).
         self.skipped_steps = 0
         self.lr_scale = 1.0
+        # After a QK-clip rewind the LR warms up again from the restored step: (applied step it began, its length).
+        self.rewarm: tuple[int, int] = (0, 0)
         # This step's total grad norm, when the stability measurement has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
 
@@ -143,7 +145,7 @@ class LMModule(L.LightningModule):
         base = lr_at(
             applied, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
         )
-        return base * self.lr_scale
+        return base * rewarm_factor(applied, self.rewarm) * self.lr_scale
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self._muon() if self.optim_cfg.get("name", "adamw") == "muon" else self._adamw()
@@ -200,9 +202,11 @@ class LMModule(L.LightningModule):
             "tokenizer": self.tokenizer_name,
             "skipped_steps": self.skipped_steps,
             "lr_scale": self.lr_scale,
+            "rewarm": list(self.rewarm),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("steadylm", {})
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.lr_scale = float(meta.get("lr_scale", 1.0))
+        self.rewarm = tuple(int(v) for v in meta.get("rewarm", (0, 0)))

@@ -23,6 +23,13 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def rewarm_factor(step: int, rewarm: tuple[int, int]) -> float:
+    """The LR's share at applied step `step` of a warmup begun again at applied step `start` over `length` steps
+    (after a QK-clip rewind: the restored weights take the restored LR as a fresh start would, not at once)."""
+    start, length = rewarm
+    return (step - start + 1) / length if length and 0 <= step - start < length else 1.0
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's LR for the next update: `lr` times the group's own multiplier (`lr_mult`, default 1)."""
     for group in optimizer.param_groups:

@@ -1,4 +1,4 @@
-"""`model.mlp`: the position-wise feed-forward network, GELU (GPT-2) or SwiGLU (Llama).
+"""`model.mlp`: the position-wise feed-forward network, GELU (GPT-2; exact, not its tanh form) or SwiGLU (Llama).
 
 Both keep the input matrix as `fc` and the residual write as `proj`, so per-module names
 (`blocks.N.mlp.fc`) mean the same thing in either family. SwiGLU's gate and up projections are one
@@ -30,5 +30,5 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h)  # exact (erf), as nanoGPT: on a CPU the tanh form costs 1.7x (3.5 % of a d256 step)
         return self.dropout(self.proj(h))

@@ -45,6 +45,7 @@ class QKClip:
         lr_backoff: float | None = 0.1,
         max_backoffs: int = 2,
         rewind: bool = True,
+        rewarm_steps: int = 0,
     ) -> None:
         where = "callbacks.stability.qk_clip"
         if every_n_steps < 1:
@@ -63,6 +64,9 @@ class QKClip:
             raise ConfigError(f"{where}.rewind={rewind!r} must be true or false")
         self.backoff_after, self.lr_backoff, self.max_backoffs = backoff_after, lr_backoff, int(max_backoffs)
         self.rewind = rewind
+        if not isinstance(rewarm_steps, int) or rewarm_steps < 0:
+            raise ConfigError(f"{where}.rewarm_steps={rewarm_steps!r} must be an integer >= 0 (0: no re-warmup)")
+        self.rewarm_steps = rewarm_steps
         self.clips = 0  # steps on which at least one head was clipped
         self.streak = 0  # measurements in a row that clipped
         self.onset = -1  # the step at which the current streak began

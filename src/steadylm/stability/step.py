@@ -356,6 +356,10 @@ class Stability(L.Callback):
         restored = self._rewind(trainer, pl_module, evidence["rewind_before"]) if "rewind_before" in evidence else None
         if restored is not None:
             detail["rewound_to"] = restored["to_step"]
+            if self.qk_clip.rewarm_steps:  # the LR ramps up again from the restored weights, as at the start
+                applied = trainer.global_step - pl_module.skipped_steps
+                pl_module.rewarm = (applied, self.qk_clip.rewarm_steps)
+                detail["rewarm_steps"] = self.qk_clip.rewarm_steps
         emit(trainer, step, "lr_backoff", "backoff", detail)
         if restored is not None:
             emit(trainer, step, "rollback", "rollback", {**restored, "cause": "qk_clip", "onset": evidence["onset"]})
