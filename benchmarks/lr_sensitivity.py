@@ -81,11 +81,15 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
     warmup = steps // 10
     snapshots: list[tuple[int, int, dict, dict]] = []  # (step, applied, weights, optimizer): Recovery's, in memory
     skipped, rewarm = 0, (0, 0)  # the module's `rewarm`: (applied step it began, its length)
+    first = None  # Recovery's first snapshot, held through the warmup (Stability._hold_first_through_warmup)
     for step in range(steps):
         x, y = train_b[step % len(train_b)]
+        hold = policy and step - skipped <= warmup + policy.backoff_after
+        first = first if hold else None
         if policy and step % SNAPSHOT_EVERY == 0:
             copy = copy_state(module.state_dict()), copy_state(opt.state_dict())
             snapshots = [*snapshots, (step, step - skipped, *copy)][-SNAPSHOT_KEEP:]
+            first = first or (snapshots[-1] if hold else None)
         scale = policy.lr_scale if policy else 1.0
         at = step - skipped
         ramp = rewarm_factor(at, rewarm)
@@ -104,11 +108,11 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
             evidence = policy.step(step, [a.head_max_logit for a in attns], attns)
             before = (evidence or {}).get("rewind_before")
             good = [s for s in snapshots if before is not None and s[0] <= before]
-            if good:  # Recovery.rewind: one snapshot before the newest from before the clipping began
-                to, applied, weights, optim = good[-2] if len(good) > 1 else good[-1]
+            if good or (first and before is not None):  # Recovery.rewind: the held first snapshot, else one
+                to, applied, weights, optim = first or (good[-2] if len(good) > 1 else good[-1])  # before the newest
                 module.load_state_dict(weights)
                 opt.load_state_dict(copy_state(optim))
-                snapshots = [s for s in snapshots if s[0] <= to]
+                snapshots = [s for s in snapshots if s[0] <= to] or [first]
                 skipped = step + 1 - applied
                 rewarm = (applied, policy.rewarm_steps)
     return val_loss(module, val)

@@ -86,6 +86,30 @@ def test_a_rewind_warms_the_lr_up_again_from_the_restored_step():
         QKClip(rewarm_steps=-1)
 
 
+def test_growth_in_the_warmup_rewinds_to_the_first_snapshot_beyond_keep(make_cfg, tmp_path):
+    """keep=1 snapshot every 5 steps: by the streak only the newest is in `keep`, but the logits grew during the
+    LR warmup, so the rewind goes back to the fit's first snapshot, held until the warmup is over."""
+    _, objects = train(
+        make_cfg(
+            "model.qk_norm=false",
+            "optim.lr=0.1",
+            "optim.warmup_steps=20",
+            "trainer.max_steps=50",
+            "callbacks.stability.qk_clip.backoff_after=2",
+            "callbacks.stability.recovery.every_n_steps=5",
+            "callbacks.stability.recovery.keep=1",
+            "callbacks.checkpoint.every_n_train_steps=50",
+        )
+    )
+    events = read_events(tmp_path / "run")
+    rewinds = [e for e in events if e["kind"] == "rollback"]
+    assert rewinds and rewinds[0]["detail"]["cause"] == "qk_clip", [(e["step"], e["kind"]) for e in events]
+    assert rewinds[0]["detail"]["onset"] > 10 and rewinds[0]["detail"]["to_step"] == 0
+    recovery = stability_of(objects["trainer"]).recovery
+    assert recovery.first is None and not recovery.hold_first  # released once the warmup was over
+    assert len(recovery.good) == 1  # keep
+
+
 @pytest.mark.slow
 def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cfg, tmp_path):
     """lr 0.1 without QK-norm: clips from the first steps past tau, events with evidence; a streak of clips lowers

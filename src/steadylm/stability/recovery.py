@@ -150,6 +150,9 @@ class Recovery:
         self.good: deque[Snapshot] = deque()
         self.candidate: Snapshot | None = None
         self._spare: Snapshot | None = None  # buffers of a dropped snapshot, for the next one
+        # The fit's first known-good snapshot, held beyond `keep` while the caller may rewind to it (`rewind`).
+        self.hold_first = False
+        self.first: Snapshot | None = None
         self.rollbacks = 0
         self.strikes = 0  # rollbacks in a row at the same place
         self.last_onset: int | None = None
@@ -177,8 +180,10 @@ class Recovery:
             self.candidate = None
             if not m.nonfinite and not suspect:
                 self.good.append(c)
+                if self.hold_first and self.first is None:
+                    self.first = c
                 if len(self.good) > self.keep:
-                    self._spare = self.good.popleft()
+                    self._drop(self.good.popleft())
             else:
                 self._spare = c
         if not m.nonfinite:
@@ -238,16 +243,30 @@ class Recovery:
         set_rng_state(snap.rng)
         # Newer snapshots hold the weights being abandoned.
         while self.good and self.good[-1].step > snap.step:
-            self._spare = self.good.pop()
+            self._drop(self.good.pop())
+        if not self.good:  # the held first snapshot, evicted by newer ones and now the newest again
+            self.good.append(snap)
         self.candidate = None
         return {"source": "memory", "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
 
-    def rewind(self, trainer, pl_module, before: int) -> dict | None:
+    def _drop(self, snap: Snapshot) -> None:
+        if snap is not self.first:  # the held first snapshot keeps its buffers
+            self._spare = snap
+
+    def release_first(self) -> None:
+        """Stop holding the first snapshot beyond `keep` (its buffers serve the next snapshot)."""
+        first, self.first, self.hold_first = self.first, None, False
+        if first is not None and first not in self.good:
+            self._spare = first
+
+    def rewind(self, trainer, pl_module, before: int, to_first: bool = False) -> dict | None:
         """Restore the good snapshot one before the newest taken at or before step `before` (the newest itself
-        when it is the only one): what grew past a bar at `before` began growing earlier. Outside the spike
+        when it is the only one): what grew past a bar at `before` began growing earlier; `to_first`: the held
+        first snapshot of the fit, when there is one (growth that began in the LR warmup). Outside the spike
         escalation: no strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff).
         None when memory holds none (after a resume, or without snapshots): the caller keeps its weights."""
-        snap = self.newest_good(before=before, older=True)
+        first = self.first if to_first and self.first is not None and self.first.step <= before else None
+        snap = first or self.newest_good(before=before, older=True)
         if snap is None:
             return None
         return {**self._restore(trainer, pl_module, snap), "skipped_data_steps": trainer.global_step - snap.step}

@@ -111,6 +111,8 @@ class Stability(L.Callback):
             for attn in self._clip_targets(trainer, pl_module):
                 attn.track_max_logit = True
             self._clip_armed = trainer.global_step
+        if self.qk_clip is not None and self.qk_clip.rewind:
+            self._hold_first_through_warmup(trainer, pl_module)
         spike_window = {"spike": self.spike.window_state()} if self.spike is not None else {}
         self.recovery.maybe_snapshot(trainer, pl_module, spike_window)
 
@@ -365,10 +367,22 @@ class Stability(L.Callback):
             emit(trainer, step, "rollback", "rollback", {**restored, "cause": "qk_clip", "onset": evidence["onset"]})
         return restored is not None
 
+    def _hold_first_through_warmup(self, trainer, pl_module) -> None:
+        """Growth that crosses tau during the LR warmup began near the start (at 10x the stable LR the max logit is
+        10x the stable run's by step 19 and crosses 100 at 60): recovery holds the fit's first snapshot until
+        the warmup, and a streak begun at its end, are over; a rewind then goes back to it."""
+        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
+        hold = trainer.global_step - pl_module.skipped_steps <= warmup + (self.qk_clip.backoff_after or 0)
+        if hold and not self.recovery.hold_first:
+            self.recovery.hold_first = True
+        elif not hold and self.recovery.hold_first:
+            self.recovery.release_first()
+
     def _rewind(self, trainer, pl_module, before: int) -> dict | None:
         """Back to the newest good snapshot from before the logits' growth crossed tau (the weights grown since
-        are the damage the clip cannot undo); the LR schedule resumes where those weights left off."""
-        restored = self.recovery.rewind(trainer, pl_module, before)
+        are the damage the clip cannot undo), or to the first one while it is held (the growth began in the
+        warmup); the LR schedule resumes where those weights left off."""
+        restored = self.recovery.rewind(trainer, pl_module, before, to_first=True)
         if restored is None:
             return None
         self.measure.abandon()  # the step just done measured the abandoned weights
