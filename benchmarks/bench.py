@@ -96,6 +96,25 @@ def raw_block(module, opt, lr, batches: Iterator, steps: int, clip: float | None
     return timed(lambda: raw_step(module, opt, lr, next(batches), clip, **kw), steps)
 
 
+def paired_ratios(a: Callable[[], None], b: Callable[[], None], n: int, seed: int = 0) -> tuple[float, ...]:
+    """(median of n paired step-time ratios a/b, its 90 % bootstrap interval, median a, median b), each pair in
+    a seeded random order: a neighbour's load drifts over seconds, and a pair sees the same drift on both sides."""
+    coin, ratios, times = random.Random(seed), [], {"a": [], "b": []}
+    for _ in range(WARMUP):
+        a(), b()
+    for _ in range(n):
+        t = {}
+        for side, step in sorted((("a", a), ("b", b)), key=lambda _: coin.random()):
+            start = time.perf_counter()
+            step()
+            t[side] = time.perf_counter() - start
+            times[side].append(t[side])
+        ratios.append(t["a"] / t["b"])
+    rng = random.Random(seed + 1)
+    boot = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(1000))
+    return statistics.median(ratios), boot[50], boot[949], statistics.median(times["a"]), statistics.median(times["b"])
+
+
 class PairedSteps(L.Callback):
     """Times each Lightning step (batch start to next batch start) and, inside it, one raw step.
 

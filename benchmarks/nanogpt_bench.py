@@ -11,8 +11,8 @@ nanoGPT's tokens/s"):
                                    on CUDA only, as it writes it), forward with targets, backward,
                                    `clip_grad_norm_`, the same warmup/cosine LR, step, zero_grad
   steadylm / nanoGPT, model only   the same plain loop around each model (steadylm's `GPT` with its loss and
-                                   AdamW recipe against nanoGPT's), in interleaved blocks: what the model and
-                                   optimizer cost apart from Lightning and the suite
+                                   AdamW recipe against nanoGPT's), a pair of steps at a time in random order:
+                                   what the model and optimizer cost apart from Lightning and the suite
 
 Default shape: the issue's 4 layers, d 256, 4 heads, context 256, batch 16, fp32, on the embedded corpus
 (byte vocabulary, 320). Peak RSS is not compared here (one process holds both); docs/performance.md
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench import CHUNK, overhead_samples, paired_run, raw_block, setup, timed, verdict
+from bench import CHUNK, overhead_samples, paired_ratios, paired_run, raw_step, setup, verdict
 from bench import interval as paired_interval
 from bench import ratio as ratio_of_medians
 
@@ -104,20 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"whole step: {args.rounds} runs of {args.steps} steps, each paired with a nanoGPT step …", file=sys.stderr)
     runs = [paired_run(cfg, module, datamodule, nano, args.steps, r) for r in range(args.rounds)]
     t = overhead_samples(runs)
-    print("model only: interleaved blocks of plain steps …", file=sys.stderr)
-    blocks = {"steadylm": [], "nanogpt": []}
-    for r in range(args.rounds):
-        order = ("steadylm", "nanogpt") if r % 2 == 0 else ("nanogpt", "steadylm")
-        for side in order:
-            if side == "steadylm":
-                blocks[side].append(raw_block(module, raw.opt, raw.sched, raw.batches, args.steps, raw.clip))
-            else:
-                blocks[side].append(timed(nano, args.steps))
+    print("model only: plain steps, a pair at a time in random order …", file=sys.stderr)
+    pairs = paired_ratios(lambda: raw_step(module, raw.opt, raw.sched, next(raw.batches), raw.clip), nano, args.steps)
     tokens = datamodule.batch_size * datamodule.context_length
     rows = {
         "whole step, suite on (Lightning + default callbacks)": (t["on"], t["raw"]),
         "whole step, suite off (callbacks=minimal's steps)": (t["off"], t["raw"]),
-        "model + optimizer only (plain loops)": (blocks["steadylm"], blocks["nanogpt"]),
     }
     shape = f"L{cfg.model.n_layer} d{cfg.model.d_model} T{cfg.model.context_length} B{cfg.data.batch_size}, fp32"
     print(f"\nsteadylm / nanoGPT step time ({shape}, {torch.get_num_threads()} threads; < 1: steadylm is faster)")
@@ -127,6 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
         value, (low, high) = ratio_of_medians(a, b), paired_interval(a, b)
         results[name] = {"ratio": value, "interval": [low, high]}
         print(f"{name:54} {value:6.3f}  [{low:.3f}, {high:.3f}]  <= 1.0  {verdict(low, high, 1.0)}")
+    value, low, high, _, _ = pairs
+    results["model + optimizer only (plain loops)"] = {"ratio": value, "interval": [low, high]}
+    print(
+        f"{'model + optimizer only (plain loops, paired steps)':54} {value:6.3f}  [{low:.3f}, {high:.3f}]  <= 1.0  {verdict(low, high, 1.0)}"
+    )
     for name, a in (("steadylm (suite on)", t["on"]), ("nanoGPT", t["raw"])):
         ms = 1e3 * sorted(x[0] for block in a for x in block)[sum(map(len, a)) // 2]
         print(f"  {name:20} {ms:8.1f} ms/step  {tokens / ms * 1e3:9,.0f} tokens/s")

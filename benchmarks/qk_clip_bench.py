@@ -17,8 +17,6 @@ Usage: python benchmarks/qk_clip_bench.py [--quick] [--steps N] [--device cpu|cu
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,11 +26,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from bench import paired_ratios  # noqa: E402
+
 from steadylm.model import GPT, GPTConfig  # noqa: E402
 from steadylm.stability.qk_clip import QKClip  # noqa: E402
 
 TARGET = 0.02
-WARMUP = 3
 
 
 def sync(device: str) -> None:
@@ -71,18 +70,8 @@ def bench(model_cfg: dict, batch: int, steps: int, device: str) -> tuple[float, 
         return time.perf_counter() - start
 
     pending: list[torch.Tensor] = []  # the host copy of the last measured step's logits
-    coin = random.Random(0)
-    for _ in range(WARMUP):
-        step(True), step(False)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(steps):  # a pair at a time, in a random order: a drift in the machine's load hits both sides
-        for on in sorted((True, False), key=lambda _: coin.random()):
-            times[on].append(step(on))
-    pairs = [a / b for a, b in zip(times[True], times[False])]
-    with_, without = statistics.median(times[True]), statistics.median(times[False])
-    rng = random.Random(1)
-    ratios = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(1000))
-    return with_, without, statistics.median(pairs), ratios[50], ratios[949]
+    ratio, low, high, with_, without = paired_ratios(lambda: step(True), lambda: step(False), steps)
+    return with_, without, ratio, low, high
 
 
 def main() -> None:

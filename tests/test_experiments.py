@@ -3,6 +3,9 @@ each makes its cause happen within seconds and the stability suite must catch an
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,30 @@ def test_divergence_preset_is_caught_by_the_suite(name, extra, shards_dir, tmp_p
     if name in ("lr_spike", "corrupted_batch"):
         spike = [e for e in read_events(tmp_path / "run") if e["kind"] == "loss_spike"][0]
         assert spike["detail"]["cause"] == ("update" if name == "lr_spike" else "data"), spike
+
+
+@pytest.mark.slow
+def test_natural_divergence_bench_runs_every_case_through_train_py(shards_dir, tmp_path):
+    """`benchmarks/natural_divergence.py --quick`: every case with and without the mitigation, each a real
+    `train.py` run whose result.json the table reads; the stable run is never mitigated."""
+    out = tmp_path / "natural.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "natural_divergence.py"
+    run = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--steps", "12", "--json", str(out), f"data.dir={shards_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted((case, col) for case, col, _, _ in rows) == sorted(
+        [("optim.lr=3e-3 (stable)", "default")]
+        + [
+            (case, col)
+            for case in ("optim.lr=0.03 (10x)", "optim.lr=0.1 (30x)", "lr 0.05, no warmup, no clipping")
+            for col in ("default", "unmitigated")
+        ]
+    )
+    assert all(r["status"] in ("ok", "unstable") and r["val_loss"] > 0 for *_, r in rows)
+    assert all("qk_clip" not in r["acted"] for _, col, _, r in rows if col == "unmitigated")
+    assert "optim.lr=0.1 (30x)" in run.stdout and "unmitigated" in run.stdout.splitlines()[2]
