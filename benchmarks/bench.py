@@ -82,18 +82,13 @@ def raw_step(module, opt, lr: Callable[[], float], batch, clip: float | None, *,
     opt.zero_grad(set_to_none=True)
 
 
-def timed(step: Callable[[], None], steps: int) -> list[Sample]:
-    """`steps` timed calls of `step`, after WARMUP untimed ones."""
+def raw_block(module, opt, lr, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
     samples = []
     for _ in range(steps + WARMUP):
         start = now()
-        step()
+        raw_step(module, opt, lr, next(batches), clip, **kw)
         samples.append(since(start))
     return samples[WARMUP:]
-
-
-def raw_block(module, opt, lr, batches: Iterator, steps: int, clip: float | None, **kw) -> list[Sample]:
-    return timed(lambda: raw_step(module, opt, lr, next(batches), clip, **kw), steps)
 
 
 def paired_ratios(a: Callable[[], None], b: Callable[[], None], n: int, seed: int = 0) -> tuple[float, ...]:
