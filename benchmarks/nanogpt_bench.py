@@ -15,10 +15,15 @@ nanoGPT's tokens/s"):
                                    what the model and optimizer cost apart from Lightning and the suite
 
 Default shape: the issue's 4 layers, d 256, 4 heads, context 256, batch 16, fp32, on the embedded corpus
-(byte vocabulary, 320). Peak RSS is not compared here (one process holds both); docs/performance.md
-accounts for it.
+(byte vocabulary, 320).
+
+--rss: peak RSS instead, each run a process of its own: nanoGPT's `train.py` (the checkout's, on the same
+tokens written as its `train.bin`/`val.bin`, fp32 on the CPU, no compile, one micro-step a step) against
+steadylm's `train.py` at the same shape and steps, with the default suite, `callbacks=minimal` and
+snapshots off; `ru_maxrss` of each process (os.wait4), and each one's ratio to nanoGPT's (target <= 1.2).
 
 Usage: python benchmarks/nanogpt_bench.py --nanogpt PATH [--rounds N] [--steps N] [--quick] [overrides...]
+       python benchmarks/nanogpt_bench.py --nanogpt PATH --rss [--steps N]
 """
 
 from __future__ import annotations
@@ -26,14 +31,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
+import pickle
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import h5py
+import numpy as np
 import torch
 from bench import CHUNK, overhead_samples, paired_ratios, paired_run, raw_step, setup, verdict
 from bench import interval as paired_interval
 from bench import ratio as ratio_of_medians
 
+from steadylm.data.prepare import prepare
+from steadylm.data.shards import DATASET
 from steadylm.schedule import set_lr
 
 SHAPE = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.context_length=256", "data.batch_size=16"]
@@ -80,14 +93,77 @@ def nanogpt_step(net, opt, lr, batch, clip: float | None) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def peak_rss_gb(cmd: list[str], cwd: Path) -> float:
+    """Peak resident memory of one process (and the children it waited for), in GB."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"error: {' '.join(cmd[:3])} ... failed:\n{proc.stderr.read()[-2000:]}")
+    return usage.ru_maxrss / 1e6  # kilobytes on Linux
+
+
+def rss(checkout: Path, steps: int) -> dict[str, float]:
+    """nanoGPT's train.py and steadylm's on the same tokens and shape, one process each: peak RSS in GB."""
+    if not (checkout / "train.py").is_file():
+        raise SystemExit(f"error: --nanogpt {checkout}: no train.py there (--rss runs nanoGPT's own training script)")
+    work = Path(tempfile.mkdtemp(prefix="steadylm-rss-"))
+    prepare(input=None, out_dir=work / "shards", max_bytes=3_000_000, progress=False)
+    nano_data = work / "data" / "steadylm"  # nanoGPT reads data/<dataset>/ under its working directory
+    nano_data.mkdir(parents=True)
+    for split in ("train", "val"):
+        files = sorted((work / "shards").glob(f"{split}-*.h5"))
+        tokens = np.concatenate([h5py.File(f, "r")[DATASET][:] for f in files]).astype(np.uint16)
+        tokens.tofile(nano_data / f"{split}.bin")
+    with open(nano_data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 320}, f)
+    (work / "configurator.py").symlink_to((checkout / "configurator.py").resolve())  # train.py exec()s it from cwd
+    m = dict(kv.split("=", 1) for kv in SHAPE)
+    warmup = max(1, steps // 10)
+    nano = [
+        sys.executable, str((checkout / "train.py").resolve()), "--dataset=steadylm", "--device=cpu", "--dtype=float32",
+        "--compile=False", f"--n_layer={m['model.n_layer']}", f"--n_head={m['model.n_head']}",
+        f"--n_embd={m['model.d_model']}", f"--block_size={m['model.context_length']}",
+        f"--batch_size={m['data.batch_size']}", "--gradient_accumulation_steps=1", "--bias=True", "--dropout=0.0",
+        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={warmup}", "--eval_interval=100000",
+        "--eval_iters=8", "--log_interval=100000", "--always_save_checkpoint=False", f"--out_dir={work / 'out'}",
+    ]  # fmt: skip
+    ours = [
+        sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), *SHAPE, f"data.dir={work / 'shards'}",
+        f"trainer.max_steps={steps}", f"optim.warmup_steps={warmup}", "trainer.precision=32-true",
+        "trainer.limit_val_batches=0", "trainer.val_check_interval=100000", "trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    runs = {
+        "nanoGPT train.py": nano,
+        "steadylm, default suite": ours,
+        "steadylm, callbacks=minimal": [*ours, "callbacks=minimal"],
+        "steadylm, snapshots off": [*ours, "callbacks.stability.recovery.every_n_steps=0"],
+    }
+    peaks = {}
+    for i, (name, cmd) in enumerate(runs.items()):
+        print(f"{name} …", file=sys.stderr)
+        extra = [] if name.startswith("nanoGPT") else [f"paths.output_dir={work / f'run{i}'}"]
+        peaks[name] = peak_rss_gb(cmd + extra, cwd=work)
+    base = peaks["nanoGPT train.py"]
+    print(f"\npeak RSS, {steps} steps ({', '.join(SHAPE)}, fp32, CPU), each run its own process")
+    for name, gb in peaks.items():
+        ratio = gb / base
+        mark = "" if name.startswith("nanoGPT") else f"  {ratio:5.2f}x  {'met' if ratio <= 1.2 else 'missed'} (<= 1.2x)"
+        print(f"  {name:30} {gb:5.2f} GB{mark}")
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (its model.py is imported)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite; numbers are not meaningful")
     ap.add_argument("--rounds", type=int, default=4, help="trainer.fit runs (and model-only blocks per side)")
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    ap.add_argument("--steps", type=int, help="timed steps per run (40); --rss: steps of each training run (80)")
+    ap.add_argument("--rss", action="store_true", help="peak RSS of each train.py in its own process instead")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides after the default shape, e.g. data.batch_size=8")
     args = ap.parse_args(argv)
+    if args.rss:
+        return rss(args.nanogpt, args.steps or 80)
+    args.steps = args.steps or 40
     if args.quick:
         args.rounds, args.steps = 1, CHUNK
         SHAPE[:] = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32"]
