@@ -479,6 +479,7 @@ def test_demo_experiment_pairs_the_bpe_with_a_model_that_fits_it():
 
     cfg = compose(["experiment=demo"])
     assert cfg.data.tokenizer == "bpe" and cfg.model.vocab_size >= cfg.data.vocab_size
+    assert (cfg.optim.name, cfg.optim.lr) == ("muon", 1e-2)  # Muon wins at this size (docs/data.md)
     assert cfg.model.vocab_size % 64 == 0 and cfg.data.dir.endswith("stdlib-bpe")
     kw = prepare_kwargs(compose_command("prepare", ["experiment=demo"]))  # `make demo` prepares with the same config
     assert (kw["tokenizer"], kw["vocab_size"], kw["out_dir"]) == ("bpe", cfg.data.vocab_size, cfg.data.dir)
