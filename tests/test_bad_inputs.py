@@ -239,6 +239,10 @@ VALUE_CASES = {
         ["trainer.accelerator=tpu9"],
         r"trainer\.accelerator='tpu9' is not allowed; it must be one of auto, cpu",
     ),
+    "muon_ns_coeffs": (
+        ["optim=muon", "optim.muon.ns_coeffs=cubic"],
+        r"optim\.muon\.ns_coeffs='cubic' is not allowed; it must be quintic \| polar_express",
+    ),
     "lr_zero": (["optim.lr=0"], r"optim\.lr=0 is not allowed; it must be a learning rate > 0"),
     "lr_negative": (["optim.lr=-0.1"], r"optim\.lr=-0\.1 is not allowed"),
     "min_lr_above_lr": (

@@ -19,7 +19,7 @@ from steadylm.doctor.check import FAIL
 from steadylm.export import main as export_main
 from steadylm.generate import main as generate_main
 from steadylm.model import GPT, GPTConfig
-from steadylm.muon import Muon, orthogonalize, param_groups
+from steadylm.muon import NS_SCHEDULES, Muon, _iterate, _iterate_gram, orthogonalize, param_groups
 from steadylm.stability import read_events
 from steadylm.train import build, train
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, ROOT, faults, run_cli
@@ -63,12 +63,23 @@ def test_muon_takes_exactly_the_blocks_matrices_with_fused_projections_split(kw)
         assert "lm_head.weight" in adam  # untied: the output head stays on AdamW
 
 
+@pytest.mark.parametrize("coeffs, lo, hi", [("quintic", 0.5, 1.4), ("polar_express", 0.8, 1.2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_newton_schulz_puts_every_singular_value_near_one(dtype):
+def test_newton_schulz_puts_every_singular_value_near_one(dtype, coeffs, lo, hi):
     g = torch.randn(96, 24) @ torch.diag(torch.logspace(-1, 1, 24))  # condition number ~100
-    s = torch.linalg.svdvals(orthogonalize(g, 5, dtype).float())
-    assert s.min() > 0.5 and s.max() < 1.4, s
+    s = torch.linalg.svdvals(orthogonalize(g, 5, dtype, coeffs).float())
+    assert s.min() > lo and s.max() < hi, s
     assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 30
+
+
+@pytest.mark.parametrize("coeffs", list(NS_SCHEDULES))
+def test_the_gram_iteration_gives_the_same_iterates_as_iterating_on_x(coeffs):
+    torch.manual_seed(0)
+    x = torch.randn(3, 16, 64, dtype=torch.float64) @ torch.diag(torch.logspace(-1, 0, 64, dtype=torch.float64))
+    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    table = NS_SCHEDULES[coeffs][0]
+    schedule = [table[min(i, len(table) - 1)] for i in range(6)]  # past the table's end: its last entry repeats
+    torch.testing.assert_close(_iterate_gram(x, schedule), _iterate(x, schedule), rtol=1e-9, atol=1e-10)
 
 
 def test_the_adamw_groups_are_torch_adamw_bitwise():

@@ -153,7 +153,7 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]]:
-    from steadylm.muon import ADJUST_LR, NS_DTYPES
+    from steadylm.muon import ADJUST_LR, NS_COEFFS, NS_DTYPES
 
     strategy = t.get("strategy")
     target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
@@ -164,6 +164,7 @@ def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]
         ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
         ("optim.muon.ns_steps", m.ns_steps, _int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
         ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
+        ("optim.muon.ns_coeffs", m.ns_coeffs, m.ns_coeffs in NS_COEFFS, " | ".join(NS_COEFFS)),
         (
             "trainer.strategy",
             target,

@@ -159,7 +159,7 @@ class LMModule(L.LightningModule):
     def _muon(self) -> Muon:
         """`optim=muon`: Muon on the blocks' matrices, AdamW (the same recipe as `_adamw`) on the rest."""
         o, m = self.optim_cfg, self.optim_cfg["muon"]
-        knobs = {k: m[k] for k in ("momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr")}
+        knobs = {k: m[k] for k in ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")}
         groups = muon_groups(self.net, o)
         return Muon(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused(), **knobs)
 

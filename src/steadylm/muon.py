@@ -22,10 +22,27 @@ from torch.optim.adamw import adamw
 
 from steadylm import compat
 
-# Keller Jordan's quintic coefficients: steepest slope at 0, so 5 steps bring every singular value near 1.
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
+# (its last entry repeats past its end) and the safety factor the input norm is divided by.
+NS_SCHEDULES = {
+    # Keller Jordan's quintic: steepest slope at 0, so 5 steps bring every singular value into ~[0.7, 1.2].
+    "quintic": (((3.4445, -4.7750, 2.0315),), 1.0),
+    # Polar Express (Amsel et al. 2025, arXiv 2505.16932): the minimax-optimal quintic for each iteration in turn,
+    # with its 2 % safety factor: at the same cost, 5 steps leave ~[0.86, 1.14] (docs/performance.md).
+    "polar_express": (
+        (
+            (8.156554524902461, -22.48329292557795, 15.878769915207462),
+            (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+            (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+            (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+            (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+        ),
+        1.02,
+    ),
+}
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 NS_DTYPES = ("auto", "float32", "bfloat16")
+NS_COEFFS = tuple(NS_SCHEDULES)
 
 
 def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -35,25 +52,52 @@ def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
     return getattr(torch, choice)
 
 
-def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """An approximately semi-orthogonal matrix with g's singular vectors (singular values in ~[0.7, 1.2])."""
-    a, b, c = NS_COEFFS
+def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str = "quintic") -> torch.Tensor:
+    """An approximately semi-orthogonal matrix with g's singular vectors (a batch of them if g is 3-D)."""
+    table, safety = NS_SCHEDULES[coeffs]
+    schedule = [table[min(i, len(table) - 1)] for i in range(steps)]
     x = g.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the short side: the Gram matrix is min(A, B) squared
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * safety + 1e-7)  # spectral norm <= Frobenius norm <= 1
     batched = x.dim() == 3
     x = x if batched else x.unsqueeze(0)
-    for _ in range(steps):
-        # a·X + (b·G + c·G²)·X as one product (a·I + b·G + c·G²)·X: the scalings and sums act on the small Gram
-        # matrix, none on X (separate elementwise passes took a third of the iteration on a CPU; performance.md).
-        gram = torch.bmm(x, x.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·G + c·G²
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        x = torch.bmm(poly, x)
+    # In fp32 a wide matrix iterates on its Gram matrix: fewer FLOPs once B >= 2A; in bf16 the squared
+    # condition number loses the small singular values, so there the iteration stays on X.
+    wide = x.size(-1) >= 2 * x.size(-2) and dtype in (torch.float32, torch.float64)
+    x = (_iterate_gram if wide else _iterate)(x, schedule)
     x = x if batched else x.squeeze(0)
     return x.mT if tall else x
+
+
+def _polynomial(gram: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+    """a·I + b·G + c·G²: the scalings and sums act on the small Gram matrix, none on X (separate elementwise
+    passes over X took a third of the iteration on a CPU; performance.md)."""
+    poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+    poly.diagonal(dim1=-2, dim2=-1).add_(a)
+    return poly
+
+
+def _iterate(x: torch.Tensor, schedule: list) -> torch.Tensor:
+    for a, b, c in schedule:  # X <- (a·I + b·G + c·G²)·X, G = XXᵀ: 2A²B + 2A³ + 2A²B FLOPs
+        gram = torch.bmm(x, x.mT)
+        x = torch.bmm(_polynomial(gram, a, b, c), x)
+    return x
+
+
+def _iterate_gram(x: torch.Tensor, schedule: list) -> torch.Tensor:
+    """The same iterates as `_iterate`, as X_k = Q_k·X_0: every Q_k is a polynomial in G_0 = X_0X_0ᵀ, so they all
+    commute and G_k = Q_k·G_0·Q_k. Four A×A products an iteration and two A×B ones in all, against
+    two A×B products an iteration (for 4 × (128×512) and 5 steps: 0.66x the time, performance.md)."""
+    g0 = torch.bmm(x, x.mT)
+    gram, q = g0, None
+    for i, (a, b, c) in enumerate(schedule):
+        poly = _polynomial(gram, a, b, c)
+        q = poly if q is None else torch.bmm(poly, q)
+        if i + 1 < len(schedule):
+            gram = torch.bmm(q, torch.bmm(q, g0))
+    return torch.bmm(q, x)
 
 
 def lr_ratio(rule: str, rows: int, cols: int) -> float:
@@ -85,11 +129,15 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_dtype: str = "auto",
+        ns_coeffs: str = "quintic",
         adjust_lr: str = "match_rms_adamw",
         fused: bool = False,
     ):
-        if adjust_lr not in ADJUST_LR or ns_dtype not in NS_DTYPES:
-            raise ValueError(f"adjust_lr={adjust_lr!r} / ns_dtype={ns_dtype!r}: allowed {ADJUST_LR} / {NS_DTYPES}")
+        if adjust_lr not in ADJUST_LR or ns_dtype not in NS_DTYPES or ns_coeffs not in NS_COEFFS:
+            raise ValueError(
+                f"adjust_lr={adjust_lr!r} / ns_dtype={ns_dtype!r} / ns_coeffs={ns_coeffs!r}: "
+                f"allowed {ADJUST_LR} / {NS_DTYPES} / {NS_COEFFS}"
+            )
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -99,6 +147,7 @@ class Muon(torch.optim.Optimizer):
             nesterov=nesterov,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
+            ns_coeffs=ns_coeffs,
             adjust_lr=adjust_lr,
             fused=fused,
             muon=False,
@@ -108,6 +157,11 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["muon"] and any(p.dim() != 2 for p in group["params"]):
                 raise ValueError("Muon groups take 2-D matrices only (put vectors and embeddings in AdamW groups)")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # checkpoints from before `ns_coeffs` existed iterated Keller Jordan's quintic
+            group.setdefault("ns_coeffs", "quintic")
 
     @torch.no_grad()
     def step(self, closure=None) -> torch.Tensor | None:
@@ -154,34 +208,38 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_step(self, group: dict, found_inf: torch.Tensor | None) -> None:
+        """The elementwise work as `torch._foreach_*` calls over the whole group: one kernel launch per op on a GPU
+        (torch loops over the tensors inside on a CPU: there it costs what a Python loop does)."""
         lr, mu = group["lr"], group["momentum"]
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
         splits = group["splits"] or [None] * len(group["params"])
-        splits = [rows for p, rows in zip(group["params"], splits) if p.grad is not None]
-        new_bufs, parts = [], []
-        for p, rows in zip(params, splits):
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            new_buf = state["momentum_buffer"].lerp(p.grad, 1 - mu)
-            update = p.grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
-            new_bufs.append(new_buf)
-            parts.append(update.split(rows) if rows else (update,))
-        ortho = iter(self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device))
-        skip = found_inf.bool() if found_inf is not None else None
-        for p, new_buf, ps in zip(params, new_bufs, parts):
-            mine = [next(ortho) for _ in ps]
-            step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
-            new_p = p.mul(1 - lr * group["weight_decay"]).sub_(step)  # decoupled decay, with the unscaled LR
-            buf = self.state[p]["momentum_buffer"]
-            if skip is None:
-                buf.copy_(new_buf)
-                p.copy_(new_p)
-            else:  # written in place: one pass each instead of a select and a copy
-                torch.where(skip, buf, new_buf, out=buf)
-                torch.where(skip, p, new_p, out=p)
+        mine = [(p, rows) for p, rows in zip(group["params"], splits) if p.grad is not None]
+        if not mine:
+            return
+        params = [p for p, _ in mine]
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        new_bufs = torch._foreach_lerp(bufs, grads, 1 - mu)
+        updates = torch._foreach_lerp(grads, new_bufs, mu) if group["nesterov"] else new_bufs
+        parts = [u.split(rows) if rows else (u,) for u, (_, rows) in zip(updates, mine)]
+        ortho = self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device)
+        ortho = [o.to(params[0].dtype) for o in ortho]
+        torch._foreach_mul_(ortho, [lr * lr_ratio(group["adjust_lr"], *o.shape) for o in ortho])
+        pieces = iter(ortho)
+        steps = [torch.cat([next(pieces) for _ in ps]) if len(ps) > 1 else next(pieces) for ps in parts]
+        new_params = torch._foreach_mul(params, 1 - lr * group["weight_decay"])  # decoupled decay, unscaled LR
+        torch._foreach_sub_(new_params, steps)
+        if found_inf is None:
+            torch._foreach_copy_(bufs, new_bufs)
+            torch._foreach_copy_(params, new_params)
+            return
+        skip = found_inf.bool()
+        for p, buf, new_buf, new_p in zip(params, bufs, new_bufs, new_params):
+            # in place, and never a multiply by a 0/1 mask: 0 · NaN is NaN
+            torch.where(skip, buf, new_buf, out=buf)
+            torch.where(skip, p, new_p, out=p)
 
     @staticmethod
     def _orthogonalize_by_shape(parts: list[torch.Tensor], group: dict, device: torch.device) -> list[torch.Tensor]:
@@ -194,7 +252,7 @@ class Muon(torch.optim.Optimizer):
             by_shape.setdefault(tuple(x.shape), []).append(i)
         out: list[torch.Tensor | None] = [None] * len(parts)
         for idx in by_shape.values():
-            batch = orthogonalize(torch.stack([wide[i] for i in idx]), group["ns_steps"], dtype)
+            batch = orthogonalize(torch.stack([wide[i] for i in idx]), group["ns_steps"], dtype, group["ns_coeffs"])
             for i, x in zip(idx, batch.unbind(0)):
                 out[i] = x.mT if wide[i] is not parts[i] else x
         return out
