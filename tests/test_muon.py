@@ -277,6 +277,11 @@ def test_time_to_loss_quick_mode_prints_every_row_and_the_step_cost(tmp_path):
     assert set(r["rows"]) == {"steadylm adamw", "steadylm muon", "plain loop adamw"}
     assert r["rows"]["steadylm adamw"]["ratios_steps_wall_cpu"] == [1.0, 1.0, 1.0]
     assert all(len(row["curve"]) == 2 for row in r["rows"].values())  # 20 steps, val every 10
+    paired = r["paired"]
+    assert paired["step_ratio_90"][0] <= paired["step_ratio"] <= paired["step_ratio_90"][1]
+    if r["rows"]["steadylm muon"]["reached"]:
+        assert paired["wall_x"] == pytest.approx(paired["steps_x"] * paired["step_ratio"])
+    assert "paired: a Muon step costs" in run.stdout
     cost = subprocess.run([sys.executable, bench, "--quick", "--step-cost"], capture_output=True, text=True)
     line = cost.stdout.strip().splitlines()[-1]
     muon, adamw = (float(x) for x in re.findall(r"(?:muon|adamw) (\d\.\d+)", line))
