@@ -23,9 +23,8 @@ before the onset, and the owner re-runs the onset batch on the restored weights 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-
-import numpy as np
 
 from steadylm.errors import ConfigError
 from steadylm.stability.measure import Measurement
@@ -49,9 +48,9 @@ class RobustWindow:
         return len(self.values)
 
     def center_scale(self) -> tuple[float, float]:
-        a = np.fromiter(self.values, dtype=float, count=len(self.values))
-        med = float(np.median(a))
-        return med, MAD_TO_STD * float(np.median(np.abs(a - med)))
+        # `statistics` rather than numpy: on 128 values 22 against 76 us, and this runs every step.
+        med = statistics.median(self.values)
+        return med, MAD_TO_STD * statistics.median([abs(v - med) for v in self.values])
 
 
 class SpikeDetector:
