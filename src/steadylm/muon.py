@@ -208,38 +208,34 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_step(self, group: dict, found_inf: torch.Tensor | None) -> None:
-        """The elementwise work as `torch._foreach_*` calls over the whole group: one kernel launch per op on a GPU
-        (torch loops over the tensors inside on a CPU: there it costs what a Python loop does)."""
         lr, mu = group["lr"], group["momentum"]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
         splits = group["splits"] or [None] * len(group["params"])
-        mine = [(p, rows) for p, rows in zip(group["params"], splits) if p.grad is not None]
-        if not mine:
-            return
-        params = [p for p, _ in mine]
-        for p in params:
-            if not self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        new_bufs = torch._foreach_lerp(bufs, grads, 1 - mu)
-        updates = torch._foreach_lerp(grads, new_bufs, mu) if group["nesterov"] else new_bufs
-        parts = [u.split(rows) if rows else (u,) for u, (_, rows) in zip(updates, mine)]
-        ortho = self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device)
-        ortho = [o.to(params[0].dtype) for o in ortho]
-        torch._foreach_mul_(ortho, [lr * lr_ratio(group["adjust_lr"], *o.shape) for o in ortho])
-        pieces = iter(ortho)
-        steps = [torch.cat([next(pieces) for _ in ps]) if len(ps) > 1 else next(pieces) for ps in parts]
-        new_params = torch._foreach_mul(params, 1 - lr * group["weight_decay"])  # decoupled decay, unscaled LR
-        torch._foreach_sub_(new_params, steps)
-        if found_inf is None:
-            torch._foreach_copy_(bufs, new_bufs)
-            torch._foreach_copy_(params, new_params)
-            return
-        skip = found_inf.bool()
-        for p, buf, new_buf, new_p in zip(params, bufs, new_bufs, new_params):
-            # in place, and never a multiply by a 0/1 mask: 0 · NaN is NaN
-            torch.where(skip, buf, new_buf, out=buf)
-            torch.where(skip, p, new_p, out=p)
+        splits = [rows for p, rows in zip(group["params"], splits) if p.grad is not None]
+        new_bufs, parts = [], []
+        for p, rows in zip(params, splits):
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            new_buf = state["momentum_buffer"].lerp(p.grad, 1 - mu)
+            update = p.grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
+            new_bufs.append(new_buf)
+            parts.append(update.split(rows) if rows else (update,))
+        ortho = iter(self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device))
+        skip = found_inf.bool() if found_inf is not None else None
+        for p, new_buf, ps in zip(params, new_bufs, parts):
+            mine = [next(ortho) for _ in ps]
+            step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
+            new_p = p.mul(1 - lr * group["weight_decay"]).sub_(step)  # decoupled decay, with the unscaled LR
+            buf = self.state[p]["momentum_buffer"]
+            if skip is None:
+                buf.copy_(new_buf)
+                p.copy_(new_p)
+            else:  # written in place: one pass each instead of a select and a copy
+                torch.where(skip, buf, new_buf, out=buf)
+                torch.where(skip, p, new_p, out=p)
 
     @staticmethod
     def _orthogonalize_by_shape(parts: list[torch.Tensor], group: dict, device: torch.device) -> list[torch.Tensor]:
