@@ -157,6 +157,19 @@ def test_state_dict_round_trip_continues_bitwise():
     assert equal(state(net, opt), state(net2, opt2))
 
 
+def test_a_state_dict_from_before_ns_coeffs_loads_as_the_quintic_it_was_trained_with():
+    net = tiny()
+    old = muon_opt(net).state_dict()
+    for group in old["param_groups"]:
+        del group["ns_coeffs"]  # written before the key existed
+    opt = Muon(param_groups(net, OPTIM), lr=OPTIM["lr"], ns_coeffs="polar_express", ns_dtype="float32")
+    opt.load_state_dict(old)
+    assert {g["ns_coeffs"] for g in opt.param_groups} == {"quintic"}
+    backward(net, 0)
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
 RUN = [
     "optim=muon",
     "optim.warmup_steps=3",
