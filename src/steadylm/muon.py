@@ -63,9 +63,10 @@ def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str =
     x = x / (x.norm(dim=(-2, -1), keepdim=True) * safety + 1e-7)  # spectral norm <= Frobenius norm <= 1
     batched = x.dim() == 3
     x = x if batched else x.unsqueeze(0)
-    # In fp32 a wide matrix iterates on its Gram matrix: fewer FLOPs once B >= 2A; in bf16 the squared
-    # condition number loses the small singular values, so there the iteration stays on X.
-    wide = x.size(-1) >= 2 * x.size(-2) and dtype in (torch.float32, torch.float64)
+    # On a CPU in fp32 a wide matrix iterates on its Gram matrix: fewer FLOPs once B >= 2A. The Gram matrix
+    # squares the condition number, which bf16, and TF32 (CUDA's fp32 matmuls in training, train.py), would
+    # pay for in the small singular values: there the iteration stays on X.
+    wide = x.size(-1) >= 2 * x.size(-2) and dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
     x = (_iterate_gram if wide else _iterate)(x, schedule)
     x = x if batched else x.squeeze(0)
     return x.mT if tall else x
