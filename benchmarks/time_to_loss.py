@@ -12,8 +12,9 @@ loss. The target is steadylm-AdamW's final val loss at its best LR: each run pri
 wall and CPU time it took to first reach it, and the ratios to steadylm-AdamW's. Runs go one after the
 other, so a busy neighbour moves the wall times; process CPU time leaves out the waits for a core.
 
-The wall ratios of runs made one after the other move with a busy neighbour (two runs of the same code: 0.62x
-and 0.77x), so the last line multiplies the exact ratio of steps by a paired ratio of step costs.
+The wall ratios of runs made one after the other move with a busy neighbour (three runs of the same code: 0.62x
+to 0.77x), so the last line multiplies the exact ratio of steps by a ratio of step costs measured in short
+fits of each, interleaved (8 rounds of 40 steps, `train.py`'s path with the suite on).
 
 --step-cost (in `make bench`): Muon's and AdamW's optimizer step as a fraction of a whole training step, and a
 Muon step over an AdamW step, each step of one timed right after a step of the other, on the same model.
@@ -195,6 +196,39 @@ def step_cost(cfg, steps: int) -> dict:
     }
 
 
+class StepTimes(L.Callback):
+    """Each training step's wall time (batch start to batch end: the whole Lightning step, suite included)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def lightning_step_ratio(cfgs: dict, rounds: int) -> dict:
+    """A Muon step over an AdamW step through `train.py`'s path (suite on): short fits of each, interleaved, the
+    order alternating; per round the ratio of median step times, then the median over rounds with a 90 %
+    bootstrap interval. A drift slower than one round (a few seconds) moves both sides alike."""
+    ratios = []
+    for r in range(rounds):
+        medians = {}
+        for name in ("adamw", "muon") if r % 2 == 0 else ("muon", "adamw"):
+            objects = build(cfgs[name])
+            clock = StepTimes()
+            objects["trainer"].callbacks.append(clock)
+            objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+            medians[name] = statistics.median(clock.times[3:])  # state allocation settles in the first steps
+        ratios.append(medians["muon"] / medians["adamw"])
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
+    return {"step_ratio": statistics.median(ratios), "step_ratio_90": (boot[50], boot[949]), "rounds": ratios}
+
+
 def floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
@@ -268,18 +302,22 @@ def main(argv: list[str] | None = None) -> dict:
             + " ".join(f"{r:>7.3f}" for r in ratios)
         )
         results["rows"][name] = {"lr": lr, "curve": curve, "reached": hit, "ratios_steps_wall_cpu": ratios}
-    # The wall ratios above come from runs one after the other, which a busy neighbour moves by +-10 % (two runs
-    # of the same code gave 0.62x and 0.77x): the steps are exact, the cost per step is measured paired.
+    # The wall ratios above come from runs one after the other, which a busy neighbour moves by +-10 % (three runs
+    # of the same code gave 0.62x to 0.77x): the steps are exact, the cost per step is measured interleaved.
     muon_hit = reach(rows["steadylm muon"][1], target)
-    cost = step_cost(cfg("optim=muon", f"optim.lr={best['muon']}"), 10 if args.quick else 40)
-    low, high = cost["step_ratio_90"]
     steps_x = muon_hit[0] / base[0] if muon_hit else math.nan
-    results["paired"] = {"step_ratio": cost["step_ratio"], "step_ratio_90": [low, high], "steps_x": steps_x}
-    results["paired"]["wall_x"] = steps_x * cost["step_ratio"]
+    short = 10 if args.quick else 40
+    cost = lightning_step_ratio(
+        {n: config(work, short, short, 1, [*args.overrides, f"optim={n}", f"optim.lr={best[n]}"]) for n in best},
+        2 if args.quick else 8,
+    )
+    low, high = cost["step_ratio_90"]
+    results["paired"] = {**cost, "steps_x": steps_x, "wall_x": steps_x * cost["step_ratio"]}
     print(
-        f"paired: a Muon step costs {cost['step_ratio']:.3f}x an AdamW step [{low:.3f}, {high:.3f}], so Muon's "
-        f"wall time to the target is {steps_x:.3f} x {cost['step_ratio']:.3f} = {results['paired']['wall_x']:.3f}x "
-        f"[{steps_x * low:.3f}, {steps_x * high:.3f}] (plain-loop steps: the suite's fixed cost is left out)"
+        f"interleaved: a Muon step costs {cost['step_ratio']:.3f}x an AdamW step [{low:.3f}, {high:.3f}] "
+        f"({len(cost['rounds'])} rounds of {short}-step fits each, suite on), so Muon's wall time to the target "
+        f"is {steps_x:.3f} x {cost['step_ratio']:.3f} = {results['paired']['wall_x']:.3f}x "
+        f"[{steps_x * low:.3f}, {steps_x * high:.3f}]"
     )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

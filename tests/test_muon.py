@@ -294,7 +294,7 @@ def test_time_to_loss_quick_mode_prints_every_row_and_the_step_cost(tmp_path):
     assert paired["step_ratio_90"][0] <= paired["step_ratio"] <= paired["step_ratio_90"][1]
     if r["rows"]["steadylm muon"]["reached"]:
         assert paired["wall_x"] == pytest.approx(paired["steps_x"] * paired["step_ratio"])
-    assert "paired: a Muon step costs" in run.stdout
+    assert len(paired["rounds"]) == 2 and "interleaved: a Muon step costs" in run.stdout
     cost = subprocess.run([sys.executable, bench, "--quick", "--step-cost"], capture_output=True, text=True)
     line = cost.stdout.strip().splitlines()[-1]
     muon, adamw = (float(x) for x in re.findall(r"(?:muon|adamw) (\d\.\d+)", line))
