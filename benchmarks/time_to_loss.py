@@ -12,7 +12,7 @@ loss. The target is steadylm-AdamW's final val loss at its best LR: each run pri
 wall and CPU time it took to first reach it, and the ratios to steadylm-AdamW's. Runs go one after the
 other, so a busy neighbour moves the wall times; process CPU time leaves out the waits for a core.
 
-The wall ratios of runs made one after the other move with a busy neighbour (three runs of the same code: 0.62x
+The wall ratios of runs made one after the other move with a busy neighbour (four runs of the same code: 0.62x
 to 0.77x), so the last line multiplies the exact ratio of steps by a ratio of step costs measured in short
 fits of each, interleaved (8 rounds of 40 steps, `train.py`'s path with the suite on).
 
@@ -62,6 +62,7 @@ class Clock(L.Callback):
 
     def __init__(self) -> None:
         self.curve: list[Point] = []
+        self.steps: list[float] = []  # each step's wall time (batch start to batch end, the suite included)
         self.wall = self.cpu = 0.0
         self._start = (0.0, 0.0)
 
@@ -70,6 +71,7 @@ class Clock(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         wall, cpu = now()
+        self.steps.append(wall - self._start[0])
         self.wall, self.cpu = self.wall + wall - self._start[0], self.cpu + cpu - self._start[1]
 
     def on_validation_end(self, trainer, pl_module):
@@ -186,28 +188,15 @@ def step_cost(cfg, steps: int) -> dict:
         if i >= 6:  # state allocation and the allocator settle in the first steps
             share[name].append((end - mid) / (end - start))
             whole[name].append(end - start)
-    pairs = [m / a for a, m in zip(whole["adamw"], whole["muon"])]
+    ratio, ratio_90 = median_interval([m / a for a, m in zip(whole["adamw"], whole["muon"])])
+    return {**{name: statistics.median(v) for name, v in share.items()}, "step_ratio": ratio, "step_ratio_90": ratio_90}
+
+
+def median_interval(values: list[float]) -> tuple[float, tuple[float, float]]:
+    """The median and a 90 % bootstrap interval for it."""
     rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(1000))
-    return {
-        **{name: statistics.median(v) for name, v in share.items()},
-        "step_ratio": statistics.median(pairs),
-        "step_ratio_90": (boot[50], boot[949]),
-    }
-
-
-class StepTimes(L.Callback):
-    """Each training step's wall time (batch start to batch end: the whole Lightning step, suite included)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._start)
+    boot = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(1000))
+    return statistics.median(values), (boot[50], boot[949])
 
 
 def lightning_step_ratio(cfgs: dict, rounds: int) -> dict:
@@ -219,14 +208,13 @@ def lightning_step_ratio(cfgs: dict, rounds: int) -> dict:
         medians = {}
         for name in ("adamw", "muon") if r % 2 == 0 else ("muon", "adamw"):
             objects = build(cfgs[name])
-            clock = StepTimes()
+            clock = Clock()
             objects["trainer"].callbacks.append(clock)
             objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
-            medians[name] = statistics.median(clock.times[3:])  # state allocation settles in the first steps
+            medians[name] = statistics.median(clock.steps[3:])  # state allocation settles in the first steps
         ratios.append(medians["muon"] / medians["adamw"])
-    rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
-    return {"step_ratio": statistics.median(ratios), "step_ratio_90": (boot[50], boot[949]), "rounds": ratios}
+    ratio, ratio_90 = median_interval(ratios)
+    return {"step_ratio": ratio, "step_ratio_90": ratio_90, "rounds": ratios}
 
 
 def floats(text: str) -> list[float]:
@@ -302,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
             + " ".join(f"{r:>7.3f}" for r in ratios)
         )
         results["rows"][name] = {"lr": lr, "curve": curve, "reached": hit, "ratios_steps_wall_cpu": ratios}
-    # The wall ratios above come from runs one after the other, which a busy neighbour moves by +-10 % (three runs
+    # The wall ratios above come from runs one after the other, which a busy neighbour moves by +-10 % (four runs
     # of the same code gave 0.62x to 0.77x): the steps are exact, the cost per step is measured interleaved.
     muon_hit = reach(rows["steadylm muon"][1], target)
     steps_x = muon_hit[0] / base[0] if muon_hit else math.nan

@@ -52,10 +52,15 @@ def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
     return getattr(torch, choice)
 
 
+def ns_schedule(coeffs: str, steps: int) -> list[tuple[float, float, float]]:
+    """(a, b, c) for each of `steps` iterations: the table's, its last entry repeated past its end."""
+    table = NS_SCHEDULES[coeffs][0]
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
 def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str = "quintic") -> torch.Tensor:
     """An approximately semi-orthogonal matrix with g's singular vectors (a batch of them if g is 3-D)."""
-    table, safety = NS_SCHEDULES[coeffs]
-    schedule = [table[min(i, len(table) - 1)] for i in range(steps)]
+    schedule, safety = ns_schedule(coeffs, steps), NS_SCHEDULES[coeffs][1]
     x = g.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the short side: the Gram matrix is min(A, B) squared
