@@ -1,7 +1,8 @@
-"""What the in-memory snapshots cost: snapshot time per step / step time, on the tiny and small presets.
+"""What the snapshots cost: snapshot time per step / step time, on the tiny and small presets.
 
-`callbacks.stability.recovery` copies weights, optimizer state, RNG and the data position to host memory every
-`every_n_steps` steps (default 25); on a GPU into pinned buffers, asynchronously on the training stream.
+`callbacks.stability.recovery` copies weights, optimizer state, RNG and the data position aside every
+`every_n_steps` steps (default 25): on a GPU into pinned host buffers, asynchronously on the training stream;
+on a CPU into a file that a background thread syncs and drops from the page cache (`--store`, as `store: auto`).
 For each preset this times, on one model with fused AdamW and random tokens:
 
   step        the median plain training step (forward, backward, clip, update), synchronised
@@ -12,6 +13,7 @@ For each preset this times, on one model with fused AdamW and random tokens:
 and prints `snapshot / (every_n * step)` and the paired ratio against the 2 % target.
 `--quick` (CPU-sized): the tiny preset, plus the small preset's width and depth at a short context.
 Usage: python benchmarks/snapshot_bench.py [--quick] [--every N] [--rounds N] [--device cpu|cuda] [--only tiny|small]
+                                          [--store auto|memory|disk]
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from steadylm.model import GPT, GPTConfig  # noqa: E402
 from steadylm.stability.recovery import capture  # noqa: E402
+from steadylm.stability.snapshot_store import HostBuffers, SnapshotFile  # noqa: E402
 
 TARGET = 0.02
 
@@ -47,7 +52,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, device: str) -> dict:
+def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, device: str, store: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="steadylm-snapshot-") as tmp, ThreadPoolExecutor(1) as flusher:
+        target = SnapshotFile(Path(tmp) / "snap.bin", flusher) if store == "disk" else HostBuffers()
+        try:
+            return _bench(name, model_cfg, batch, every, rounds, device, target)
+        finally:
+            target.close()
+
+
+def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, device: str, target) -> dict:
     torch.manual_seed(0)
     net = GPT(GPTConfig(**model_cfg)).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
@@ -68,7 +82,7 @@ def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devic
 
     for _ in range(3):
         step()  # warm up: kernels, optimizer state
-    snap = capture(trainer, pl_module)  # allocates the (pinned) buffers once, as the first snapshot of a run does
+    snap = capture(trainer, pl_module, store=target)  # allocates the storage once, as a run's first snapshot does
     snap.wait()
     steps, snaps, with_, without = [], [], [], []
     for r in range(rounds):
@@ -92,6 +106,7 @@ def bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devic
     paired = statistics.median(w / wo - 1 for w, wo in zip(with_, without))
     return {
         "preset": name,
+        "store": target.kind,
         "params_M": sum(p.numel() for p in net.parameters()) / 1e6,
         "snapshot_MB": snap.nbytes() / 2**20,
         "step_ms": step_t * 1e3,
@@ -109,9 +124,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=None, help="paired blocks per preset (default 4 quick, 10 full)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="one preset: tiny or small")
+    ap.add_argument(
+        "--store", choices=("auto", "memory", "disk"), default="auto", help="auto: memory on cuda, else disk"
+    )
     args = ap.parse_args(argv)
     if args.every < 1:
         ap.error("--every must be >= 1")
+    store = args.store if args.store != "auto" else ("memory" if args.device == "cuda" else "disk")
     rounds = args.rounds or (4 if args.quick else 10)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.quick:
@@ -123,9 +142,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.only:
         cases = [c for c in cases if c[0].split("@")[0] == args.only]
     results = []
-    print(f"snapshot cost on {args.device}, a snapshot every {every} steps (target <= {TARGET:.0%} of step time)")
+    print(
+        f"snapshot cost on {args.device}, store {store}, a snapshot every {every} steps "
+        f"(target <= {TARGET:.0%} of step time)"
+    )
     for name, cfg, batch in cases:
-        r = bench(name, cfg, batch, every, rounds, args.device)
+        r = bench(name, cfg, batch, every, rounds, args.device, store)
         results.append(r)
         verdict = "met" if max(r["ratio"], r["paired"]) <= TARGET else "missed"
         print(

@@ -82,7 +82,7 @@ def test_divergence_preset_is_caught_by_the_suite(name, extra, shards_dir, tmp_p
         named = [e for e in read_events(tmp_path / "run") if e["kind"] == "nonfinite_loss"]
         assert named and all(e["detail"]["module"] == "blocks.1.mlp.fc" for e in named)
         rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
-        assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 20
+        assert rollback[0]["source"] == "snapshot_file" and rollback[0]["to_step"] == 20
     if name in ("lr_spike", "corrupted_batch", "inf_grad", "nan_weight"):  # each survives: no stop, status ok
         assert not any(e["action"] == "stop" for e in read_events(tmp_path / "run")), name
     if name in ("high_lr", "no_clip_no_warmup"):  # mitigated and finished, but never reported ok

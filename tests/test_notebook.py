@@ -34,7 +34,7 @@ def test_notebook_runs_shows_the_default_surviving_and_names_the_lr_spike(tmp_pa
     assert "lr spike, action=log" in text and "status: diverged" in text
     survived = next(line for line in text.splitlines() if line.startswith("lr spike, defaults"))
     assert "status: ok" in survived
-    assert "rollback rollback" in text and '"source": "memory"' in text
+    assert "rollback rollback" in text and '"source": "snapshot_file"' in text
     natural = next(line for line in text.splitlines() if line.startswith("lr 0.1, defaults"))
     assert "status: unstable" in natural and "QK-clip acted on" in text  # a natural failure, mitigated and flagged
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]

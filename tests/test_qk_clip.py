@@ -129,7 +129,7 @@ def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cf
     onset = backoff["detail"]["onset"]
     assert backoff["step"] == onset + 1 and backoff["detail"]["lr_scale"] == pytest.approx(0.1)
     assert objects["module"].lr_scale == pytest.approx(0.1 ** len(backoffs))
-    assert rewind["detail"]["cause"] == "qk_clip" and rewind["detail"]["source"] == "memory"
+    assert rewind["detail"]["cause"] == "qk_clip" and rewind["detail"]["source"] == "snapshot_file"
     assert rewind["step"] == backoff["step"] and rewind["detail"]["to_step"] == backoff["detail"]["rewound_to"] < onset
     assert backoff["detail"]["rewarm_steps"] == 100  # the LR warms up again from the restored weights
     start, length = objects["module"].rewarm
@@ -210,5 +210,5 @@ def test_two_process_ddp_clips_backs_off_and_rewinds_every_rank_alike(shards_dir
     assert len(backoffs) == len(rewinds) == 1, [(e["step"], e["kind"]) for e in events]  # max_backoffs
     # x0.5 leaves the LR high enough to clip after the rewind: the clips the final weights carry
     assert [e for e in events if e["kind"] == "qk_clip" and e["step"] > rewinds[0]["step"]]
-    assert all(r["detail"]["cause"] == "qk_clip" and r["detail"]["source"] == "memory" for r in rewinds)
+    assert all(r["detail"]["cause"] == "qk_clip" and r["detail"]["source"] == "snapshot_file" for r in rewinds)
     assert json.loads((out / "result.json").read_text())["status"] == "unstable"

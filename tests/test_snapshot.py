@@ -1,15 +1,20 @@
-"""In-memory snapshots: what they hold, when they count as known-good, and that a rollback uses them."""
+"""Snapshots: what they hold, where they live, when they count as known-good, and that a rollback uses them."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import lightning as L
+import pytest
 import torch
 
+from steadylm.errors import ConfigError
 from steadylm.stability import read_events
-from steadylm.stability.recovery import capture, restore_weights_and_optimizer
+from steadylm.stability.recovery import Recovery, capture, restore_weights_and_optimizer
+from steadylm.stability.snapshot_store import HostBuffers, SnapshotFile
 from tests.helpers import FAST, faults, fit, stability_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,11 +28,20 @@ def state(trainer, module):
     )
 
 
-def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written_by_training(make_cfg):
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written_by_training(make_cfg, store, tmp_path):
     objs = fit(make_cfg(*FAST))
     trainer, module = objs["trainer"], objs["module"]
     before = state(trainer, module)
-    snap = capture(trainer, module)
+    with ThreadPoolExecutor(1) as flusher:
+        target = HostBuffers() if store == "memory" else SnapshotFile(tmp_path / "snap.bin", flusher)
+        snap = capture(trainer, module, store=target)
+        _restores_bitwise(trainer, module, snap, before)
+        target.close()
+    assert not (tmp_path / "snap.bin").exists()
+
+
+def _restores_bitwise(trainer, module, snap, before) -> None:
     assert snap.step == trainer.global_step and snap.applied == trainer.global_step and "torch" in snap.rng
     with torch.no_grad():
         for p in module.parameters():
@@ -44,24 +58,71 @@ def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written
     assert all(torch.equal(a[k], b[k]) for a, b in zip(before[1], state(trainer, module)[1]) for k in a)
 
 
+class SnapshotFiles(L.Callback):
+    """The snapshot files on disk at each step's start, after `Stability` took that step's snapshot."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[str]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        folder = Path(trainer.default_root_dir) / "stability" / "snapshots"
+        self.seen[trainer.global_step] = sorted(p.name for p in folder.glob("*.bin"))
+
+
 def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_cfg, tmp_path):
-    objs = fit(make_cfg(*FAST))
+    files = SnapshotFiles()
+    objs = fit(make_cfg(*FAST), files)
     recovery = stability_of(objs["trainer"]).recovery
     assert [s.step for s in recovery.good] == [4, 8]  # every 4 steps, the last 2 kept (12 steps: 0, 4, 8)
+    # On a CPU (`store: auto`) each snapshot is a file of the rank's, reused once dropped: keep + 1 of them.
+    assert recovery.store == "disk" and files.seen[0] == ["rank0-1.bin"] and len(files.seen[8]) == 3
+    assert not list((tmp_path / "run" / "stability" / "snapshots").glob("*.bin"))  # removed at the end
 
     # NaN weights from step 4 on: the snapshot of step 4 is taken before the fault, but its step is non-finite,
-    # so it is dropped; the rollback goes to the step-0 snapshot, in memory.
+    # so it is dropped; the rollback goes to the step-0 snapshot, read back bitwise from its file.
+    for store, source in (("auto", "snapshot_file"), ("memory", "memory")):
+        objs = fit(
+            make_cfg(
+                *FAST,
+                "callbacks.stability.guard.max_consecutive=2",
+                f"callbacks.stability.recovery.store={store}",
+                faults({"kind": "nan_weight", "step": 4, "param": "blocks.1.mlp.fc.weight"}),
+                out=tmp_path / f"nan-{store}",
+            )
+        )
+        rollback = [e["detail"] for e in read_events(tmp_path / f"nan-{store}") if e["kind"] == "rollback"]
+        assert rollback[0]["source"] == source and rollback[0]["to_step"] == 0
+        assert all(p.isfinite().all() for p in objs["module"].parameters())
+
+
+def test_where_snapshot_files_cannot_be_written_the_run_keeps_them_in_memory(make_cfg, tmp_path, caplog):
+    (tmp_path / "run" / "stability").mkdir(parents=True)
+    (tmp_path / "run" / "stability" / "snapshots").write_text("a file where the folder would go")
     objs = fit(
         make_cfg(
             *FAST,
             "callbacks.stability.guard.max_consecutive=2",
-            faults({"kind": "nan_weight", "step": 4, "param": "blocks.1.mlp.fc.weight"}),
-            out=tmp_path / "nan",
+            faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
         )
     )
-    rollback = [e["detail"] for e in read_events(tmp_path / "nan") if e["kind"] == "rollback"]
-    assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 0
-    assert all(p.isfinite().all() for p in objs["module"].parameters())
+    assert stability_of(objs["trainer"]).recovery.store == "memory"
+    assert "snapshots are kept in host memory" in caplog.text
+    rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
+    assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 4
+
+
+def test_a_killed_run_s_snapshot_files_are_removed_by_the_next_start(make_cfg, tmp_path):
+    folder = tmp_path / "run" / "stability" / "snapshots"
+    folder.mkdir(parents=True)
+    (folder / "rank0-7.bin").write_bytes(b"left by a killed run")
+    (folder / "rank1-1.bin").write_bytes(b"another rank's")
+    fit(make_cfg(*FAST))
+    assert sorted(p.name for p in folder.iterdir()) == ["rank1-1.bin"]
+
+
+def test_a_bad_store_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^callbacks.stability.recovery.store='ram' is not allowed; use one of"):
+        Recovery(store="ram")
 
 
 def test_without_recovery_settings_a_rollback_reads_the_checkpoint_on_disk(make_cfg, tmp_path):
@@ -90,8 +151,6 @@ def test_snapshot_bench_quick_prints_the_cost_ratio():
 
 
 def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_from_before_the_update():
-    import pytest
-
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from types import SimpleNamespace
@@ -104,7 +163,7 @@ def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_
     module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, skipped_steps=0)
     before = [p.detach().cpu().clone() for p in net.parameters()]
     snap = capture(trainer, module)
-    assert snap.event is not None and all(t.is_pinned() for t in snap.tensors + snap.flat_optim)
+    assert snap.store.event is not None and all(t.is_pinned() for t in snap.store.buffers)
     opt.step()  # enqueued after the copies on the same stream: it cannot change what they read
     snap.wait()
-    assert all(torch.equal(a, b) for a, b in zip(before, snap.tensors))
+    assert all(torch.equal(a, b) for a, b in zip(before, snap.weights()))

@@ -55,7 +55,7 @@ def test_each_fault_injected_once_into_a_default_run_ends_within_5_percent_of_th
             assert all(150 < s <= 154 for s, kind, _ in events if kind == "qk_clip"), events
             events = [e for e in events if e[1] != "qk_clip"]
             assert events == [(151, "loss_spike", "rollback"), (154, "rollback", "rollback")], events
-            assert detail["rollback"]["source"] == "memory" and detail["rollback"]["to_step"] == 150
+            assert detail["rollback"]["source"] == "snapshot_file" and detail["rollback"]["to_step"] == 150
             assert detail["loss_spike"]["cause"] == "update", detail["loss_spike"]
         elif name == "inf_grad":
             assert events == [(150, "nonfinite_grad", "skip")]
@@ -240,4 +240,4 @@ def test_two_process_ddp_rolls_back_every_rank_together_from_memory(shards_dir, 
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]  # the same snapshot restored on both ranks, the same steps skipped
     rollback = [e["detail"] for e in read_events(out) if e["kind"] == "rollback"]
-    assert len(rollback) == 1 and rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 30
+    assert len(rollback) == 1 and rollback[0]["source"] == "snapshot_file" and rollback[0]["to_step"] == 30

@@ -1,19 +1,17 @@
-"""`Recovery`: in-memory snapshots of the last good state, rollback to them, escalation, and a bounded budget.
+"""`Recovery`: snapshots of the last good state, rollback to them, escalation, and a bounded budget.
 
-Snapshots. Every `every_n_steps` optimizer steps, at the start of the step, the state is copied to host
-memory: weights and buffers, optimizer state, RNG states and the spike detector's window. On a GPU the
-copy goes into pinned buffers with `non_blocking=True` on the training stream, so it runs on the copy
-engine while the step computes (stream order guarantees it reads the weights from before this step's
-update); nothing waits for it until a rollback needs it. Under FSDP each rank copies its own shards
+Snapshots. Every `every_n_steps` optimizer steps, at the start of the step, the state is copied aside:
+weights and buffers, optimizer state, RNG states and the spike detector's window. Never into the memory the
+training runs in (`snapshot_store`): on a GPU into pinned host memory, asynchronously; on a CPU into a file
+in the run dir that holds no RAM once written (`store: auto`). Under FSDP each rank copies its own shards
 (`parameters()` are the local shards). A snapshot becomes *known-good* once its own step's measurement
 (the loss of exactly those weights) is finite and no check found it suspect; the last `keep` known-good
-ones are kept, their buffers reused.
+ones are kept, their storage reused.
 
 Rollback restores the newest known-good snapshot taken before the trouble began (weights, optimizer state,
 RNG, the spike window; the LR follows from the count of applied steps, so an LR backoff outlives it),
-without touching disk (a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a
-resume). The data is not rewound: the batches between the snapshot and now are skipped. Every rank takes
-the same decision from the same all-reduced values and restores its own copy, so all ranks roll back together.
+bitwise (a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a resume). The
+data is not rewound: the batches between the snapshot and now are skipped. Every rank takes the same decision from the same all-reduced values and restores its own copy, so all ranks roll back together.
 
 Escalation (each step bounded). A second rollback at the same place (its onset within `same_place_steps`
 of the previous one) restores the older snapshot and skips a further `skip_steps` data window (doubling
@@ -27,9 +25,11 @@ than `final_margin` above its best such median has diverged (`final_verdict`).
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,91 +37,88 @@ import torch
 from steadylm.checkpointing import rng_state, set_rng_state
 from steadylm.errors import ConfigError
 from steadylm.stability import rollback as disk
+from steadylm.stability.events import stability_dir
 from steadylm.stability.measure import Measurement
+from steadylm.stability.snapshot_store import STORES, HostBuffers, SnapshotFile
 from steadylm.stability.verdict import Verdict
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class Snapshot:
     step: int  # optimizer steps done when taken (the global step about to run)
     applied: int  # of those, steps whose update is in the weights
-    tensors: list[torch.Tensor]  # host copies of parameters then buffers
-    optim: list[dict]  # each optimizer's state_dict, tensors on the host
-    flat_optim: list[torch.Tensor]  # the same host tensors, flat (reused by the next snapshot)
+    store: HostBuffers | SnapshotFile  # the parameters, then buffers, then each optimizer's state tensors
+    n_weights: int  # how many of the store's tensors are parameters and buffers
+    optim: list[dict]  # each optimizer's state_dict, its tensors replaced by their index in the store
     rng: dict
     detectors: dict
-    event: object = None  # CUDA event recorded after the copies
+
+    def weights(self) -> list[torch.Tensor]:
+        """Host copies of the parameters then buffers (not to be written: in memory they are the store's own)."""
+        return self.store.read(0, copy=False)[: self.n_weights]
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
+        self.store.wait()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors + self.flat_optim)
+        return self.store.nbytes()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
 
 
 def _live_tensors(pl_module) -> list[torch.Tensor]:
     return [p.detach() for p in pl_module.parameters()] + [b for b in pl_module.buffers()]
 
 
-def _to_host(t: torch.Tensor, reuse: list[torch.Tensor], out: list[torch.Tensor]) -> torch.Tensor:
-    i = len(out)
-    buf = reuse[i] if i < len(reuse) and reuse[i].shape == t.shape and reuse[i].dtype == t.dtype else None
-    if buf is None:
-        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-    buf.copy_(t, non_blocking=True)
-    out.append(buf)
-    return buf
-
-
-def _map_tensors(obj, fn):
-    if isinstance(obj, torch.Tensor):
+def _map_leaves(obj, leaf: type, fn):
+    if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: _map_leaves(v, leaf, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        return type(obj)(_map_leaves(v, leaf, fn) for v in obj)
     return obj
 
 
-def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None) -> Snapshot:
-    """Start copying the current state to host memory (asynchronous on a GPU); `reuse`'s buffers when they fit."""
-    tensors: list[torch.Tensor] = []
-    for t in _live_tensors(pl_module):
-        _to_host(t, reuse.tensors if reuse else [], tensors)
-    flat: list[torch.Tensor] = []
-    optim = [
-        _map_tensors(opt.state_dict(), lambda t: _to_host(t, reuse.flat_optim if reuse else [], flat))
-        for opt in trainer.optimizers
-    ]
-    event = None
-    if any(t.is_cuda for t in _live_tensors(pl_module)[:1]):
-        event = torch.cuda.Event()
-        event.record()
+def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None, store=None) -> Snapshot:
+    """Copy the current state into `reuse`'s storage, else into `store` (a new `HostBuffers` when None);
+    asynchronous in host memory on a GPU."""
+    live = _live_tensors(pl_module)
+    tensors = list(live)
+
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _Slot(len(tensors) - 1)
+
+    optim = [_map_leaves(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
+    target = reuse.store if reuse is not None else (store if store is not None else HostBuffers())
+    target.write(tensors)
     skipped = int(getattr(pl_module, "skipped_steps", 0))
     return Snapshot(
         step=trainer.global_step,
         applied=trainer.global_step - skipped,
-        tensors=tensors,
+        store=target,
+        n_weights=len(live),
         optim=optim,
-        flat_optim=flat,
         rng=rng_state(),
         detectors=detectors or {},
-        event=event,
     )
 
 
 def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     """Put the snapshot's weights, buffers and optimizer state back into the live objects (each rank its own)."""
-    snap.wait()
     with torch.no_grad():
-        for live, host in zip(_live_tensors(pl_module), snap.tensors):
-            live.copy_(host)
+        snap.store.read_into(_live_tensors(pl_module))
+    # Fresh tensors (load_state_dict keeps a tensor already on the right device as is): training never writes
+    # into the snapshot's storage.
+    tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
-        # load_state_dict keeps a tensor already on the right device as is: clone, so training never writes
-        # into the snapshot's buffers.
-        opt.load_state_dict(_map_tensors(state, lambda t: t.clone()))
+        opt.load_state_dict(_map_leaves(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
 
 
 class Recovery:
@@ -135,8 +132,11 @@ class Recovery:
         lr_backoff: float | None = 0.5,
         final_window: int = 20,
         final_margin: float = 0.25,
+        store: str = "auto",
     ) -> None:
         key = "callbacks.stability.recovery"
+        if store not in STORES:
+            raise ConfigError(f"{key}.store={store!r} is not allowed; use one of: {', '.join(STORES)}")
         if every_n_steps < 0 or keep < 1 or max_rollbacks < 0:
             raise ConfigError(f"{key}: every_n_steps >= 0 (0: no snapshots), keep >= 1 and max_rollbacks >= 0")
         if lr_backoff is not None and not 0 < lr_backoff <= 1:
@@ -147,6 +147,9 @@ class Recovery:
         self.skip_steps = int(skip_steps if skip_steps is not None else span)
         self.lr_backoff = lr_backoff
         self.final_window, self.final_margin = int(final_window), float(final_margin)
+        self.store = store  # auto: decided at the first snapshot, from where the weights are
+        self._flusher: ThreadPoolExecutor | None = None  # syncs the snapshot files in the background
+        self._files = 0
         self.good: deque[Snapshot] = deque()
         self.candidate: Snapshot | None = None
         self._spare: Snapshot | None = None  # buffers of a dropped snapshot, for the next one
@@ -162,7 +165,7 @@ class Recovery:
 
     # -- snapshots ---------------------------------------------------------------------------------------------
     def maybe_snapshot(self, trainer, pl_module, detectors: dict) -> None:
-        """At the start of a step: copy the state to host memory every `every_n_steps` steps."""
+        """At the start of a step: copy the state to its store every `every_n_steps` steps."""
         step = trainer.global_step
         if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
             return
@@ -171,7 +174,44 @@ class Recovery:
         reuse, self._spare = self._spare, None
         if reuse is None and self.candidate is not None:
             reuse = self.candidate  # never confirmed (its step's value not read yet): the newer one replaces it
-        self.candidate = capture(trainer, pl_module, reuse, detectors)
+        try:
+            store = None if reuse is not None else self._new_store(trainer, pl_module)
+            self.candidate = capture(trainer, pl_module, reuse, detectors, store)
+        except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
+            log.warning("snapshot file failed (%s); snapshots are kept in host memory from here on", err)
+            if reuse is not None:
+                reuse.store.close()
+            self.store = "memory"
+            self.candidate = capture(trainer, pl_module, None, detectors, HostBuffers())
+
+    def _new_store(self, trainer, pl_module) -> HostBuffers | SnapshotFile:
+        if self.store == "auto":
+            on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
+            self.store = "disk" if on_cpu else "memory"
+        if self.store == "memory":
+            return HostBuffers()
+        folder = stability_dir(trainer) / "snapshots"
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steadylm-snapshot-sync")
+            for stale in folder.glob(f"rank{trainer.global_rank}-*.bin"):  # left by a run that was killed
+                stale.unlink(missing_ok=True)
+        self._files += 1
+        return SnapshotFile(folder / f"rank{trainer.global_rank}-{self._files}.bin", self._flusher)
+
+    def _set_spare(self, snap: Snapshot | None) -> None:
+        """Keep `snap`'s storage for the next snapshot; the storage it replaces is released."""
+        if self._spare is not None and self._spare is not snap:
+            self._spare.store.close()
+        self._spare = snap
+
+    def close(self) -> None:
+        """The fit is over: every snapshot's file is removed (`good` stays, as a record of the steps)."""
+        for snap in {id(s): s for s in [*self.good, self.candidate, self._spare, self.first] if s}.values():
+            snap.store.close()
+        self.candidate = self._spare = None
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
+            self._flusher = None
 
     def confirm(self, m: Measurement, suspect: bool) -> None:
         """The measurement of step `m.step` has been judged: its snapshot is known-good, or dropped."""
@@ -185,7 +225,7 @@ class Recovery:
                 if len(self.good) > self.keep:
                     self._drop(self.good.popleft())
             else:
-                self._spare = c
+                self._set_spare(c)
         if not m.nonfinite:
             self.recent.append(m.loss)
             if len(self.recent) == self.recent.maxlen:
@@ -246,18 +286,21 @@ class Recovery:
             self._drop(self.good.pop())
         if not self.good:  # the held first snapshot, evicted by newer ones and now the newest again
             self.good.append(snap)
-        self.candidate = None
-        return {"source": "memory", "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
+        if self.candidate is not None:
+            self._set_spare(self.candidate)
+            self.candidate = None
+        source = "memory" if snap.store.kind == "memory" else "snapshot_file"
+        return {"source": source, "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
 
     def _drop(self, snap: Snapshot) -> None:
-        if snap is not self.first:  # the held first snapshot keeps its buffers
-            self._spare = snap
+        if snap is not self.first:  # the held first snapshot keeps its storage
+            self._set_spare(snap)
 
     def release_first(self) -> None:
         """Stop holding the first snapshot beyond `keep` (its buffers serve the next snapshot)."""
         first, self.first, self.hold_first = self.first, None, False
         if first is not None and first not in self.good:
-            self._spare = first
+            self._set_spare(first)
 
     def rewind(self, trainer, pl_module, before: int, to_first: bool = False) -> dict | None:
         """Restore the good snapshot one before the newest taken at or before step `before` (the newest itself

@@ -406,6 +406,12 @@ class Stability(L.Callback):
         if m is not None and not self.stopped:
             self.judge(trainer, pl_module, optimizer, m)
 
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.recovery.close()  # the snapshots' files are removed: the fit is over
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.recovery.close()
+
     def on_train_end(self, trainer, pl_module) -> None:
         self.settle(trainer, pl_module)
         if self._clipped is not None:

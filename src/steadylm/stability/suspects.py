@@ -37,8 +37,7 @@ def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int
     if weights is not None:
         names = [n for n, _ in pl_module.named_parameters()] + [n for n, _ in pl_module.named_buffers()]
         device = next(pl_module.parameters()).device
-        weights.wait()
-        state = {n: t.to(device) for n, t in zip(names, weights.tensors)}
+        state = {n: t.to(device) for n, t in zip(names, weights.weights())}
         run = lambda x: torch.func.functional_call(pl_module, state, (x,))  # noqa: E731
     rows = []
     was_training = pl_module.training

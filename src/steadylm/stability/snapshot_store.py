@@ -1,0 +1,152 @@
+"""Where a snapshot's tensors live: never in the memory the training itself runs in.
+
+- `HostBuffers` (`store: memory`; `auto` on a GPU): host memory, beside a GPU's own. The copies go into pinned
+  buffers with `non_blocking=True` on the training stream, so they run on the copy engine while the step
+  computes; stream order guarantees they read the weights from before this step's update.
+- `SnapshotFile` (`store: disk`; `auto` on a CPU): a file per snapshot in the run's `stability/snapshots/`. On a
+  CPU host memory *is* the training memory: there a set in RAM costs 12 bytes a parameter (weights and both
+  AdamW moments) beside the ~16 the training holds. The write is one copy into the page cache; a background
+  thread then syncs the file and drops its pages (`fdatasync`, `POSIX_FADV_DONTNEED`), so the snapshot holds no
+  RAM once it is on disk. A read (a rollback: rare) comes back from the disk.
+
+Both keep their storage for the next snapshot (`write` again), and hold the tensors bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+STORES = ("auto", "memory", "disk")
+
+
+def _bytes(t: torch.Tensor):
+    """A writable byte view (numpy) of a contiguous CPU tensor's storage."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class HostBuffers:
+    kind = "memory"
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.event = None  # CUDA event recorded after the copies
+
+    def write(self, tensors: list[torch.Tensor]) -> None:
+        old, self.buffers = self.buffers, []
+        for i, t in enumerate(tensors):
+            buf = old[i] if i < len(old) and old[i].shape == t.shape and old[i].dtype == t.dtype else None
+            if buf is None:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            buf.copy_(t, non_blocking=True)
+            self.buffers.append(buf)
+        self.event = None
+        if tensors and tensors[0].is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def read(self, start: int = 0, copy: bool = True) -> list[torch.Tensor]:
+        """The host tensors from index `start`; `copy`: fresh ones, which training may write into."""
+        self.wait()
+        return [b.clone() if copy else b for b in self.buffers[start:]]
+
+    def read_into(self, live: list[torch.Tensor]) -> None:
+        self.wait()
+        for t, b in zip(live, self.buffers):
+            t.copy_(b)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def close(self) -> None:
+        """Nothing to remove: the buffers go with the snapshot."""
+
+
+class SnapshotFile:
+    kind = "disk"
+
+    def __init__(self, path: Path, flusher: ThreadPoolExecutor) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.flusher = path, flusher
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.layout: list[tuple[torch.Size, torch.dtype, int, int]] = []  # shape, dtype, offset, bytes
+        self.flushed: Future | None = None
+
+    def wait(self) -> None:
+        """The last write is on disk (an error in the background sync surfaces here)."""
+        if self.fd < 0:
+            raise OSError(f"{self.path}: this snapshot's file was removed at the end of the fit")
+        if self.flushed is not None:
+            flushed, self.flushed = self.flushed, None
+            flushed.result()
+
+    def write(self, tensors: list[torch.Tensor]) -> None:
+        self.wait()
+        self.layout, offset = [], 0
+        for t in tensors:
+            host = t.detach().to("cpu").contiguous()  # a copy only for a GPU (or non-contiguous) tensor
+            n = host.numel() * host.element_size()
+            view, done = _bytes(host), 0
+            while done < n:  # one pwrite moves at most ~2 GB
+                done += os.pwrite(self.fd, view[done:], offset + done)
+            self.layout.append((host.shape, host.dtype, offset, n))
+            offset += n
+        os.ftruncate(self.fd, offset)
+        self.flushed = self.flusher.submit(self._flush, self.fd)
+
+    @staticmethod
+    def _flush(fd: int) -> None:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages now: the snapshot leaves RAM
+
+    def _read_into(self, t: torch.Tensor, i: int) -> None:
+        _, _, offset, n = self.layout[i]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            host = torch.empty(t.shape, dtype=t.dtype)
+            self._read_into(host, i)
+            t.copy_(host)
+            return
+        view, done = _bytes(t), 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: snapshot file ends early at byte {offset + done}")
+            done += got
+
+    def read(self, start: int = 0, copy: bool = True) -> list[torch.Tensor]:
+        """The tensors from index `start`, read from the file (always fresh ones)."""
+        self.wait()
+        out = []
+        for i in range(start, len(self.layout)):
+            shape, dtype, _, _ = self.layout[i]
+            out.append(torch.empty(shape, dtype=dtype))
+            self._read_into(out[-1], i)
+        return out
+
+    def read_into(self, live: list[torch.Tensor]) -> None:
+        self.wait()
+        for i, t in enumerate(live):
+            self._read_into(t, i)
+
+    def nbytes(self) -> int:
+        return sum(n for *_, n in self.layout)
+
+    def close(self) -> None:
+        """Remove the file (its storage is not reused)."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):  # a failed sync no longer matters: the file goes
+            if self.flushed is not None:
+                self.flushed.result()
+        os.close(self.fd)
+        self.fd, self.flushed = -1, None
+        self.path.unlink(missing_ok=True)
