@@ -77,6 +77,7 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, V), x.view(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        target.wait_written()  # a file's write overlaps forward and backward; the update waits for it (Stability)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -13,6 +13,7 @@ import torch
 
 from steadylm.errors import ConfigError
 from steadylm.stability import read_events
+from steadylm.stability import recovery as recovery_module
 from steadylm.stability.recovery import Recovery, capture, restore_weights_and_optimizer
 from steadylm.stability.snapshot_store import HostBuffers, SnapshotFile
 from tests.helpers import FAST, faults, fit, stability_of
@@ -36,6 +37,7 @@ def test_a_snapshot_restores_weights_and_adam_state_bitwise_and_is_never_written
     with ThreadPoolExecutor(1) as flusher:
         target = HostBuffers() if store == "memory" else SnapshotFile(tmp_path / "snap.bin", flusher)
         snap = capture(trainer, module, store=target)
+        snap.store.wait_written()  # what `Stability` does before the update
         _restores_bitwise(trainer, module, snap, before)
         target.close()
     assert not (tmp_path / "snap.bin").exists()
@@ -75,7 +77,7 @@ def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_c
     recovery = stability_of(objs["trainer"]).recovery
     assert [s.step for s in recovery.good] == [4, 8]  # every 4 steps, the last 2 kept (12 steps: 0, 4, 8)
     # On a CPU (`store: auto`) each snapshot is a file of the rank's, reused once dropped: keep + 1 of them.
-    assert recovery.store == "disk" and files.seen[0] == ["rank0-1.bin"] and len(files.seen[8]) == 3
+    assert recovery.where == "disk" and files.seen[0] == ["rank0-1.bin"] and len(files.seen[8]) == 3
     assert not list((tmp_path / "run" / "stability" / "snapshots").glob("*.bin"))  # removed at the end
 
     # NaN weights from step 4 on: the snapshot of step 4 is taken before the fault, but its step is non-finite,
@@ -105,10 +107,23 @@ def test_where_snapshot_files_cannot_be_written_the_run_keeps_them_in_memory(mak
             faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
         )
     )
-    assert stability_of(objs["trainer"]).recovery.store == "memory"
+    assert stability_of(objs["trainer"]).recovery.where == "memory"
     assert "snapshots are kept in host memory" in caplog.text
     rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
     assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 4
+
+
+def test_under_auto_a_write_that_holds_the_update_up_moves_the_snapshots_to_memory(
+    make_cfg, tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setattr(recovery_module, "SLOW_WRITE", 0.0)  # any wait at all counts as a slow disk
+    files = SnapshotFiles()
+    objs = fit(make_cfg(*FAST), files)
+    recovery = stability_of(objs["trainer"]).recovery
+    assert recovery.where == "memory" and "held the update up" in caplog.text
+    # The step-0 snapshot (no interval to judge it by) and step 4's were files; from step 8 on, host memory.
+    assert files.seen[4] == ["rank0-1.bin", "rank0-2.bin"] and files.seen[8] == files.seen[4]
+    assert [s.store.kind for s in recovery.good] == ["disk", "memory"]
 
 
 def test_a_killed_run_s_snapshot_files_are_removed_by_the_next_start(make_cfg, tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from steadylm.stability.snapshot_store import STORES, HostBuffers, SnapshotFile
 from steadylm.stability.verdict import Verdict
 
 log = logging.getLogger(__name__)
+
+SLOW_WRITE = 0.02  # a snapshot may cost this share of the steps between snapshots (benchmarks/snapshot_bench.py)
 
 
 @dataclass
@@ -86,8 +89,9 @@ def _map_leaves(obj, leaf: type, fn):
 
 
 def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None, store=None) -> Snapshot:
-    """Copy the current state into `reuse`'s storage, else into `store` (a new `HostBuffers` when None);
-    asynchronous in host memory on a GPU."""
+    """Copy the current state into `reuse`'s storage, else into `store` (a new `HostBuffers` when None).
+    Asynchronous on a GPU (stream order protects the copies) and into a file: call `store.wait_written()`
+    before anything changes the weights or the optimizer state."""
     live = _live_tensors(pl_module)
     tensors = list(live)
 
@@ -147,7 +151,10 @@ class Recovery:
         self.skip_steps = int(skip_steps if skip_steps is not None else span)
         self.lr_backoff = lr_backoff
         self.final_window, self.final_margin = int(final_window), float(final_margin)
-        self.store = store  # auto: decided at the first snapshot, from where the weights are
+        self.store = store
+        self.where: str | None = None  # memory | disk: where new snapshots go (auto: decided at the first one)
+        self._taken_at: float | None = None  # perf_counter() at the last snapshot
+        self._interval: float | None = None  # seconds between the last two snapshots
         self._flusher: ThreadPoolExecutor | None = None  # syncs the snapshot files in the background
         self._files = 0
         self.good: deque[Snapshot] = deque()
@@ -174,21 +181,51 @@ class Recovery:
         reuse, self._spare = self._spare, None
         if reuse is None and self.candidate is not None:
             reuse = self.candidate  # never confirmed (its step's value not read yet): the newer one replaces it
+        if reuse is not None and reuse.store.kind != self._where(pl_module):
+            reuse.store.close()  # the snapshots moved to host memory: a file is not reused
+            reuse = None
+        now = time.perf_counter()
+        self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:
-            store = None if reuse is not None else self._new_store(trainer, pl_module)
+            self._where(pl_module)
+            store = None if reuse is not None else self._new_store(trainer)
             self.candidate = capture(trainer, pl_module, reuse, detectors, store)
         except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
-            log.warning("snapshot file failed (%s); snapshots are kept in host memory from here on", err)
+            self._to_memory(f"a snapshot file failed ({err})")
             if reuse is not None:
                 reuse.store.close()
-            self.store = "memory"
             self.candidate = capture(trainer, pl_module, None, detectors, HostBuffers())
 
-    def _new_store(self, trainer, pl_module) -> HostBuffers | SnapshotFile:
-        if self.store == "auto":
+    def written(self) -> None:
+        """The snapshot under way has read the live tensors (a file's write runs beside forward and backward).
+        Under `store: auto`, a write that held the update up for more than `SLOW_WRITE` of the time between
+        snapshots (a slow disk) moves the snapshots to host memory."""
+        c = self.candidate
+        if c is None or c.store.kind != "disk":
+            return
+        start = time.perf_counter()
+        c.store.wait_written()
+        waited = time.perf_counter() - start
+        if self.store == "auto" and self._interval and waited > SLOW_WRITE * self._interval:
+            self._to_memory(
+                f"writing a snapshot file held the update up {waited:.2f} s, more than {SLOW_WRITE:.0%} of the "
+                f"{self._interval:.1f} s between snapshots"
+            )
+
+    def _where(self, pl_module) -> str:
+        """Where new snapshots go: `store`, or under auto host memory on a GPU, a file on a CPU."""
+        if self.where is None:
             on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
-            self.store = "disk" if on_cpu else "memory"
-        if self.store == "memory":
+            self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
+        return self.where
+
+    def _to_memory(self, why: str) -> None:
+        if self.where != "memory":
+            log.warning("%s: snapshots are kept in host memory from here on", why)
+            self.where = "memory"
+
+    def _new_store(self, trainer) -> HostBuffers | SnapshotFile:
+        if self.where == "memory":
             return HostBuffers()
         folder = stability_dir(trainer) / "snapshots"
         if self._flusher is None:

@@ -5,9 +5,11 @@
   computes; stream order guarantees they read the weights from before this step's update.
 - `SnapshotFile` (`store: disk`; `auto` on a CPU): a file per snapshot in the run's `stability/snapshots/`. On a
   CPU host memory *is* the training memory: there a set in RAM costs 12 bytes a parameter (weights and both
-  AdamW moments) beside the ~16 the training holds. The write is one copy into the page cache; a background
-  thread then syncs the file and drops its pages (`fdatasync`, `POSIX_FADV_DONTNEED`), so the snapshot holds no
-  RAM once it is on disk. A read (a rollback: rare) comes back from the disk.
+  AdamW moments) beside the ~16 the training holds. A background thread writes the live tensors while the
+  step's forward and backward run (neither changes them; the step waits for the write before its update, as
+  stream order makes a GPU's update wait for its copies), then syncs the file and drops its pages
+  (`fdatasync`, `POSIX_FADV_DONTNEED`), so the snapshot holds no RAM once it is on disk. A read (a rollback:
+  rare) comes back from the disk.
 
 Both keep their storage for the next snapshot (`write` again), and hold the tensors bitwise.
 """
@@ -54,6 +56,9 @@ class HostBuffers:
             self.event.synchronize()
             self.event = None
 
+    def wait_written(self) -> None:
+        """Nothing to wait for: stream order keeps the update behind the copies (on a CPU they are done)."""
+
     def read(self, start: int = 0, copy: bool = True) -> list[torch.Tensor]:
         """The host tensors from index `start`; `copy`: fresh ones, which training may write into."""
         self.wait()
@@ -79,29 +84,43 @@ class SnapshotFile:
         self.path, self.flusher = path, flusher
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.layout: list[tuple[torch.Size, torch.dtype, int, int]] = []  # shape, dtype, offset, bytes
-        self.flushed: Future | None = None
+        self.written: Future | None = None  # the bytes are in the file (the live tensors may change again)
+        self.flushed: Future | None = None  # ... and on disk, out of the page cache
+
+    def wait_written(self) -> None:
+        """Block until the write has read every tensor: before anything changes the live ones (the update)."""
+        if self.written is not None:
+            written, self.written = self.written, None
+            written.result()
 
     def wait(self) -> None:
-        """The last write is on disk (an error in the background sync surfaces here)."""
+        """The last write is on disk (an error in the background write or sync surfaces here)."""
         if self.fd < 0:
             raise OSError(f"{self.path}: this snapshot's file was removed at the end of the fit")
+        self.wait_written()
         if self.flushed is not None:
             flushed, self.flushed = self.flushed, None
             flushed.result()
 
     def write(self, tensors: list[torch.Tensor]) -> None:
+        """Start writing `tensors` in the background (the copy overlaps the step's forward and backward, as a
+        GPU's copy engine does); `wait_written` before they change."""
         self.wait()
+        hosts = [t.detach().to("cpu").contiguous() for t in tensors]  # a copy only for GPU or strided tensors
         self.layout, offset = [], 0
-        for t in tensors:
-            host = t.detach().to("cpu").contiguous()  # a copy only for a GPU (or non-contiguous) tensor
-            n = host.numel() * host.element_size()
-            view, done = _bytes(host), 0
+        for h in hosts:
+            n = h.numel() * h.element_size()
+            self.layout.append((h.shape, h.dtype, offset, n))
+            offset += n
+        self.written = self.flusher.submit(self._write, hosts)
+        self.flushed = self.flusher.submit(self._flush, self.fd)  # one worker: after the write
+
+    def _write(self, hosts: list[torch.Tensor]) -> None:
+        for h, (_, _, offset, n) in zip(hosts, self.layout):
+            view, done = _bytes(h), 0
             while done < n:  # one pwrite moves at most ~2 GB
                 done += os.pwrite(self.fd, view[done:], offset + done)
-            self.layout.append((host.shape, host.dtype, offset, n))
-            offset += n
-        os.ftruncate(self.fd, offset)
-        self.flushed = self.flusher.submit(self._flush, self.fd)
+        os.ftruncate(self.fd, sum(n for *_, n in self.layout))
 
     @staticmethod
     def _flush(fd: int) -> None:
@@ -144,9 +163,10 @@ class SnapshotFile:
         """Remove the file (its storage is not reused)."""
         if self.fd < 0:
             return
-        with contextlib.suppress(OSError):  # a failed sync no longer matters: the file goes
-            if self.flushed is not None:
-                self.flushed.result()
+        with contextlib.suppress(OSError):  # a failed write or sync no longer matters: the file goes
+            for pending in (self.written, self.flushed):
+                if pending is not None:
+                    pending.result()
         os.close(self.fd)
-        self.fd, self.flushed = -1, None
+        self.fd, self.written, self.flushed = -1, None, None
         self.path.unlink(missing_ok=True)

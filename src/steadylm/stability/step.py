@@ -129,6 +129,7 @@ class Stability(L.Callback):
     def step(self, trainer, pl_module, optimizer) -> None:
         """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
         step = trainer.global_step
+        self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
         m = self.measure.take(trainer, pl_module)  # 1. the one measurement (deferred: the previous step's)
         if self.recovery.in_skip_window(step):  # the data window skipped after a repeated rollback
             self.skip(trainer, pl_module, step)
@@ -281,6 +282,7 @@ class Stability(L.Callback):
 
     # -- the rest of the step's life --------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.recovery.written()  # (a step with no update: QK-clip below still changes weights)
         if self.stats is not None:
             metrics, alarms = self.stats.after_update(trainer.global_step, pl_module)
             if metrics:
