@@ -21,9 +21,11 @@ Default shape: the issue's 4 layers, d 256, 4 heads, context 256, batch 16, fp32
 tokens written as its `train.bin`/`val.bin`, fp32 on the CPU, no compile, one micro-step a step) against
 steadylm's `train.py` at the same shape and steps, with the default suite, `callbacks=minimal` and
 snapshots off; `ru_maxrss` of each process (os.wait4), and each one's ratio to nanoGPT's (target <= 1.2).
+With `--rounds N` (default 1) the four runs repeat N times in turn; each ratio is then the median over the
+rounds of that round's peak / nanoGPT's peak (glibc's heap high-water moves peaks by ~0.04 GB run to run).
 
 Usage: python benchmarks/nanogpt_bench.py --nanogpt PATH [--rounds N] [--steps N] [--quick] [overrides...]
-       python benchmarks/nanogpt_bench.py --nanogpt PATH --rss [--steps N]
+       python benchmarks/nanogpt_bench.py --nanogpt PATH --rss [--steps N] [--rounds N]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import importlib.util
 import logging
 import os
 import pickle
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,7 +105,7 @@ def peak_rss_gb(cmd: list[str], cwd: Path) -> float:
     return usage.ru_maxrss / 1e6  # kilobytes on Linux
 
 
-def rss(checkout: Path, steps: int) -> dict[str, float]:
+def rss(checkout: Path, steps: int, rounds: int = 1) -> dict[str, list[float]]:
     """nanoGPT's train.py and steadylm's on the same tokens and shape, one process each: peak RSS in GB."""
     if not (checkout / "train.py").is_file():
         raise SystemExit(f"error: --nanogpt {checkout}: no train.py there (--rss runs nanoGPT's own training script)")
@@ -138,17 +141,21 @@ def rss(checkout: Path, steps: int) -> dict[str, float]:
         "steadylm, callbacks=minimal": [*ours, "callbacks=minimal"],
         "steadylm, snapshots off": [*ours, "callbacks.stability.recovery.every_n_steps=0"],
     }
-    peaks = {}
-    for i, (name, cmd) in enumerate(runs.items()):
-        print(f"{name} …", file=sys.stderr)
-        extra = [] if name.startswith("nanoGPT") else [f"paths.output_dir={work / f'run{i}'}"]
-        peaks[name] = peak_rss_gb(cmd + extra, cwd=work)
+    peaks: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for i, (name, cmd) in enumerate(runs.items()):
+            print(f"round {r + 1}/{rounds}: {name} …", file=sys.stderr)
+            extra = [] if name.startswith("nanoGPT") else [f"paths.output_dir={work / f'run{r}-{i}'}"]
+            peaks[name].append(peak_rss_gb(cmd + extra, cwd=work))
     base = peaks["nanoGPT train.py"]
-    print(f"\npeak RSS, {steps} steps ({', '.join(SHAPE)}, fp32, CPU), each run its own process")
-    for name, gb in peaks.items():
-        ratio = gb / base
-        mark = "" if name.startswith("nanoGPT") else f"  {ratio:5.2f}x  {'met' if ratio <= 1.2 else 'missed'} (<= 1.2x)"
-        print(f"  {name:30} {gb:5.2f} GB{mark}")
+    print(f"\npeak RSS, {steps} steps ({', '.join(SHAPE)}, fp32, CPU), each run its own process, {rounds} round(s)")
+    for name, gbs in peaks.items():
+        shown = " ".join(f"{gb:4.2f}" for gb in gbs)
+        if name.startswith("nanoGPT"):
+            print(f"  {name:30} {shown} GB")
+            continue
+        ratio = statistics.median(gb / b for gb, b in zip(gbs, base))
+        print(f"  {name:30} {shown} GB  {ratio:5.2f}x  {'met' if ratio <= 1.2 else 'missed'} (<= 1.2x)")
     return peaks
 
 
@@ -156,14 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (its model.py is imported)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite; numbers are not meaningful")
-    ap.add_argument("--rounds", type=int, default=4, help="trainer.fit runs (and model-only blocks per side)")
+    ap.add_argument("--rounds", type=int, help="trainer.fit runs and model-only blocks per side (4); --rss: rounds (1)")
     ap.add_argument("--steps", type=int, help="timed steps per run (40); --rss: steps of each training run (80)")
     ap.add_argument("--rss", action="store_true", help="peak RSS of each train.py in its own process instead")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides after the default shape, e.g. data.batch_size=8")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if args.rss:
-        return rss(args.nanogpt, args.steps or 80)
-    args.steps = args.steps or 40
+        return rss(args.nanogpt, args.steps or 80, args.rounds or 1)
+    args.steps, args.rounds = args.steps or 40, args.rounds or 4
     if args.quick:
         args.rounds, args.steps = 1, CHUNK
         SHAPE[:] = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32"]
