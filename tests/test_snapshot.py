@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +113,27 @@ def test_where_snapshot_files_cannot_be_written_the_run_keeps_them_in_memory(mak
     assert "snapshots are kept in host memory" in caplog.text
     rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
     assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 4
+
+
+def test_a_disk_that_fills_up_under_a_snapshot_write_costs_that_snapshot_only(make_cfg, tmp_path, caplog, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)  # the background write of every snapshot file fails
+    objs = fit(
+        make_cfg(
+            *FAST,
+            "callbacks.stability.guard.max_consecutive=2",
+            faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
+        )
+    )
+    monkeypatch.undo()
+    recovery = stability_of(objs["trainer"]).recovery
+    assert recovery.where == "memory" and "No space left on device" in caplog.text
+    # Step 0's file failed and was dropped; from step 4 on the snapshots are in memory, and the rollback uses one.
+    rollback = [e["detail"] for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
+    assert rollback[0]["source"] == "memory" and rollback[0]["to_step"] == 4
+    assert all(p.isfinite().all() for p in objs["module"].parameters())
 
 
 def test_under_auto_a_write_that_holds_the_update_up_moves_the_snapshots_to_memory(

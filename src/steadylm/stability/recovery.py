@@ -11,7 +11,8 @@ ones are kept, their storage reused.
 Rollback restores the newest known-good snapshot taken before the trouble began (weights, optimizer state,
 RNG, the spike window; the LR follows from the count of applied steps, so an LR backoff outlives it),
 bitwise (a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a resume). The
-data is not rewound: the batches between the snapshot and now are skipped. Every rank takes the same decision from the same all-reduced values and restores its own copy, so all ranks roll back together.
+data is not rewound: the batches between the snapshot and now are skipped. Every rank takes the same
+decision from the same all-reduced values and restores its own copy, so all ranks roll back together.
 
 Escalation (each step bounded). A second rollback at the same place (its onset within `same_place_steps`
 of the previous one) restores the older snapshot and skips a further `skip_steps` data window (doubling
@@ -187,8 +188,7 @@ class Recovery:
         now = time.perf_counter()
         self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:
-            self._where(pl_module)
-            store = None if reuse is not None else self._new_store(trainer)
+            store = None if reuse is not None else self._new_store(trainer, pl_module)
             self.candidate = capture(trainer, pl_module, reuse, detectors, store)
         except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
             self._to_memory(f"a snapshot file failed ({err})")
@@ -204,7 +204,13 @@ class Recovery:
         if c is None or c.store.kind != "disk":
             return
         start = time.perf_counter()
-        c.store.wait_written()
+        try:
+            c.store.wait_written()
+        except OSError as err:  # the disk filled up under the write: this snapshot is lost, training goes on
+            self._to_memory(f"a snapshot file failed ({err})")
+            c.store.close()
+            self.candidate = None
+            return
         waited = time.perf_counter() - start
         if self.store == "auto" and self._interval and waited > SLOW_WRITE * self._interval:
             self._to_memory(
@@ -224,8 +230,8 @@ class Recovery:
             log.warning("%s: snapshots are kept in host memory from here on", why)
             self.where = "memory"
 
-    def _new_store(self, trainer) -> HostBuffers | SnapshotFile:
-        if self.where == "memory":
+    def _new_store(self, trainer, pl_module) -> HostBuffers | SnapshotFile:
+        if self._where(pl_module) == "memory":
             return HostBuffers()
         folder = stability_dir(trainer) / "snapshots"
         if self._flusher is None:

@@ -17,11 +17,14 @@ Both keep their storage for the next snapshot (`write` again), and hold the tens
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 STORES = ("auto", "memory", "disk")
 
@@ -93,11 +96,14 @@ class SnapshotFile:
             written, self.written = self.written, None
             written.result()
 
-    def wait(self) -> None:
-        """The last write is on disk (an error in the background write or sync surfaces here)."""
+    def _readable(self) -> None:
         if self.fd < 0:
             raise OSError(f"{self.path}: this snapshot's file was removed at the end of the fit")
         self.wait_written()
+
+    def wait(self) -> None:
+        """The last write is on disk and out of the page cache (a failed write raises here)."""
+        self._readable()
         if self.flushed is not None:
             flushed, self.flushed = self.flushed, None
             flushed.result()
@@ -122,10 +128,12 @@ class SnapshotFile:
                 done += os.pwrite(self.fd, view[done:], offset + done)
         os.ftruncate(self.fd, sum(n for *_, n in self.layout))
 
-    @staticmethod
-    def _flush(fd: int) -> None:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages now: the snapshot leaves RAM
+    def _flush(self, fd: int) -> None:
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages now: the snapshot leaves RAM
+        except OSError as err:  # the bytes are still readable from the page cache; they just hold RAM
+            log.warning("%s: syncing a snapshot file failed (%s); it stays in the page cache", self.path, err)
 
     def _read_into(self, t: torch.Tensor, i: int) -> None:
         _, _, offset, n = self.layout[i]
@@ -143,7 +151,7 @@ class SnapshotFile:
 
     def read(self, start: int = 0, copy: bool = True) -> list[torch.Tensor]:
         """The tensors from index `start`, read from the file (always fresh ones)."""
-        self.wait()
+        self._readable()
         out = []
         for i in range(start, len(self.layout)):
             shape, dtype, _, _ = self.layout[i]
@@ -152,7 +160,7 @@ class SnapshotFile:
         return out
 
     def read_into(self, live: list[torch.Tensor]) -> None:
-        self.wait()
+        self._readable()
         for i, t in enumerate(live):
             self._read_into(t, i)
 
@@ -163,7 +171,7 @@ class SnapshotFile:
         """Remove the file (its storage is not reused)."""
         if self.fd < 0:
             return
-        with contextlib.suppress(OSError):  # a failed write or sync no longer matters: the file goes
+        with contextlib.suppress(OSError):  # a failed write no longer matters: the file goes
             for pending in (self.written, self.flushed):
                 if pending is not None:
                     pending.result()
