@@ -140,6 +140,7 @@ def test_under_auto_a_write_that_holds_the_update_up_moves_the_snapshots_to_memo
     make_cfg, tmp_path, caplog, monkeypatch
 ):
     monkeypatch.setattr(recovery_module, "SLOW_WRITE", 0.0)  # any wait at all counts as a slow disk
+    monkeypatch.setattr(recovery_module, "SLOW_WRITE_MIN_S", 0.0)
     files = SnapshotFiles()
     objs = fit(make_cfg(*FAST), files)
     recovery = stability_of(objs["trainer"]).recovery

@@ -213,7 +213,7 @@ def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg
         assert objs["module"].skipped_steps == 0
 
 
-def test_two_process_ddp_rolls_back_every_rank_together_from_memory(shards_dir, tmp_path):
+def test_two_process_ddp_rolls_back_every_rank_together_from_its_own_snapshot_files(shards_dir, tmp_path):
     """A persisting spike (an LR blow-up at step 30) rolls both ranks back to the same snapshot: identical weights."""
     import json
 

@@ -47,6 +47,7 @@ from steadylm.stability.verdict import Verdict
 log = logging.getLogger(__name__)
 
 SLOW_WRITE = 0.02  # a snapshot may cost this share of the steps between snapshots (benchmarks/snapshot_bench.py)
+SLOW_WRITE_MIN_S = 0.25  # ... and a wait shorter than this is a busy machine's hiccup, not a slow disk
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Snapshot:
 
     def weights(self) -> list[torch.Tensor]:
         """Host copies of the parameters then buffers (not to be written: in memory they are the store's own)."""
-        return self.store.read(0, copy=False)[: self.n_weights]
+        return self.store.read(0, self.n_weights, copy=False)
 
     def wait(self) -> None:
         self.store.wait()
@@ -199,7 +200,7 @@ class Recovery:
     def written(self) -> None:
         """The snapshot under way has read the live tensors (a file's write runs beside forward and backward).
         Under `store: auto`, a write that held the update up for more than `SLOW_WRITE` of the time between
-        snapshots (a slow disk) moves the snapshots to host memory."""
+        snapshots, and at least `SLOW_WRITE_MIN_S` (a slow disk), moves the snapshots to host memory."""
         c = self.candidate
         if c is None or c.store.kind != "disk":
             return
@@ -212,7 +213,8 @@ class Recovery:
             self.candidate = None
             return
         waited = time.perf_counter() - start
-        if self.store == "auto" and self._interval and waited > SLOW_WRITE * self._interval:
+        slow = waited > max(SLOW_WRITE * (self._interval or math.inf), SLOW_WRITE_MIN_S)
+        if self.store == "auto" and slow:
             self._to_memory(
                 f"writing a snapshot file held the update up {waited:.2f} s, more than {SLOW_WRITE:.0%} of the "
                 f"{self._interval:.1f} s between snapshots"

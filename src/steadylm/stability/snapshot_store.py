@@ -62,10 +62,10 @@ class HostBuffers:
     def wait_written(self) -> None:
         """Nothing to wait for: stream order keeps the update behind the copies (on a CPU they are done)."""
 
-    def read(self, start: int = 0, copy: bool = True) -> list[torch.Tensor]:
-        """The host tensors from index `start`; `copy`: fresh ones, which training may write into."""
+    def read(self, start: int = 0, stop: int | None = None, copy: bool = True) -> list[torch.Tensor]:
+        """The host tensors `start:stop`; `copy`: fresh ones, which training may write into."""
         self.wait()
-        return [b.clone() if copy else b for b in self.buffers[start:]]
+        return [b.clone() if copy else b for b in self.buffers[start:stop]]
 
     def read_into(self, live: list[torch.Tensor]) -> None:
         self.wait()
@@ -149,11 +149,11 @@ class SnapshotFile:
                 raise OSError(f"{self.path}: snapshot file ends early at byte {offset + done}")
             done += got
 
-    def read(self, start: int = 0, copy: bool = True) -> list[torch.Tensor]:
-        """The tensors from index `start`, read from the file (always fresh ones)."""
+    def read(self, start: int = 0, stop: int | None = None, copy: bool = True) -> list[torch.Tensor]:
+        """The tensors `start:stop`, read from the file (always fresh ones)."""
         self._readable()
         out = []
-        for i in range(start, len(self.layout)):
+        for i in range(*slice(start, stop).indices(len(self.layout))):
             shape, dtype, _, _ = self.layout[i]
             out.append(torch.empty(shape, dtype=dtype))
             self._read_into(out[-1], i)
