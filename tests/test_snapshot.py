@@ -80,7 +80,7 @@ def test_snapshots_become_known_good_only_when_their_own_step_was_healthy(make_c
     assert [s.step for s in recovery.good] == [4, 8]  # every 4 steps, the last 2 kept (12 steps: 0, 4, 8)
     # On a CPU (`store: auto`) each snapshot is a file of the rank's, reused once dropped: keep + 1 of them.
     assert recovery.where == "disk" and files.seen[0] == ["rank0-1.bin"] and len(files.seen[8]) == 3
-    assert not list((tmp_path / "run" / "stability" / "snapshots").glob("*.bin"))  # removed at the end
+    assert not (tmp_path / "run" / "stability" / "snapshots").exists()  # files and folder removed at the end
 
     # NaN weights from step 4 on: the snapshot of step 4 is taken before the fault, but its step is non-finite,
     # so it is dropped; the rollback goes to the step-0 snapshot, read back bitwise from its file.

@@ -26,6 +26,7 @@ than `final_margin` above its best such median has diverged (`final_verdict`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -159,6 +160,7 @@ class Recovery:
         self._interval: float | None = None  # seconds between the last two snapshots
         self._flusher: ThreadPoolExecutor | None = None  # syncs the snapshot files in the background
         self._files = 0
+        self._folder = None  # the run's stability/snapshots/, once a file was made there
         self.good: deque[Snapshot] = deque()
         self.candidate: Snapshot | None = None
         self._spare: Snapshot | None = None  # buffers of a dropped snapshot, for the next one
@@ -235,7 +237,7 @@ class Recovery:
     def _new_store(self, trainer, pl_module) -> HostBuffers | SnapshotFile:
         if self._where(pl_module) == "memory":
             return HostBuffers()
-        folder = stability_dir(trainer) / "snapshots"
+        folder = self._folder = stability_dir(trainer) / "snapshots"
         if self._flusher is None:
             self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steadylm-snapshot-sync")
             for stale in folder.glob(f"rank{trainer.global_rank}-*.bin"):  # left by a run that was killed
@@ -257,6 +259,8 @@ class Recovery:
         if self._flusher is not None:
             self._flusher.shutdown(wait=True)
             self._flusher = None
+            with contextlib.suppress(OSError):  # another rank's files may still be there
+                self._folder.rmdir()
 
     def confirm(self, m: Measurement, suspect: bool) -> None:
         """The measurement of step `m.step` has been judged: its snapshot is known-good, or dropped."""
