@@ -9,8 +9,8 @@ What is checked, and the convention that decides what counts as what:
   Nothing is run: `tests/test_readme.py` composes the README's commands in full.
 - **Config keys**: an inline-code token `a.b...` (or the key of an `a.b...=value` override) whose first segment is
   a config group (`model`, `data`, `optim`, `trainer`, `callbacks`, `logger`, `paths`, `hydra`, `probe`) must be a
-  key, leaf or node, of one of the composed configs: train.py's (default, `optim=muon`, `logger=many`,
-  `hydra/launcher=slurm`), doctor's and prepare's. A group choice `group=value` (`model=small`,
+  key, leaf or node, of one of the composed configs: train.py's (default, `optim=muon`, `logger=many`), doctor's
+  and prepare's, the other commands' files, and `conf/hydra/launcher/slurm.yaml` under `hydra.launcher`. A group choice `group=value` (`model=small`,
   `experiment=divergence/lr_spike`) must name a file under `conf/`. Tokens with a `+` (an addition), `*` or
   `<...>` (a pattern) are not keys. Keys that are not dotted (`seed`, `resume`) are checked only in overrides.
 - **Code paths**: an inline-code token whose first path component is a top-level file or folder of the
@@ -21,8 +21,9 @@ What is checked, and the convention that decides what counts as what:
   slug rule); so must every `docs/<page>.md#anchor` written as text.
 - **Diagrams**: every `mermaid` block must pass `check_mermaid`, a structural check of the flowchart subset these
   docs use. It is not Mermaid's parser: it catches an unknown diagram type, unbalanced brackets, an unquoted label
-  with characters Mermaid reads as syntax, an edge to an undeclared node, arrows without spaces and reserved ids,
-  not every error Mermaid could raise.
+  with characters that are (or may be) Mermaid syntax, an edge to a node never labelled, arrows without spaces and
+  reserved ids; not every error Mermaid could raise, and it is stricter than Mermaid in places (no `;` in an
+  unquoted label, every node labelled).
 - **Mistakes shown on purpose** (`MISTAKES`, e.g. `model=huge`) and file names (`model.safetensors`) are not keys.
 - **Sizes and tone**: README ≤ 120 lines, docs/ ≤ 800 in all and ≤ 200 a page, decisions ≤ 150; no run history.
 """
@@ -90,15 +91,12 @@ def _keys(node, prefix: str = "") -> set[str]:
 def config_keys() -> frozenset[str]:
     """Every key (leaf or node) of the configs a user's overrides reach, with top-level names too."""
     keys: set[str] = set()
-    for name, overrides in [
-        ("train", []),
-        ("train", ["optim=muon", "logger=many", "hydra/launcher=slurm"]),
-        ("doctor", []),
-        ("prepare", []),
-    ]:
+    for name, overrides in [("train", []), ("train", ["optim=muon", "logger=many"]), ("doctor", []), ("prepare", [])]:
         keys |= _keys(compose(overrides, config_name=name))
     for name in ("generate", "export", "diagnose", "window"):
         keys |= _keys(OmegaConf.load(ROOT / "conf" / f"{name}.yaml"))
+    # The SLURM launcher's keys from its file: composing it needs the optional submitit plugin.
+    keys |= _keys(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml"), "hydra.launcher.")
     return frozenset(keys)
 
 
@@ -332,7 +330,7 @@ def test_no_page_links_to_a_missing_file_or_heading(page):
     text = page.read_text()
     targets = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose(text))
     problems = [p for t in targets if (p := check_link(page, t))]
-    for mention in re.findall(r"(?<![\w/(])(docs/[\w-]+\.md(?:#[\w-]+)?)", prose(text)):
+    for mention in re.findall(r"(?<![\w/])(?<!\]\()(docs/[\w-]+\.md(?:#[\w-]+)?)", prose(text)):
         problems += [p for p in [check_link(ROOT / "README.md", mention)] if p]
     assert not problems, f"{rel(page)}: " + "; ".join(problems)
 
@@ -353,7 +351,7 @@ def test_the_mermaid_check_catches_what_it_claims_to():
         "flowchart LR\n    a[x (y)] --> b[z]",  # unquoted parentheses
         'flowchart LR\n    a["x"] --> b',  # b never labelled
         'flowchart LR\n    a["x"]-->b["y"]',  # no spaces around the arrow
-        'flowchart LR\n    a["x"] -->|p; q| b["y"]',  # a statement separator in an edge label
+        'flowchart LR\n    a["x"] -->|p; q| b["y"]',  # stricter than Mermaid: no ';' in unquoted text
         'flowchart LR\n    end["x"] --> b["y"]',  # reserved id
         'flowchart LR\n    a["x" --> b["y"]',  # unbalanced
         'flowchart LR\n    subgraph s\n    a["x"]',  # unclosed subgraph
