@@ -17,6 +17,8 @@ What is checked, and the convention that decides what counts as what:
   repository (`src/`, `conf/`, `tests/`, `benchmarks/`, `Makefile`, ...) must exist; `steadylm.a.b.Name` must be
   a module of `src/steadylm`, and `Name` defined at its top level. Run-folder paths (`stability/events.jsonl`)
   and data paths (`data/...`) are not files of the tree and are not checked.
+- **Layout**: the names in the README's layout block exist (top-level lines from the root, indented ones in
+  `src/steadylm/`).
 - **Links**: every relative Markdown link or image must reach a file, and a `#anchor` a heading of it (GitHub's
   slug rule); so must every `docs/<page>.md#anchor` written as text.
 - **Diagrams**: every `mermaid` block must pass `check_mermaid`, a structural check of the flowchart subset these
@@ -43,7 +45,8 @@ from steadylm.config import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [ROOT / "README.md", *DOCS]
+README = ROOT / "README.md"
+PAGES = [README, *DOCS]
 GROUPS = ("model", "data", "optim", "trainer", "callbacks", "logger", "paths", "hydra", "probe")
 FILE_SUFFIX = re.compile(r"\.(safetensors|json|jsonl|ckpt|yaml|py|h5|md|png|txt|parquet|gz|zst|log|bin|sh)$")
 # Refused input the docs show on purpose, as examples of a mistake and its one-line error.
@@ -333,6 +336,19 @@ def test_no_page_links_to_a_missing_file_or_heading(page):
     for mention in re.findall(r"(?<![\w/])(?<!\]\()(docs/[\w-]+\.md(?:#[\w-]+)?)", prose(text)):
         problems += [p for p in [check_link(ROOT / "README.md", mention)] if p]
     assert not problems, f"{rel(page)}: " + "; ".join(problems)
+
+
+def test_the_readme_layout_names_files_that_exist():
+    """The names column of the README's layout block: top-level lines from the root, indented ones in src/steadylm."""
+    (layout,) = [b for b in fenced(README.read_text(), "") if "src/steadylm/" in b]
+    missing = []
+    for line in layout.splitlines():
+        names = re.split(r"\s{2,}", line.strip())[0] if line.strip() else ""
+        if not names or line.startswith(" " * 4):  # a continuation line
+            continue
+        base = ROOT / "src" / "steadylm" if line.startswith("  ") else ROOT
+        missing += [n for n in names.split() if not (base / n).exists()]
+    assert not missing, missing
 
 
 def test_every_diagram_parses_and_the_three_diagrams_exist():
