@@ -17,6 +17,8 @@ What is checked, and the convention that decides what counts as what:
   repository (`src/`, `conf/`, `tests/`, `benchmarks/`, `Makefile`, ...) must exist; `steadylm.a.b.Name` must be
   a module of `src/steadylm`, and `Name` defined at its top level. Run-folder paths (`stability/events.jsonl`)
   and data paths (`data/...`) are not files of the tree and are not checked.
+- **Defaults**: in a table with a `default` column whose first cell names config keys (or config groups), the
+  stated default must be the composed config's (`check_defaults`; prose cells such as `optim.lr × 0.1` are skipped).
 - **Layout**: the names in the README's layout block exist (top-level lines from the root, indented ones in
   `src/steadylm/`).
 - **Links**: every relative Markdown link or image must reach a file, and a `#anchor` a heading of it (GitHub's
@@ -77,30 +79,35 @@ def inline_code(text: str) -> list[str]:
 
 
 # -- what exists ---------------------------------------------------------------------------------------------------
-def _keys(node, prefix: str = "") -> set[str]:
-    out = set()
-    if isinstance(node, DictConfig | ListConfig):
-        container = OmegaConf.to_container(node, resolve=False)
-    else:
-        container = node
+def _values(node, prefix: str = "") -> dict[str, object]:
+    """Every key (leaf or node) under `node` -> its raw value (interpolations unresolved)."""
+    container = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig | ListConfig) else node
+    out: dict[str, object] = {}
     if isinstance(container, dict):
         for k, v in container.items():
-            out.add(f"{prefix}{k}")
-            out |= _keys(v, f"{prefix}{k}.")
+            out[f"{prefix}{k}"] = v
+            out.update({key: val for key, val in _values(v, f"{prefix}{k}.").items() if key not in out})
     return out
 
 
 @cache
-def config_keys() -> frozenset[str]:
-    """Every key (leaf or node) of the configs a user's overrides reach, with top-level names too."""
-    keys: set[str] = set()
-    for name, overrides in [("train", []), ("train", ["optim=muon", "logger=many"]), ("doctor", []), ("prepare", [])]:
-        keys |= _keys(compose(overrides, config_name=name))
-    for name in ("generate", "export", "diagnose", "window"):
-        keys |= _keys(OmegaConf.load(ROOT / "conf" / f"{name}.yaml"))
+def config_values() -> dict[str, object]:
+    """Every key of the configs a user's overrides reach -> its default (train.py's default config first)."""
+    values: dict[str, object] = {}
+    sources = [compose(o, config_name=n) for n, o in [("train", []), ("train", ["optim=muon", "logger=many"])]]
+    sources += [compose([], config_name=n) for n in ("doctor", "prepare")]
+    sources += [OmegaConf.load(ROOT / "conf" / f"{n}.yaml") for n in ("generate", "export", "diagnose", "window")]
+    for source in sources:
+        values.update({k: v for k, v in _values(source).items() if k not in values})
     # The SLURM launcher's keys from its file: composing it needs the optional submitit plugin.
-    keys |= _keys(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml"), "hydra.launcher.")
-    return frozenset(keys)
+    slurm = _values(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml"), "hydra.launcher.")
+    values.update({k: v for k, v in slurm.items() if k not in values})
+    return values
+
+
+@cache
+def config_keys() -> frozenset[str]:
+    return frozenset(config_values())
 
 
 @cache
@@ -209,6 +216,62 @@ def check_command(line: str) -> list[str]:
         problem = check_key(word)
         if problem:
             problems.append(problem)
+    return problems
+
+
+def table_rows(text: str):
+    """(header cells, row cells) of every Markdown table outside fenced blocks; `\\|` inside a cell is kept."""
+    for block in re.split(r"\n\s*\n", prose(text)):
+        lines = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("|")]
+        split = [[c.strip() for c in re.split(r"(?<!\\)\|", ln.strip("|"))] for ln in lines]
+        for row in split[2:]:
+            yield split[0], row
+
+
+def same_default(cell: str, raw) -> bool:
+    """A table's default cell against the config's raw value: literals compared as values, `a.b` as `${a.b}`."""
+    if isinstance(raw, str) and raw == "${" + cell + "}":
+        return True
+    if isinstance(raw, list):
+        items = [c.strip() for c in cell.strip("[]").split(",")] if cell.startswith("[") else None
+        return items is not None and len(items) == len(raw) and all(same_default(c, r) for c, r in zip(items, raw))
+    if raw is None or isinstance(raw, bool):
+        return cell == {None: "null", True: "true", False: "false"}[raw] or (raw is None and cell == "none")
+    if isinstance(raw, int | float):
+        try:
+            return float(cell) == float(raw)
+        except ValueError:
+            return False
+    return cell == str(raw)
+
+
+def check_defaults(text: str) -> list[str]:
+    """Rows of tables with a `default` column whose first cell names config keys (or the groups of
+    `conf/train.yaml`'s defaults list): the stated default must be the config's. Cells that are prose (spaces,
+    `<placeholders>`, arithmetic) are not compared."""
+    groups = {}
+    for entry in OmegaConf.load(ROOT / "conf" / "train.yaml").defaults:
+        if isinstance(entry, DictConfig | dict):
+            groups.update(dict(entry))
+    problems = []
+    for header, row in table_rows(text):
+        if "default" not in header or len(row) != len(header):
+            continue
+        keys = re.findall(r"`([\w.]+)`", row[0])
+        if not keys or re.sub(r"`[\w.]+`|[,\s]", "", row[0]):
+            continue  # the first cell is not a plain list of keys
+        cell = row[header.index("default")].replace("`", "")
+        cells = [c.strip() for c in cell.split(", ")] if len(keys) > 1 and cell.count(", ") == len(keys) - 1 else None
+        for i, key in enumerate(keys):
+            value = cells[i] if cells else cell
+            if " " in value or "<" in value or "×" in value:
+                continue
+            if header[0] == "group":
+                stated = None if value == "none" else value
+                if key in groups and groups[key] != stated:
+                    problems.append(f"group {key}: the docs say {value}, conf/train.yaml {groups[key]}")
+            elif key in config_values() and not same_default(value, config_values()[key]):
+                problems.append(f"{key}: the docs say {value}, the config {config_values()[key]!r}")
     return problems
 
 
@@ -326,6 +389,12 @@ def test_every_command_key_and_path_a_page_names_exists(page):
         for word in token.split():
             problems += [p for p in (check_key(word), check_path(word)) if p]
     assert not problems, f"{rel(page)}: " + "; ".join(sorted(set(problems)))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_default_a_table_states_is_the_configs(page):
+    problems = check_defaults(page.read_text())
+    assert not problems, f"{rel(page)}: " + "; ".join(problems)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=rel)
