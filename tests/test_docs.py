@@ -18,7 +18,8 @@ What is checked, and the convention that decides what counts as what:
   a module of `src/steadylm`, and `Name` defined at its top level. Run-folder paths (`stability/events.jsonl`)
   and data paths (`data/...`) are not files of the tree and are not checked.
 - **Defaults**: in a table with a `default` column whose first cell names config keys (or config groups), the
-  stated default must be the composed config's (`check_defaults`; prose cells such as `optim.lr × 0.1` are skipped).
+  stated default must be the composed config's, and so must a default written in prose right after its key,
+  `key` (value) (`check_defaults`; cells and parentheses that are prose, such as `optim.lr × 0.1`, are skipped).
 - **Layout**: the names in the README's layout block exist (top-level lines from the root, indented ones in
   `src/steadylm/`).
 - **Links**: every relative Markdown link or image must reach a file, and a `#anchor` a heading of it (GitHub's
@@ -272,6 +273,10 @@ def check_defaults(text: str) -> list[str]:
                     problems.append(f"group {key}: the docs say {value}, conf/train.yaml {groups[key]}")
             elif key in config_values() and not same_default(value, config_values()[key]):
                 problems.append(f"{key}: the docs say {value}, the config {config_values()[key]!r}")
+    # In prose: "`callbacks.stability.spike.window` (128)", a key followed by its default in parentheses.
+    for key, value in re.findall(r"`([\w.]+)` \(`?([\w.+-]+)`?\)", prose(text)):
+        if key in config_values() and not same_default(value, config_values()[key]):
+            problems.append(f"{key}: the docs say ({value}), the config {config_values()[key]!r}")
     return problems
 
 
