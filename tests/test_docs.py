@@ -10,9 +10,10 @@ What is checked, and the convention that decides what counts as what:
 - **Config keys**: an inline-code token `a.b...` (or the key of an `a.b...=value` override) whose first segment is
   a config group (`model`, `data`, `optim`, `trainer`, `callbacks`, `logger`, `paths`, `hydra`, `probe`) must be a
   key, leaf or node, of one of the composed configs: train.py's (default, `optim=muon`, `logger=many`), doctor's
-  and prepare's, the other commands' files, and `conf/hydra/launcher/slurm.yaml` under `hydra.launcher`. A group choice `group=value` (`model=small`,
-  `experiment=divergence/lr_spike`) must name a file under `conf/`. Tokens with a `+` (an addition), `*` or
-  `<...>` (a pattern) are not keys. Keys that are not dotted (`seed`, `resume`) are checked only in overrides.
+  and prepare's, the other commands' files, and `conf/hydra/launcher/slurm.yaml` under `hydra.launcher`. A group
+  choice `group=value` (`model=small`, `experiment=divergence/lr_spike`) must name a file under `conf/`. Tokens
+  with a `+` (an addition), `*` or `<...>` (a pattern) are not keys. Keys that are not dotted (`seed`, `resume`)
+  are checked only in overrides and default tables.
 - **Code paths**: an inline-code token whose first path component is a top-level file or folder of the
   repository (`src/`, `conf/`, `tests/`, `benchmarks/`, `Makefile`, ...) must exist; `steadylm.a.b.Name` must be
   a module of `src/steadylm`, and `Name` defined at its top level. Run-folder paths (`stability/events.jsonl`)
