@@ -215,17 +215,17 @@ def test_two_process_ddp_clips_backs_off_and_rewinds_every_rank_alike(shards_dir
 
 
 def test_the_rewind_goes_back_only_as_far_as_the_logits_grew():
-    """`growth`: back to the last step the max logit stood at or below growth_floor * tau (here 25), not to the
+    """`growth`: back to the last step the max logit stood at or below growth_floor * tau (here 25 with growth_floor=0.25), not to the
     start; with no such step (above the floor from the start) to the first snapshot; `onset`: just before the
     streak; a history survives the checkpoint."""
     attn = GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, context_length=4, vocab_size=16)).blocks[0].attn
-    clip = QKClip(tau=100.0, backoff_after=2)
+    clip = QKClip(tau=100.0, backoff_after=2, growth_floor=0.25)
     for step, peak in enumerate([10.0, 12.0, 20.0, 40.0, 80.0, 120.0]):
         evidence = clip.step(step, [torch.tensor([peak, 1.0])], [attn])
     evidence = clip.step(6, [torch.tensor([150.0, 1.0])], [attn])
     assert evidence["onset"] == 5 and evidence["rewind_before"] == 2 and evidence["growth_from"] == 2
     assert evidence["rewind_first"] is False
-    hot = QKClip(tau=100.0, backoff_after=2)
+    hot = QKClip(tau=100.0, backoff_after=2, growth_floor=0.25)
     for step, peak in enumerate([50.0, 120.0, 130.0]):
         evidence = hot.step(step, [torch.tensor([peak, 1.0])], [attn])
     assert evidence["rewind_before"] == 0 and evidence["rewind_first"] is True and evidence["growth_from"] is None

@@ -55,7 +55,7 @@ class QKClip:
         rewind: bool = True,
         rewarm_steps: int = 0,
         rewind_to: str = "growth",
-        growth_floor: float = 0.25,
+        growth_floor: float = 0.05,
     ) -> None:
         where = "callbacks.stability.qk_clip"
         if every_n_steps < 1:
@@ -180,16 +180,18 @@ class QKClip:
         return evidence
 
     def rewind_target(self) -> dict:
-        """Where a rewind goes: `rewind_before` (restore the newest good snapshot taken at or before it) and
-        whether the fit's first snapshot may serve (`rewind_first`), with the evidence (`growth_from`)."""
+        """Where a rewind goes: the newest good snapshot taken at or before `rewind_before`, else the earliest
+        one up to `rewind_latest` (just before the streak); `rewind_first`: the fit's first snapshot whenever it
+        is held; `growth_from`: the evidence, the last step the max logit stood at or below the floor."""
+        latest = {"rewind_latest": self.onset - 1}
         if self.rewind_to == "onset":
-            return {"rewind_before": self.onset - 1, "rewind_first": False}
+            return {"rewind_before": self.onset - 1, "rewind_first": False, **latest}
         if self.rewind_to == "first":
-            return {"rewind_before": self.onset - 1, "rewind_first": True}
+            return {"rewind_before": self.onset - 1, "rewind_first": True, **latest}
         low = [step for step, peak in self.history if step < self.onset and peak <= self.growth_floor * self.tau]
         if not low:  # above the floor from the first measurement on: the growth began at the start
-            return {"rewind_before": self.onset - 1, "rewind_first": True, "growth_from": None}
-        return {"rewind_before": low[-1], "rewind_first": False, "growth_from": low[-1]}
+            return {"rewind_before": self.onset - 1, "rewind_first": True, "growth_from": None, **latest}
+        return {"rewind_before": low[-1], "rewind_first": False, "growth_from": low[-1], **latest}
 
     def state_dict(self) -> dict:
         return {

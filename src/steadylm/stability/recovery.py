@@ -356,14 +356,16 @@ class Recovery:
         if first is not None and first not in self.good:
             self._set_spare(first)
 
-    def rewind(self, trainer, pl_module, before: int, to_first: bool = False) -> dict | None:
-        """Restore the newest good snapshot taken at or before step `before` (the held first snapshot of the fit
-        when none is kept that far back); `to_first`: the held first one whenever there is one (growth that began
-        at the start). Outside the spike escalation: no strike, no budget (the caller bounds it: QK-clip rewinds
-        at most once per LR backoff). None when memory holds none (after a resume, or without snapshots): the
-        caller keeps its weights."""
-        first = self.first if self.first is not None and self.first.step <= before else None
-        snap = (first if to_first else None) or self.newest_good(before=before) or first
+    def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
+        """Restore the newest good snapshot taken at or before step `before`; when none is kept that far back, the
+        earliest one (the held first snapshot of the fit included) taken at or before `latest`; `to_first`: the
+        held first one whenever there is one (growth that began at the start). Outside the spike escalation: no
+        strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff). None when memory
+        holds none (after a resume, or without snapshots): the caller keeps its weights."""
+        kept = [s for s in (self.first, *self.good) if s is not None and s.step <= latest]
+        earliest = min(kept, key=lambda s: s.step, default=None)
+        first = self.first if self.first is not None and self.first.step <= latest else None
+        snap = (first if to_first else None) or self.newest_good(before=before) or earliest
         if snap is None:
             return None
         restored = self._restore(trainer, pl_module, snap)

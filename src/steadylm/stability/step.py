@@ -357,11 +357,7 @@ class Stability(L.Callback):
         keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
         why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
         detail = {**{k: evidence[k] for k in keys}, "reason": why}
-        restored = (
-            self._rewind(trainer, pl_module, evidence["rewind_before"], evidence["rewind_first"])
-            if "rewind_before" in evidence
-            else None
-        )
+        restored = self._rewind(trainer, pl_module, evidence) if "rewind_before" in evidence else None
         if restored is not None:
             detail["rewound_to"] = restored["to_step"]
             if "growth_from" in evidence:
@@ -386,11 +382,12 @@ class Stability(L.Callback):
         elif not hold and self.recovery.hold_first:
             self.recovery.release_first()
 
-    def _rewind(self, trainer, pl_module, before: int, to_first: bool) -> dict | None:
-        """Back to the newest good snapshot taken at or before step `before` (QK-clip's `rewind_target`: the weights
-        grown since are the damage the clip cannot undo), or to the first one while it is held and `to_first`
-        (the growth began at the start); the LR schedule resumes where those weights left off."""
-        restored = self.recovery.rewind(trainer, pl_module, before, to_first=to_first)
+    def _rewind(self, trainer, pl_module, target: dict) -> dict | None:
+        """Back to the snapshot QK-clip's `rewind_target` names (the weights grown since are the damage the clip
+        cannot undo); the LR schedule resumes where those weights left off."""
+        restored = self.recovery.rewind(
+            trainer, pl_module, target["rewind_before"], target["rewind_latest"], to_first=target["rewind_first"]
+        )
         if restored is None:
             return None
         self.measure.abandon()  # the step just done measured the abandoned weights
