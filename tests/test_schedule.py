@@ -144,3 +144,15 @@ def test_an_anneal_from_inside_the_decay_is_refused_before_anything_runs(make_cf
         train(make_cfg(*ANNEAL, "trainer.max_steps=24", f"ckpt_path={decaying}", out=tmp_path / "anneal"))
     assert "anneal from a checkpoint saved at or before step 11" in str(err.value)
     assert not (tmp_path / "anneal" / "checkpoints").exists()
+
+
+def test_doctor_plots_and_describes_the_wsd_phases(make_cfg, tmp_path):
+    from steadylm.doctor.check import OK
+    from steadylm.doctor.config_checks import check_schedule
+
+    png = tmp_path / "lr.png"
+    row = check_schedule(make_cfg("optim.schedule=wsd", "optim.decay_fraction=0.2"), png)[0]
+    assert row.status == OK and row.evidence.startswith(
+        "wsd: warmup 5, flat 0.003 to step 24, 1-sqrt decay to 0.0003 at step 30; peak 0.003 at step 4"
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
