@@ -107,13 +107,17 @@ class Schedule:
             )
         return f"{self.shape}: {warm}{self.lr:.3g} decaying to {self.min_lr:.3g} at step {self.total_steps}"
 
+    @property
+    def head(self) -> tuple[float, int, str]:
+        """What the LR of the steps before `decay_start` depends on (the length and `min_lr` do not enter)."""
+        return self.lr, self.warmup_steps, self.shape
+
     def first_difference(self, other: Schedule, steps: int) -> int | None:
         """The first of applied steps 0..steps-1 that `other` gives another LR, or None: whether a run that took
         those steps under `self` can go on under `other` as if it had been `other`'s all along."""
         if other == self:
             return None
-        shared = (self.lr, self.warmup_steps, self.shape) == (other.lr, other.warmup_steps, other.shape)
-        start = min(self.decay_start, other.decay_start) if shared else 0  # before it, length changes nothing
+        start = min(self.decay_start, other.decay_start) if self.head == other.head else 0
         return next((s for s in range(start, steps) if self(s) != other(s)), None)
 
 
@@ -134,7 +138,7 @@ def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, 
     step = saved.first_difference(schedule, applied)
     if step is None:
         return
-    if (saved.lr, saved.warmup_steps, saved.shape) != (schedule.lr, schedule.warmup_steps, schedule.shape):
+    if saved.head != schedule.head:
         fix = (
             f"resume with the checkpoint's optim.schedule={saved.shape} optim.lr={saved.lr:g} "
             f"optim.warmup_steps={saved.warmup_steps}"
