@@ -139,7 +139,8 @@ def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cf
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     state = ckpt["callbacks"]["steadylm.stability"]["qk_clip"]
     assert state["clips"] == len(clips)
-    after = make_cfg(*overrides, streak, "trainer.max_steps=32", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
+    resume = ("trainer.max_steps=32", "optim.total_steps=30", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
+    after = make_cfg(*overrides, streak, *resume)  # the same schedule, its LR at min_lr past step 30
     _, resumed = train(after)
     assert stability_of(resumed["trainer"]).qk_clip.clips >= len(clips)
     assert resumed["module"].rewarm == (start, length)  # the re-warmup survives the checkpoint
