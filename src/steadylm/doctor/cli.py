@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from steadylm.cli import run_command
 from steadylm.config import set_key
+from steadylm.derived import fill_derived
 from steadylm.doctor.check import Check, guarded, render_markdown, render_text
 
 
@@ -22,6 +23,7 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
     from steadylm.doctor.lr_probe import check_lr_probe
     from steadylm.doctor.model_checks import model_checks
 
+    fill_derived(cfg)  # null vocab, tokenizer and warmup as training fills them, before any row reads them
     rows = config_checks(cfg)
     data_rows, batch = data_checks(cfg, deep)
     rows += data_rows
