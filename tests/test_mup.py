@@ -152,13 +152,13 @@ def test_coord_check_is_flat_under_mup_grows_under_sp_and_catches_missing_lr_sca
 
 
 def test_doctor_row_passes_mup_fails_the_broken_variant_and_shows_sp_growing():
-    cfg = compose(["model.parametrization=mup"])
+    cfg = compose(["model.parametrization=mup", "model.vocab_size=320"])
     batch = (tokens()[:, :-1], tokens()[:, 1:])
     ok = check_coords(cfg, batch)[0]
     assert ok.status == OK and ok.evidence.startswith("mup flat in width") and "widths 64/128/256" in ok.evidence
     bad = check_coords(cfg, batch, groups=no_lr_scaling)[0]
     assert bad.status == FAIL and "mup is not width-independent" in bad.evidence and "model/mup.py" in bad.fix
-    sp = check_coords(compose([]), batch)[0]
+    sp = check_coords(compose(["model.vocab_size=320"]), batch)[0]
     assert sp.status == OK and sp.evidence.startswith("sp (grows with width")
 
 

@@ -5,7 +5,7 @@ A user who sets one of these keys gets exactly that value; `null` (the default) 
 | key | null means |
 | --- | --- |
 | `model.vocab_size` | the shards' `vocab_size`, padded up to a multiple of 64 (fast tensor-core tiles) |
-| `data.tokenizer` | the tokenizer the shards record (its `tokenizer.json` lies beside them) |
+| `data.tokenizer` | the tokenizer the shards record (its `tokenizer.json` lies beside them): any is accepted |
 | `optim.warmup_steps` | `min(100, trainer.max_steps // 10)` |
 | `trainer.val_check_interval` | every `min(200, ceil(trainer.max_steps / 5))` optimizer steps, in micro-batches |
 
@@ -43,10 +43,10 @@ def val_every_steps(max_steps: int) -> int:
 
 def fill_derived(cfg: DictConfig) -> None:
     """Set the null keys of the table above but the last (idempotent: a filled key is an explicit one)."""
-    if cfg.model.get("vocab_size") is None or cfg.data.get("tokenizer") is None:
-        info = read_shard_info(shard_files(Path(str(cfg.data.dir)).expanduser(), "train")[0])
-        if cfg.model.get("vocab_size") is None:
-            set_key(cfg, "model.vocab_size", padded_vocab(info.vocab_size))
+    if cfg.model.get("vocab_size") is None:  # one shard read (a null tokenizer alone: the DataModule takes any)
+        set_key(cfg, "data.dir", str(cfg.data.dir))  # the default folder's name follows data.tokenizer: fix it first
+        info = read_shard_info(shard_files(Path(cfg.data.dir).expanduser(), "train")[0])
+        set_key(cfg, "model.vocab_size", padded_vocab(info.vocab_size))
         if cfg.data.get("tokenizer") is None:
             set_key(cfg, "data.tokenizer", info.tokenizer)
     max_steps = cfg.trainer.max_steps

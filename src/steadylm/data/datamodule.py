@@ -107,6 +107,7 @@ class ShardDataModule(L.LightningDataModule):
         raise DataError(
             f"{longest.path}: the longest {split} shard has {longest.n_tokens} tokens, fewer than "
             f"model.context_length + 1 = {self.context_length + 1}; lower model.context_length or prepare more data"
+            + (" (or a larger data.val_fraction)" if split == "val" else "")
         )
 
     def setup(self, stage: str | None = None) -> None:
