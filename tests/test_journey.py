@@ -12,7 +12,9 @@ import random
 import shlex
 
 import pytest
-from helpers import run_cli
+
+from steadylm.derived import padded_vocab
+from tests.helpers import run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,6 +70,6 @@ def test_a_folder_of_text_to_a_transformers_model(tmp_path):
 
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    assert model.config.vocab_size == 512  # the BPE's 512 ids (the default for this much text), a multiple of 64
+    assert model.config.vocab_size == padded_vocab(len(tok))  # the BPE's ids (<= 512 here), padded to 64
     ids = tok("The model", return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
