@@ -93,8 +93,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
-    # Preemption runs after every other callback and is there even with callbacks=none (exit 75, docs/resume.md).
-    # ValidateAtEnd and Preemption are there even with callbacks=none (a final val/loss; exit 75, docs/resume.md).
+    # ValidateAtEnd and Preemption (last of all) are there even with callbacks=none: a final val/loss; exit 75
+    # with a checkpoint on a signal (docs/resume.md).
     named = [*instantiate_named(cfg.get("callbacks"), "callbacks"), ValidateAtEnd()]
     callbacks = place_last(named, f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
