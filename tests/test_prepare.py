@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from steadylm.data.prepare import main, prepare, prepare_kwargs, stdlib_files
+from steadylm.data.prepare import bpe_vocab_size, main, prepare, prepare_kwargs, stdlib_files, val_slices
 from steadylm.data.shards import read_shard_info
 from steadylm.data.tokenizer import load_tokenizer
 from steadylm.errors import ConfigError, DataError, SteadyError
@@ -483,3 +483,30 @@ def test_demo_experiment_pairs_the_bpe_with_a_model_that_fits_it():
     assert cfg.data.vocab_size % 64 == 0 and cfg.data.dir.endswith("stdlib-bpe")
     kw = prepare_kwargs(compose_command("prepare", ["experiment=demo"]))  # `make demo` prepares with the same config
     assert (kw["tokenizer"], kw["vocab_size"], kw["out_dir"]) == ("bpe", cfg.data.vocab_size, cfg.data.dir)
+
+
+@pytest.mark.parametrize("n,fraction", [(10, 0.1), (1000, 0.01), (12_345, 0.3), (10**7, 0.01), (999_983, 0.001)])
+def test_val_slices_hold_the_fraction_exactly_spread_through_the_stream(n, fraction):
+    slices = val_slices(n, fraction)
+    assert sum(b - a for a, b in slices) == round(fraction * n)  # exact: no tolerance needed
+    assert all(0 <= a <= b <= c for (a, b), (c, _) in zip(slices, [*slices[1:], (n, n)]))  # sorted, disjoint
+    assert len(slices) == max(1, min(100, round(fraction * n) // 2048)) and slices[-1][1] == n
+    assert val_slices(n, fraction) == slices  # deterministic
+
+
+def test_val_gets_the_fraction_of_tokens_when_the_first_document_dominates(tmp_path):
+    """Document 0 holds 90 % of the text: val still gets 1 % of the tokens, from every part of the input."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.txt").write_text("big " * 90_000)
+    for i in range(10):
+        (src / f"b{i}.txt").write_text(f"small {i} " * 4_000)
+    s = prepare(input=src, out_dir=tmp_path / "out", progress=False)
+    assert s["tokens"]["val"] == round(0.01 * sum(s["tokens"].values())) == 6800 and s["val_slices"] == 3
+    text = load_tokenizer(tmp_path / "out").decode(h5py.File(s["shards"]["val"][0], "r")["tokens"][:])
+    assert "big " in text and "small 9 " in text  # from the big first file and from the last one
+
+
+def test_the_default_bpe_vocabulary_follows_the_text():
+    sizes = (1_000, 300_000, 12_000_000, 64 << 20, 10**9, 10**12)
+    assert [bpe_vocab_size(n) for n in sizes] == [512, 512, 4096, 8192, 32768, 32768]
