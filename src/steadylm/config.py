@@ -78,8 +78,8 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         (
             "data.val_fraction",
             d.get("val_fraction", 0.01),
-            0 < _num(d.get("val_fraction", 0.01)) < 1,
-            "a fraction in (0, 1)",
+            0 < _num(d.get("val_fraction", 0.01)) <= 0.5,
+            "a fraction in (0, 0.5]",
         ),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.accelerator", t.accelerator, str(t.accelerator) in ACCELERATORS, f"one of {', '.join(ACCELERATORS)}"),
