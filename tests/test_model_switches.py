@@ -253,4 +253,5 @@ def test_each_switch_trains_under_the_full_suite_with_qk_norm_z_loss_and_xavier(
     for i in range(2):
         for stat in ("grad_norm", "param_norm", "update_ratio", "act_rms", "max_attn_logit"):
             values = tags[f"stability/{stat}/block_{i}"]
-            assert values and all(math.isfinite(v) and v > 0 for v in values), (stat, i, values)
+            positive = stat != "max_attn_logit"  # a head's largest logit may be below 0 (qk-norm, early on)
+            assert values and all(math.isfinite(v) and (v > 0 or not positive) for v in values), (stat, i, values)

@@ -85,9 +85,17 @@ class _Tee:
 
 @contextmanager
 def copy_console(path: Path) -> Iterator[None]:
-    """Everything printed to stdout and stderr (and by logging handlers bound to them) also goes to `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as file:
+    """Everything printed to stdout and stderr (and by logging handlers bound to them) also goes to `path`.
+
+    A folder that cannot be written gets no copy: the run's own check names the key and exits 2.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = path.open("a", encoding="utf-8")
+    except OSError:
+        yield
+        return
+    with file:
         streams = {"stdout": sys.stdout, "stderr": sys.stderr}
         tees = {name: _Tee(stream, file) for name, stream in streams.items()}
         handlers = [
