@@ -36,13 +36,8 @@ class ProgressLines(ProgressBar):
         return self._enabled
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        last = step >= trainer.max_steps > 0
-        if (
-            not self._enabled
-            or step == self._last_step
-            or not (is_logging_step(step - 1, trainer.log_every_n_steps) or last)
-        ):
+        step = trainer.global_step  # a line on the steps whose loss is logged: the value shown is this step's
+        if not self._enabled or step == self._last_step or not is_logging_step(step - 1, trainer.log_every_n_steps):
             return
         self._last_step = step
         parts = [f"step {step}/{trainer.max_steps}"]
