@@ -47,7 +47,7 @@ import torch
 
 from steadylm.config import compose, set_key
 from steadylm.data.prepare import prepare
-from steadylm.schedule import lr_at, set_lr
+from steadylm.schedule import set_lr
 from steadylm.train import build, build_trainer
 
 WARMUP = 3  # steps dropped from each timed run: allocator, optimizer state and autotuning settle there
@@ -342,10 +342,8 @@ class RawLoop:
 
     def __init__(self, cfg, module, datamodule) -> None:
         self.module, self.opt = module, module.configure_optimizers()
-        o, steps = module.optim_cfg, itertools.count()  # plain values: a DictConfig lookup costs calls each step
-        self.sched = lambda: lr_at(
-            next(steps), lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
-        )
+        steps = itertools.count()
+        self.sched = lambda: module.schedule(next(steps))
         self.batches = endless(datamodule.train_dataloader())
         self.clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
 

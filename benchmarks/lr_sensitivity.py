@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT / "src"))
 from steadylm.data.datamodule import ShardDataModule  # noqa: E402
 from steadylm.data.prepare import prepare  # noqa: E402
 from steadylm.module import LMModule  # noqa: E402
-from steadylm.schedule import lr_at, rewarm_factor  # noqa: E402
 from steadylm.stability.qk_clip import QKClip  # noqa: E402
 
 MODEL = dict(n_layer=2, n_head=4, d_model=128, context_length=64, vocab_size=320, qk_norm=False)
@@ -73,12 +72,14 @@ def val_loss(module: LMModule, val) -> float:
 
 def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, val) -> float:
     torch.manual_seed(0)
-    module = LMModule(model=model, optim={**optim, "lr": lr})
+    warmup = steps // 10
+    schedule_keys = {"lr": lr, "min_lr": lr / 10, "warmup_steps": warmup, "total_steps": steps}
+    module = LMModule(model=model, optim={**optim, **schedule_keys})
+    schedule = module.schedule
     opt = module.configure_optimizers()
     params = [p for p in module.parameters() if p.requires_grad]
     attns = [b.attn for b in module.net.blocks]
     policy = QKClip(**QK_CLIP) if clip else None
-    warmup = steps // 10
     snapshots: list[tuple[int, int, dict, dict]] = []  # (step, applied, weights, optimizer): Recovery's, in memory
     skipped, rewarm = 0, (0, 0)  # the module's `rewarm`: (applied step it began, its length)
     first = None  # Recovery's first snapshot, held through the warmup (Stability._hold_first_through_warmup)
@@ -92,9 +93,8 @@ def train(model: dict, optim: dict, clip: bool, lr: float, steps: int, train_b, 
             first = first or (snapshots[-1] if hold else None)
         scale = policy.lr_scale if policy else 1.0
         at = step - skipped
-        ramp = rewarm_factor(at, rewarm)
         for group in opt.param_groups:
-            group["lr"] = scale * ramp * lr_at(at, lr=lr, min_lr=lr / 10, warmup_steps=warmup, total_steps=steps)
+            group["lr"] = schedule.lr_of(at, scale, rewarm)
         for a in attns:
             a.track_max_logit = clip
         loss, _ = module.loss(module(x), y)

@@ -30,7 +30,7 @@ import torch
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.prepare import prepare
 from steadylm.module import LMModule
-from steadylm.schedule import lr_at, set_lr
+from steadylm.schedule import set_lr
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,9 +112,7 @@ def run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, seed:
             return math.inf
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-        set_lr(
-            opt, lr_at(step, lr=lr, min_lr=optim["min_lr"], warmup_steps=optim["warmup_steps"], total_steps=args.steps)
-        )
+        set_lr(opt, module.schedule(step))
         opt.step()
         opt.zero_grad(set_to_none=True)
     with torch.no_grad():

@@ -8,7 +8,7 @@ of the same seed, and the events that acted (clips, LR backoffs, rewinds). Runs 
 one thread: losses do not depend on the machine's load, only on the seed and the thread count.
 
 Usage: python benchmarks/natural_divergence.py [--steps N (400)] [--seeds 1337,1] [--jobs 2] [--quick]
-       [--variant NAME=OVERRIDES ...] [overrides...]
+       [--cases 10x,30x,warmup] [--variant NAME=OVERRIDES ...] [overrides...]
 --variant adds a policy column, e.g. --variant "window=callbacks.stability.qk_clip.backoff_after=3".
 """
 
@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few steps of a smaller model: the test suite's check")
     ap.add_argument("--variant", action="append", default=[], help="NAME=space-separated overrides: a policy column")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--cases", help="comma-separated words: only the cases whose name holds one (the stable one always)"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -80,6 +83,7 @@ def main() -> None:
         for case in CASES
         for col in columns
         if not (case == STABLE and col != "default")  # a stable run has nothing to mitigate
+        and (case == STABLE or not args.cases or any(w in case for w in args.cases.split(",")))
     ]
 
     def one(job):

@@ -41,7 +41,7 @@ import torch
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
-from steadylm.schedule import lr_at, set_lr
+from steadylm.schedule import set_lr
 from steadylm.train import build
 
 QUICK = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4"]
@@ -127,7 +127,6 @@ def plain_run(cfg) -> list[Point]:
     objects = build(cfg)
     module, dm = objects["module"], objects["datamodule"]
     opt = module.configure_optimizers()  # AdamW by the same recipe; the same LR schedule below
-    o = module.optim_cfg
     clip, every, steps = cfg.trainer.gradient_clip_val, cfg.trainer.val_check_interval, cfg.trainer.max_steps
     curve, wall, cpu, step = [], 0.0, 0.0, 0
     module.train()
@@ -137,10 +136,7 @@ def plain_run(cfg) -> list[Point]:
             loss, _ = module.loss(module.net(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-            lr = lr_at(
-                step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
-            )
-            set_lr(opt, lr)
+            set_lr(opt, module.schedule(step))
             opt.step()
             opt.zero_grad(set_to_none=True)
             end = now()

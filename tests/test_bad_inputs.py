@@ -328,6 +328,12 @@ def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
         (evil, [], r"evil\.ckpt: refused to load: it carries pickled code.*(getcwd|Payload|partial)"),
         (truncated, [], r"truncated\.ckpt: not a complete checkpoint \(truncated or corrupt\)"),
         (ckpts / "nope.ckpt", [], r"nope\.ckpt: checkpoint file not found"),
+        (
+            good,
+            ["optim.warmup_steps=2"],
+            r"last\.ckpt has 2 applied steps under cosine: warmup 1, .* would have given step 0 LR 0\.0015, not "
+            r"0\.003; resume with the checkpoint's optim\.schedule=cosine optim\.lr=0\.003 optim\.warmup_steps=1$",
+        ),
     ]
     before = snapshot(tmp_path)
     run_dir = tmp_path / "resumed"

@@ -19,7 +19,7 @@ from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups, sp_state_dict
 from steadylm.module import LMModule
-from steadylm.schedule import lr_at, set_lr
+from steadylm.schedule import Schedule, set_lr
 from steadylm.sweep import divergence, finish_job, summarize_sweep
 from steadylm.train import train
 from tests.helpers import run_cli
@@ -95,7 +95,7 @@ def test_lmmodule_groups_scale_hidden_lr_and_keep_lr_times_wd():
     assert hidden == {"attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight"}
     assert all(p.dim() == 1 for p in by_name["vectors"]["params"]) and by_name["vectors"]["weight_decay"] == 0.0
     assert (by_name["hidden"]["lr_mult"], by_name["hidden"]["weight_decay"]) == (0.25, 0.4)
-    set_lr(opt, lr_at(3, lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=10))  # each group keeps its lr_mult
+    set_lr(opt, Schedule(lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=10)(3))  # each group keeps its lr_mult
     lrs = [g["lr"] for g in opt.param_groups]
     assert lrs[0] == lrs[1] and lrs[2] == pytest.approx(lrs[0] / 4) and lrs[0] < 1e-2
     # decoupled decay shrinks by lr * wd per step: the same for hidden and embedding matrices

@@ -23,6 +23,7 @@ def test_trains_validates_checkpoints_and_resumes(make_cfg, tmp_path, precision,
         "trainer.val_check_interval=4",
         "trainer.limit_val_batches=2",
         "optim.warmup_steps=2",
+        "optim.total_steps=8",  # one schedule for the 4 steps and their resume to 8
     )
     metrics, objects = train(make_cfg(*common, "trainer.max_steps=4"))
     trainer = objects["trainer"]

@@ -139,7 +139,8 @@ def test_default_callbacks_clip_a_high_lr_run_and_resume_with_the_counts(make_cf
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     state = ckpt["callbacks"]["steadylm.stability"]["qk_clip"]
     assert state["clips"] == len(clips)
-    after = make_cfg(*overrides, streak, "trainer.max_steps=32", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
+    resume = ("trainer.max_steps=32", "optim.total_steps=30", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}")
+    after = make_cfg(*overrides, streak, *resume)  # the same schedule, its LR at min_lr past step 30
     _, resumed = train(after)
     assert stability_of(resumed["trainer"]).qk_clip.clips >= len(clips)
     assert resumed["module"].rewarm == (start, length)  # the re-warmup survives the checkpoint
@@ -212,3 +213,29 @@ def test_two_process_ddp_clips_backs_off_and_rewinds_every_rank_alike(shards_dir
     assert [e for e in events if e["kind"] == "qk_clip" and e["step"] > rewinds[0]["step"]]
     assert all(r["detail"]["cause"] == "qk_clip" and r["detail"]["source"] == "snapshot_file" for r in rewinds)
     assert json.loads((out / "result.json").read_text())["status"] == "unstable"
+
+
+def test_the_rewind_goes_back_only_as_far_as_the_logits_grew():
+    """`growth`: back to the last step the max logit stood at or below growth_floor * tau (here 25 with growth_floor=0.25), not to the
+    start; with no such step (above the floor from the start) to the first snapshot; `onset`: just before the
+    streak; a history survives the checkpoint."""
+    attn = GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, context_length=4, vocab_size=16)).blocks[0].attn
+    clip = QKClip(tau=100.0, backoff_after=2, growth_floor=0.25)
+    for step, peak in enumerate([10.0, 12.0, 20.0, 40.0, 80.0, 120.0]):
+        evidence = clip.step(step, [torch.tensor([peak, 1.0])], [attn])
+    evidence = clip.step(6, [torch.tensor([150.0, 1.0])], [attn])
+    assert evidence["onset"] == 5 and evidence["rewind_before"] == 2 and evidence["growth_from"] == 2
+    assert evidence["rewind_first"] is False
+    hot = QKClip(tau=100.0, backoff_after=2, growth_floor=0.25)
+    for step, peak in enumerate([50.0, 120.0, 130.0]):
+        evidence = hot.step(step, [torch.tensor([peak, 1.0])], [attn])
+    assert evidence["rewind_before"] == 0 and evidence["rewind_first"] is True and evidence["growth_from"] is None
+    shallow = QKClip(tau=100.0, backoff_after=2, rewind_to="onset")
+    for step, peak in enumerate([10.0, 40.0, 120.0, 130.0]):
+        evidence = shallow.step(step, [torch.tensor([peak, 1.0])], [attn])
+    assert evidence["rewind_before"] == 1 and evidence["rewind_first"] is False
+    again = QKClip()
+    again.load_state_dict(clip.state_dict())
+    assert list(again.history) == list(clip.history)[-len(again.history) :] and len(again.history) == 7
+    with pytest.raises(ConfigError, match=r"rewind_to='start' is not allowed; use one of: growth, onset, first"):
+        QKClip(rewind_to="start")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from steadylm.module import LMModule
-from steadylm.schedule import lr_at
 from steadylm.train import train
 from tests.helpers import CLI_TINY, run_cli, scalars
 
@@ -28,17 +27,6 @@ def test_tiny_run_learns_and_writes_tensorboard_and_checkpoint(make_cfg, tmp_pat
     assert ckpt["steadylm"]["tokenizer"] == "bytes"
     assert ckpt["steadylm"]["config"]["model"]["context_length"] == 64
     assert metrics["val/loss"] < losses[0]
-
-
-def test_lr_follows_warmup_then_cosine():
-    kw = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
-    assert lr_at(0, **kw) == pytest.approx(1e-4)
-    assert lr_at(9, **kw) == pytest.approx(1e-3)
-    assert lr_at(60, **kw) == pytest.approx(5.5e-4)
-    assert lr_at(110, **kw) == pytest.approx(1e-4)
-    curve = [lr_at(s, **kw) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(curve, curve[1:]))  # no abrupt jump up or down after warmup
-    assert max(abs(a - b) for a, b in zip(curve, curve[1:])) < 2e-5
 
 
 def test_weight_decay_only_on_matrices(make_cfg):

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadylm.errors import SteadyError
+from steadylm.schedule import check_resume
 
 log = logging.getLogger("steadylm")
 
@@ -229,10 +230,15 @@ def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Modul
 
 
 def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
-    """The checkpoint this run resumes from, already checked to load safely and fit `module`."""
+    """The checkpoint this run resumes from, already checked to load safely, fit `module`, and to have taken
+    its steps at the LRs `module`'s schedule gives them (a changed length is an anneal, schedule.py)."""
     path = resolve_ckpt_path(cfg)
     if path is not None:
-        check_compatible(safe_load(path, mmap=True), path, module)  # mmap: no second full read into RAM
+        ckpt = safe_load(path, mmap=True)  # mmap: no second full read into RAM
+        check_compatible(ckpt, path, module)
+        meta = ckpt.get("steadylm") or {}
+        applied = int(ckpt.get("global_step", 0)) - int(meta.get("skipped_steps", 0))
+        check_resume((meta.get("config") or {}).get("optim"), module.schedule, applied, f"ckpt_path={path}")
     return path
 
 

@@ -202,6 +202,9 @@ def validate_config(cfg: DictConfig) -> None:
     for key, value, ok, allowed in _value_rules(cfg):
         if not ok:
             raise ConfigError(f"{key}={value!r} is not allowed; it must be {allowed}")
+    from steadylm.schedule import Schedule  # the schedule's own rules: its name, wsd's decay after the warmup
+
+    Schedule.from_optim(cfg.optim)
 
 
 def plain_config(cfg: DictConfig) -> dict:

@@ -29,6 +29,7 @@ from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError, SteadyError
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import sp_state_dict
+from steadylm.model.switches import require_understood
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +49,7 @@ class ExportArgs:
 
 def hf_family(cfg: GPTConfig) -> str:
     """`gpt2`, `llama` or `qwen3`; ConfigError naming the first switch the class cannot express."""
+    require_understood(cfg, "export")  # a switch export was never taught: refused, not dropped
     if cfg.qk_norm and cfg.pos == "learned":
         raise ConfigError(
             "model.qk_norm=true cannot be exported as GPT2LMHeadModel (model.pos=learned picks GPT-2, which does not "

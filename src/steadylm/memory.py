@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from steadylm.devices import Devices
 from steadylm.errors import ConfigError
+from steadylm.model.config import GPTConfig
+from steadylm.model.switches import require_understood
 
 ADAMW_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weight, fp32 grad, two fp32 Adam moments
 HEADROOM = 0.9  # allocator fragmentation, the CUDA context, the data loader, Python itself
@@ -54,13 +56,17 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def model_config(model_cfg: DictConfig | dict) -> GPTConfig:
+    fields = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    return GPTConfig(**fields)
+
+
 def count_params(model_cfg: DictConfig | dict) -> int:
     """Parameters of the model the config builds, counted on the meta device (no memory allocated)."""
-    from steadylm.model import GPT, GPTConfig
+    from steadylm.model import GPT
 
-    fields = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
     with torch.device("meta"):
-        return sum(p.numel() for p in GPT(GPTConfig(**fields)).parameters())
+        return sum(p.numel() for p in GPT(model_config(model_cfg)).parameters())
 
 
 def activation_bytes(precision: str) -> int:
@@ -83,15 +89,16 @@ def ram_available() -> int | None:
 
 
 def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
-    m = cfg.model
-    n_params = count_params(m) if n_params is None else n_params
+    m = model_config(cfg.model)
+    require_understood(m, "memory")  # a switch this estimate does not count is refused, not under-counted
+    n_params = count_params(cfg.model) if n_params is None else n_params
     shards = devices.world_size if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
     elem = activation_bytes(precision)
-    tokens = int(cfg.data.batch_size) * int(m.context_length)
+    tokens = int(cfg.data.batch_size) * m.context_length
     parts = {
         "weights+grads+adamw": n_params * ADAMW_BYTES_PER_PARAM // shards,
-        "activations": tokens * int(m.n_layer) * 34 * int(m.d_model) * elem // 2,
-        "logits": tokens * int(m.vocab_size) * (elem + 8),
+        "activations": tokens * m.n_layer * 34 * m.d_model * elem // 2,
+        "logits": tokens * m.vocab_size * (elem + 8),
     }
     if devices.on_cuda:
         available, where = (

@@ -7,6 +7,7 @@ silently: a float or wrongly shaped target is a data bug, and is refused with a 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -22,7 +23,7 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups
 from steadylm.muon import Muon
 from steadylm.muon import param_groups as muon_groups
-from steadylm.schedule import lr_at, rewarm_factor, set_lr
+from steadylm.schedule import Schedule, set_lr
 
 
 def _plain(cfg: Any) -> dict:
@@ -139,13 +140,15 @@ class LMModule(L.LightningModule):
         if will_log(self.trainer):
             write_metrics(self.trainer, {"optim/lr": lr})
 
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The LR schedule of every update, built once from `optim` (on first use: a module built for its loss
+        alone needs no schedule keys)."""
+        return Schedule.from_optim(self.optim_cfg)
+
     def lr_now(self) -> float:
-        o = self.optim_cfg
         applied = self.trainer.global_step - self.skipped_steps
-        base = lr_at(
-            applied, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"], total_steps=o["total_steps"]
-        )
-        return base * rewarm_factor(applied, self.rewarm) * self.lr_scale
+        return self.schedule.lr_of(applied, scale=self.lr_scale, rewarm=self.rewarm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self._muon() if self.optim_cfg.get("name", "adamw") == "muon" else self._adamw()

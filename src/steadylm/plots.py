@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+if TYPE_CHECKING:
+    from steadylm.schedule import Schedule
 
 
 def _save(fig, path: Path) -> Path:
@@ -24,13 +28,17 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_lr_schedule(lrs: Sequence[float], warmup_steps: int, path: Path) -> Path:
+def plot_lr_schedule(lrs: Sequence[float], schedule: Schedule, path: Path) -> Path:
+    """The LR per step, with the end of warmup and (wsd) the start of the decay marked."""
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot(range(len(lrs)), lrs)
-    if warmup_steps:
-        ax.axvline(warmup_steps, color="grey", ls=":", label=f"end of warmup ({warmup_steps})")
-        ax.legend()
-    ax.set(xlabel="optimizer step", ylabel="learning rate", title="LR schedule")
+    ax.plot(range(len(lrs)), lrs, label=schedule.shape)
+    if schedule.warmup_steps:
+        ax.axvline(schedule.warmup_steps, color="grey", ls=":", label=f"end of warmup ({schedule.warmup_steps})")
+    if schedule.shape == "wsd":
+        ax.axvline(schedule.decay_start, color="C1", ls="--", label=f"decay starts ({schedule.decay_start})")
+    ax.legend()
+    ax.set(xlabel="optimizer step", ylabel="learning rate", title=schedule.describe())
+    ax.title.set_fontsize(9)
     return _save(fig, path)
 
 

@@ -1,26 +1,124 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to `min_lr`, per applied optimizer step.
+"""The learning-rate schedule: one `Schedule` object, built once from `optim`, read by the module, doctor and benchmarks.
 
-A pure function of the step, so the LightningModule, `doctor`'s LR plot and the tests all read
-the same curve; there is no scheduler object. Before each update the module sets every group's LR
-from the count of applied steps (a skipped step does not advance it) times its LR scale (lowered by a
-repeated rollback), as nanochat and OLMo-core do. Warmup avoids the large early updates that Adam makes before its second-moment
-estimate has settled; the cosine tail avoids an abrupt drop.
+Linear warmup, then one of three shapes down to `min_lr` by `total_steps`, per applied optimizer step:
+
+- `cosine` (default): half a cosine from the end of warmup; no abrupt drop anywhere.
+- `linear`: a straight line from the end of warmup.
+- `wsd` (warmup-stable-decay): flat at `lr` until the last `decay_fraction` of the run, then `1 - sqrt` down to
+  `min_lr`. Every step before the decay has the LR of any longer run's, so a checkpoint from the flat part can be
+  annealed to a shorter budget (`ckpt_path=<it> trainer.max_steps=<budget>`): one long run, many budgets.
+  `1 - sqrt` rather than linear: at the same decay length it ends at a lower loss (Hägele et al. 2024,
+  "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", the cooldown-shape comparison).
+
+There is no scheduler object to patch: before each update the module sets every group's LR from the count of
+applied steps (a skipped step does not advance it) times its LR scale (lowered by a backoff) times a re-warmup
+after a rewind (`Schedule.lr_of`), as nanochat and OLMo-core do. Warmup avoids the large early updates that Adam
+makes before its second-moment estimate has settled. This module must never read a config group other than
+`optim`, or hold any state: the LR is a function of its arguments.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
+from steadylm.errors import ConfigError
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if step >= total_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+# Each shape's share of (lr - min_lr) at `progress` in [0, 1] through its decay.
+DECAYS: dict[str, Callable[[float], float]] = {
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "wsd": lambda p: 1.0 - math.sqrt(p),
+    "linear": lambda p: 1.0 - p,
+}
+SHAPES = tuple(DECAYS)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+    shape: str = "cosine"  # optim.schedule
+    decay_fraction: float = 0.2  # optim.decay_fraction: wsd's decay, as a share of total_steps
+
+    def __post_init__(self) -> None:
+        if self.shape not in DECAYS:
+            raise ConfigError(f"optim.schedule={self.shape!r} is not allowed; use one of: {', '.join(SHAPES)}")
+        if self.shape != "wsd":
+            return
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(
+                f"optim.decay_fraction={self.decay_fraction!r} is not allowed; it must be a share of the run in (0, 1]"
+                " (0.2: the last 20 % of the steps decay)"
+            )
+        if self.decay_start < self.warmup_steps:
+            raise ConfigError(
+                f"optim.decay_fraction={self.decay_fraction} starts wsd's decay at step {self.decay_start} of "
+                f"{self.total_steps}, inside the {self.warmup_steps}-step warmup; lower optim.decay_fraction or "
+                "optim.warmup_steps"
+            )
+
+    @classmethod
+    def from_optim(cls, optim: Mapping) -> Schedule:
+        """The run's schedule from the `optim` config group (a DictConfig or a plain dict)."""
+        return cls(
+            lr=float(optim["lr"]),
+            min_lr=float(optim["min_lr"]),
+            warmup_steps=int(optim["warmup_steps"]),
+            total_steps=int(optim["total_steps"]),
+            shape=str(optim.get("schedule", "cosine")),
+            decay_fraction=float(optim.get("decay_fraction", 0.2)),
+        )
+
+    @property
+    def decay_start(self) -> int:
+        """The first step whose LR depends on the run's length: wsd's decay, else the end of warmup."""
+        if self.shape == "wsd":
+            return self.total_steps - round(self.decay_fraction * self.total_steps)
+        return self.warmup_steps
+
+    def __call__(self, step: int) -> float:
+        """The scheduled LR of applied step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if step >= self.total_steps:
+            return self.min_lr
+        start = self.decay_start
+        if step < start:  # wsd's stable phase
+            return self.lr
+        progress = (step - start) / max(1, self.total_steps - start)
+        return self.min_lr + (self.lr - self.min_lr) * DECAYS[self.shape](progress)
+
+    def lr_of(self, step: int, scale: float = 1.0, rewarm: tuple[int, int] = (0, 0)) -> float:
+        """The LR of an update: the schedule at applied step `step` x a re-warmup after a rewind x the LR scale."""
+        return self(step) * rewarm_factor(step, rewarm) * scale
+
+    def describe(self) -> str:
+        """One line: `wsd: warmup 100, flat 0.003 to step 800, 1-sqrt decay to 0.0003 at step 1000`."""
+        warm = f"warmup {self.warmup_steps}, "
+        if self.shape == "wsd":
+            return (
+                f"wsd: {warm}flat {self.lr:.3g} to step {self.decay_start}, 1-sqrt decay to {self.min_lr:.3g} "
+                f"at step {self.total_steps}"
+            )
+        return f"{self.shape}: {warm}{self.lr:.3g} decaying to {self.min_lr:.3g} at step {self.total_steps}"
+
+    @property
+    def head(self) -> tuple[float, int, str]:
+        """What the LR of the steps before `decay_start` depends on (the length and `min_lr` do not enter)."""
+        return self.lr, self.warmup_steps, self.shape
+
+    def first_difference(self, other: Schedule, steps: int) -> int | None:
+        """The first of applied steps 0..steps-1 that `other` gives another LR, or None: whether a run that took
+        those steps under `self` can go on under `other` as if it had been `other`'s all along."""
+        if other == self:
+            return None
+        start = min(self.decay_start, other.decay_start) if self.head == other.head else 0
+        return next((s for s in range(start, steps) if self(s) != other(s)), None)
 
 
 def rewarm_factor(step: int, rewarm: tuple[int, int]) -> float:
@@ -28,6 +126,34 @@ def rewarm_factor(step: int, rewarm: tuple[int, int]) -> float:
     (after a QK-clip rewind: the restored weights take the restored LR as a fresh start would, not at once)."""
     start, length = rewarm
     return (step - start + 1) / length if length and 0 <= step - start < length else 1.0
+
+
+def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, where: str) -> None:
+    """Refuse to resume `applied` steps taken under the checkpoint's schedule with one that would have given
+    them other LRs: the run would match no run trained straight through. Changing only the length (or `min_lr`)
+    is an anneal, allowed while every step taken is before both schedules' decay."""
+    if not saved_optim:
+        return
+    saved = Schedule.from_optim(saved_optim)
+    step = saved.first_difference(schedule, applied)
+    if step is None:
+        return
+    if saved.head != schedule.head:
+        fix = (
+            f"resume with the checkpoint's optim.schedule={saved.shape} optim.lr={saved.lr:g} "
+            f"optim.warmup_steps={saved.warmup_steps}"
+        )
+    elif saved.shape == "wsd":
+        fix = f"anneal from a checkpoint saved at or before step {step}, or keep optim.total_steps={saved.total_steps}"
+    else:
+        fix = (
+            f"keep optim.total_steps={saved.total_steps} (the LR then stays at optim.min_lr past it); only "
+            "optim.schedule=wsd can be annealed to another length"
+        )
+    raise ConfigError(
+        f"{where} has {applied} applied steps under {saved.describe()}; this run's {schedule.describe()} would have "
+        f"given step {step} LR {schedule(step):.4g}, not {saved(step):.4g}; {fix}"
+    )
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from steadylm.diagnose.runlog import RunLog
+from steadylm.stability.instability import cut_short
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 LOOKBACK = 50  # steps of grad-norm history compared at the onset
@@ -225,12 +226,17 @@ def _alarms(events: list[dict]) -> list[Finding]:
 
 
 def loss_onset(log: RunLog) -> int | None:
-    """First logged step where train/loss is non-finite or leaves its best value for good."""
+    """First logged step where train/loss is non-finite or leaves its best value for good. A rollback or rewind
+    resets the best: the loss that rises back to the restored state's level is the reset, not a divergence."""
     steps, loss = log.series("train/loss")
+    resets = sorted(step for step, _ in log.restores())
     best = math.inf
     for i, (s, v) in enumerate(zip(steps, loss)):
         if not math.isfinite(v):
             return int(s)
+        if resets and s > resets[0]:
+            resets = [r for r in resets if r >= s]
+            best = math.inf
         margin = max(1.0, 0.2 * best) if math.isfinite(best) else math.inf
         ahead = loss[i : i + 5]
         if v > best + margin and not (np.isfinite(ahead) & (ahead <= best + margin / 2)).any():
@@ -386,9 +392,17 @@ def _facts(log: RunLog) -> list[str]:
     if rollbacks:
         sources = sorted({str(e.get("detail", {}).get("source", "disk")) for e in rollbacks})
         facts.append(
-            f"{len(rollbacks)} rollback(s) (from {', '.join(sources)}), at step(s) "
-            + ", ".join(str(e["step"]) for e in rollbacks)
+            f"{len(rollbacks)} reset(s) to an earlier state (from {', '.join(sources)}): "
+            + "; ".join(
+                f"at step {e['step']} back to step {e['detail']['to_step']} "
+                f"({e['detail'].get('skipped_data_steps', e['step'] - e['detail']['to_step'])} steps of progress, "
+                f"cause {e['detail'].get('cause', '?')})"
+                for e in rollbacks
+            )
         )
+    cut = [e for e in log.events if e.get("kind") == "unrecovered"]
+    if cut:
+        facts.append(cut_short(cut[-1]["detail"]))
     stops = [e for e in log.events if e.get("action") == "stop" and e.get("detail", {}).get("reason")]
     if stops:
         d = stops[0]["detail"]

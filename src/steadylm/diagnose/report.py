@@ -21,7 +21,10 @@ KIND_COLORS = {
 
 
 def _marks(log: RunLog, diagnosis: Diagnosis) -> list[Mark]:
-    marks = [(int(e["step"]), e["kind"], KIND_COLORS.get(e["kind"], "grey")) for e in log.events]
+    marks = [
+        (int(e["step"]), e["kind"], KIND_COLORS.get(e["kind"], "grey")) for e in log.events if e["kind"] != "rollback"
+    ]
+    marks += [(step, f"reset to step {to}", KIND_COLORS["rollback"]) for step, to in log.restores()]
     if diagnosis.onset is not None:
         marks.append((diagnosis.onset, f"onset (step {diagnosis.onset})", "crimson"))
     return marks
@@ -31,11 +34,27 @@ def _blocks(log: RunLog, prefix: str) -> dict:
     return {t.rsplit("/", 1)[1]: log.series(t) for t in log.blocks(prefix)}
 
 
+def _segments(log: RunLog, tag: str) -> dict:
+    """`tag`'s curve cut at every reset (rollback, rewind), each piece its own line: the climb back to the
+    restored state's loss is a jump between two pieces, never drawn as the loss rising."""
+    steps, values = log.series(tag)
+    cuts = [step for step, _ in log.restores()]
+    if not cuts:
+        return {tag: (steps, values)}
+    edges = [-1, *cuts, int(steps[-1]) if len(steps) else 0]
+    out = {}
+    for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        keep = (steps > lo) & (steps <= hi)
+        label = tag if i == 0 else f"{tag} after reset {i} (to step {log.restores()[i - 1][1]})"
+        out[label] = (steps[keep], values[keep])
+    return out
+
+
 def draw_plots(log: RunLog, diagnosis: Diagnosis, out: Path) -> dict[str, Path]:
     marks = _marks(log, diagnosis)
     plots = {
         "loss": plot_series(
-            {"train/loss": log.series("train/loss"), "val/loss": log.series("val/loss")},
+            {**_segments(log, "train/loss"), "val/loss": log.series("val/loss")},
             out / "loss.png",
             title="loss",
             ylabel="cross-entropy (nats)",

@@ -35,6 +35,10 @@ class RunLog:
         tags = [t for t in self.scalars if t.startswith(prefix + "/block_")]
         return sorted(tags, key=lambda t: int(t.rsplit("_", 1)[1]))
 
+    def restores(self) -> list[tuple[int, int]]:
+        """(step, to_step) of every rollback or rewind: where the suite reset the weights to an earlier state."""
+        return [(int(e["step"]), int(e["detail"]["to_step"])) for e in self.events if e.get("kind") == "rollback"]
+
     def setting(self, dotted: str, default: Any = None) -> Any:
         node = self.config
         for key in dotted.split("."):

@@ -12,7 +12,7 @@ from steadylm.derived import padded_vocab
 from steadylm.devices import devices_of
 from steadylm.doctor.check import FAIL, OK, WARN, Check, guarded
 from steadylm.precision import resolve_precision
-from steadylm.schedule import lr_at
+from steadylm.schedule import Schedule
 
 
 def check_startup(cfg: DictConfig) -> list[Check]:
@@ -106,7 +106,7 @@ def check_precision(cfg: DictConfig) -> list[Check]:
 
 
 def check_schedule(cfg: DictConfig, png: Path) -> list[Check]:
-    """The LR over the whole run, from the same `lr_at` the module steps; the curve goes to a PNG."""
+    """The LR over the whole run, from the same `Schedule` the module steps; the curve goes to a PNG."""
     from steadylm.plots import plot_lr_schedule
 
     name = "schedule: LR curve"
@@ -116,21 +116,23 @@ def check_schedule(cfg: DictConfig, png: Path) -> list[Check]:
             Check(
                 name,
                 FAIL,
-                f"trainer.max_steps={max_steps}: the run has no length, so the cosine has no end",
+                f"trainer.max_steps={max_steps}: the run has no length, so the schedule has no end",
                 "set trainer.max_steps to the number of optimizer steps",
             )
         ]
-    kw = dict(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=o.total_steps)
-    lrs = [lr_at(s, **kw) for s in range(max_steps)]
-    plot_lr_schedule(lrs, int(o.warmup_steps), png)
+    schedule = Schedule.from_optim(o)
+    lrs = [schedule(s) for s in range(max_steps)]
+    plot_lr_schedule(lrs, schedule, png)
     peak = max(range(max_steps), key=lrs.__getitem__)
-    evidence = f"peak {lrs[peak]:.3g} at step {peak}, {lrs[-1]:.3g} at step {max_steps - 1}; plot {png}"
+    evidence = (
+        f"{schedule.describe()}; peak {lrs[peak]:.3g} at step {peak}, {lrs[-1]:.3g} at step {max_steps - 1}; plot {png}"
+    )
     if int(o.total_steps) != max_steps:
         return [
             Check(
                 name,
                 WARN,
-                f"optim.total_steps={o.total_steps} but trainer.max_steps={max_steps}: the cosine "
+                f"optim.total_steps={o.total_steps} but trainer.max_steps={max_steps}: the schedule "
                 f"ends at the wrong step; {evidence}",
                 "leave optim.total_steps=${trainer.max_steps}",
             )

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from steadylm.doctor.check import FAIL, OK, WARN, Check
 from steadylm.module import LMModule
-from steadylm.schedule import lr_at, set_lr
+from steadylm.schedule import Schedule, set_lr
 
 MULTIPLES = (1.0, 3.0, 10.0)
 DOWN = (1 / 3, 1 / 10, 1 / 30)
@@ -109,10 +109,11 @@ def run_probe(
     attns = [b.attn for b in module.net.blocks]
     params = [p for p in module.parameters() if p.requires_grad]
     out = Probe(lr, [], [], [], [])
+    schedule = Schedule(lr=lr, min_lr=lr, warmup_steps=warmup, total_steps=steps)  # warmup, then flat at `lr`
     module.train()
     for step in range(steps):
         x, y = batches[step % len(batches)]
-        set_lr(opt, lr_at(step, lr=lr, min_lr=lr, warmup_steps=warmup, total_steps=steps))
+        set_lr(opt, schedule(step))
         for a in attns:
             a.track_max_logit = True
         logits = module(x)

@@ -3,14 +3,16 @@
 One fused `qkv` projection produces n_head query heads and n_kv_head key/value heads
 (`model.n_kv_head` < `model.n_head` is grouped-query attention: each k/v head serves
 n_head / n_kv_head query heads, which shrinks the KV cache and the k/v weights). Attention itself is
-always `F.scaled_dot_product_attention(is_causal=True)`: the flash/memory-efficient kernels where
-available, and a mask that cannot leak the future by construction.
+`F.scaled_dot_product_attention(is_causal=True)`: the flash/memory-efficient kernels where available, and a
+mask that cannot leak the future by construction. Which keys a query may see is defined once, by
+`CausalSelfAttention.blocked`; the kernel call and the max-logit measurement both follow it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +26,37 @@ from steadylm.model.rope import apply_rope
 
 
 @functools.lru_cache(maxsize=16)
-def _future(rows: int, cols: int, start: int, device: torch.device) -> torch.Tensor:
-    """-inf on the keys query rows start .. start+rows-1 must not see, 0 elsewhere: added inside the product
-    (`baddbmm`), which saves a pass over the logits (0.46 against 0.79 ms a layer at T 256 on a CPU); built once
-    per shape, not on every measuring step."""
+def _additive(
+    blocked: Callable, pattern: Hashable, rows: int, cols: int, start: int, device: torch.device
+) -> torch.Tensor:
+    """`blocked` as -inf (hidden) and 0 (visible), added inside the product (`baddbmm`), which saves a pass over the
+    logits (0.46 against 0.79 ms a layer at T 256 on a CPU); built once per pattern and shape, shared by the layers."""
     return torch.zeros(rows, cols, device=device).masked_fill_(
-        torch.ones(rows, cols, dtype=torch.bool, device=device).triu(start + 1), float("-inf")
+        blocked(pattern, rows, cols, start, device), float("-inf")
     )
 
 
 class CausalSelfAttention(nn.Module):
+    # Which keys a query may see: `blocked` is the one definition, `pattern` the value it reads. The forward and the
+    # logit measurement (QK-clip's, doctor's) both follow it; a new pattern is a new `pattern` value taught to
+    # `blocked` (in a subclass, or here), nothing else.
+    pattern: Hashable = "causal"
+
+    @staticmethod
+    def blocked(pattern: Hashable, rows: int, cols: int, start: int, device: torch.device) -> torch.Tensor:
+        """(rows, cols) bools, True where query `start + i` must not see key `j`: `causal` hides the future. Every
+        pattern hides at least the future (a decoder predicts left to right), which the measurement relies on."""
+        if pattern != "causal":
+            raise ValueError(f"attention pattern {pattern!r} is not known to CausalSelfAttention.blocked")
+        return torch.ones(rows, cols, dtype=torch.bool, device=device).triu(start + 1)
+
+    def _sdpa_mask(self, T: int, device: torch.device) -> dict:
+        """The pattern as SDPA's arguments: `is_causal` is `blocked("causal")` in the kernels themselves (flash and
+        memory-efficient paths, no mask in memory; a test holds the two equal); any other pattern goes as a mask."""
+        if self.pattern == "causal":
+            return {"is_causal": True}
+        return {"attn_mask": ~self.blocked(self.pattern, T, T, 0, device)}
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -75,13 +98,19 @@ class CausalSelfAttention(nn.Module):
             self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
             self.max_logit = self.head_max_logit.amax()
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale, **gqa
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
+            **self._sdpa_mask(T, x.device),
+            **gqa,
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
     def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, rows: int = 256) -> torch.Tensor:
-        """Each head's largest pre-softmax logit a query gives a visible key, (n_head,): its growth precedes
-        attention collapse.
+        """Each head's largest pre-softmax logit a query gives a key it may see (`blocked`), (n_head,): its growth
+        precedes attention collapse.
 
         Taken on the batch's first sequence, `rows` queries at a time: logit growth is a property of
         the weights, so one sequence shows it, and the explicit QK^T stays at heads x rows x T floats
@@ -93,7 +122,8 @@ class CausalSelfAttention(nn.Module):
         best = None
         for start in range(0, T, rows):
             stop = min(start + rows, T)
-            logits = torch.baddbmm(_future(stop - start, stop, start, q.device), q[:, start:stop], k[:, :stop].mT)
+            hidden = _additive(type(self).blocked, self.pattern, stop - start, stop, start, q.device)
+            logits = torch.baddbmm(hidden, q[:, start:stop], k[:, :stop].mT)
             chunk = logits.amax(dim=(-2, -1))
             best = chunk if best is None else torch.maximum(best, chunk)
         return best * scale  # scale > 0: the max of the scaled logits, without scaling every one

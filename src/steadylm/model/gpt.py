@@ -20,6 +20,7 @@ from steadylm.model.init import init_weights, layer
 from steadylm.model.mlp import MLP
 from steadylm.model.norm import make_norm
 from steadylm.model.rope import rope_tables
+from steadylm.model.switches import require_understood
 
 __all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP"]
 
@@ -98,4 +99,5 @@ class GPT(nn.Module):
         save memory and weights, not score FLOPs.
         """
         c = self.cfg
+        require_understood(c, "flops")  # a switch this formula does not know (e.g. a windowed pattern) is refused
         return 6 * self.num_params() + 12 * c.n_layer * c.d_model * c.context_length

@@ -26,6 +26,7 @@ KINDS = (
     "lr_backoff",
     "init_loss",
     "rollback",
+    "unrecovered",  # the run ended before its loss came back to where it was before the suite's last restore
     "stop",
 )
 STOP = "stop"  # the action of an event that ended the run (`sweep` reads it: the run diverged)

@@ -8,7 +8,9 @@ rank it as healthy. The rule, from `stability/events.jsonl` alone so `train.py` 
 - the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps (a
   few clips early in a run are the policy doing its job; dozens mean the LR sits in the unstable region);
 - or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps;
-- or the run started from a wrong init: an `init_loss` event (its first loss far from ln(vocab_size)).
+- or the run started from a wrong init: an `init_loss` event (its first loss far from ln(vocab_size));
+- or the run ended before its loss came back to where it was before the suite's last rollback or rewind
+  (an `unrecovered` event): it was reset and cut short, which is said in the reason, never called diverged.
 
 It only reads; it must never change a run's files.
 """
@@ -37,8 +39,9 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
     clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
     backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
     alarms = [e for e in events if e.get("kind") == "attn_logit"]
+    cut = next((cut_short(e["detail"]) for e in events if e.get("kind") == "unrecovered"), None)
     if not backoffs and len(clips) < MATERIAL_CLIPS and len(alarms) < PERSISTENT_ALARMS:
-        return None
+        return f"{cut}; fix: a longer run (trainer.max_steps) shows whether it recovers" if cut else None
     first = (clips or alarms)[0] if clips or alarms else backoffs[0]
     peak = max((float(e["detail"].get("max_logit", e["detail"].get("value", 0.0))) for e in clips + alarms), default=0)
     cause = f"attention logits grew past the bar from step {first['step']} (max {peak:.3g})"
@@ -52,4 +55,16 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
         lower = f"optim.lr={lr / 3:.3g}" if lr else "a lower optim.lr"
     if not clips and not backoffs:
         cause += f" on {len(alarms)} logging steps, unmitigated"
+    if cut:
+        cause += f"; {cut}"
     return f"{cause}; fix: model.qk_norm=true, or {lower} (python -m steadylm.doctor runs the LR probe)"
+
+
+def cut_short(d: dict) -> str:
+    """The `unrecovered` event in words: where the suite reset the run to, what it cost, where the run ended."""
+    final = f" (last {d['final']:.3f})" if d.get("final") is not None else ""
+    return (
+        f"the suite reset the run at step {d['step']} to step {d['to_step']} ({d['lost_steps']} steps of progress) "
+        f"and it ended {d['steps_after']} steps later, before its loss came back to its earlier best "
+        f"{d['best_before']:.3f}{final}: cut short, not diverged"
+    )

@@ -20,8 +20,11 @@ Bounded: one intervention scales a head's logits by at least `min_factor`; a mea
 finite is ignored (the guard owns non-finite steps); after `max_clips` clipping steps the policy stops
 acting (and says so once). When clipping persists, i.e. `backoff_after` measurements in a row needed it,
 it asks for the LR to be multiplied by `lr_backoff`, at most `max_backoffs` times in the run, and (`rewind`)
-for the weights to go back to a snapshot from before the streak began: the damage of a too-high LR (a
-residual stream grown 100-fold) is done before the logits cross tau, and clipping cannot undo it. It is a plain
+for the weights to go back to a snapshot from before the growth began: the damage of a too-high LR (a
+residual stream grown 100-fold) is done before the logits cross tau, and clipping cannot undo it. How far back
+is `rewind_to`: `growth` (default) reads the measured max logits and goes back to the last step at which they
+still stood at or below `growth_floor * tau`, so a rewind throws away only the steps the logits grew in;
+`onset`, to just before the streak (the shallowest); `first`, to the fit's first snapshot. It is a plain
 class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, all-reduces
 the logits with MAX, clips on the device at once (`clip`: no host read) and accounts for the clip a step
 later from a host copy (`account`), applies the LR factor and writes the events.
@@ -29,9 +32,14 @@ later from a host copy (`account`), applies the LR factor and writes the events.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from steadylm.errors import ConfigError
+
+REWIND_TO = ("growth", "onset", "first")
+HISTORY = 4096  # measurements kept for `rewind_to: growth` (a float pair each)
 
 
 class QKClip:
@@ -46,6 +54,8 @@ class QKClip:
         max_backoffs: int = 2,
         rewind: bool = True,
         rewarm_steps: int = 0,
+        rewind_to: str = "growth",
+        growth_floor: float = 0.05,
     ) -> None:
         where = "callbacks.stability.qk_clip"
         if every_n_steps < 1:
@@ -67,6 +77,12 @@ class QKClip:
         if not isinstance(rewarm_steps, int) or rewarm_steps < 0:
             raise ConfigError(f"{where}.rewarm_steps={rewarm_steps!r} must be an integer >= 0 (0: no re-warmup)")
         self.rewarm_steps = rewarm_steps
+        if rewind_to not in REWIND_TO:
+            raise ConfigError(f"{where}.rewind_to={rewind_to!r} is not allowed; use one of: {', '.join(REWIND_TO)}")
+        if not 0 < growth_floor < 1:
+            raise ConfigError(f"{where}.growth_floor={growth_floor} must be in (0, 1): a share of tau")
+        self.rewind_to, self.growth_floor = rewind_to, float(growth_floor)
+        self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)  # (step, max logit) of each measurement
         self.clips = 0  # steps on which at least one head was clipped
         self.streak = 0  # measurements in a row that clipped
         self.onset = -1  # the step at which the current streak began
@@ -120,6 +136,9 @@ class QKClip:
         """The record of step `step`'s clip, from the host's copy of its logits: counts, the streak, the LR
         backoff it asks for; the event's evidence, or None when no head was over tau."""
         logits = torch.stack(list(head_max)).float()  # a host copy (the owner's) or the caller's tensors
+        finite = logits[torch.isfinite(logits)]
+        if finite.numel():
+            self.history.append((int(step), float(finite.max())))
         hit = torch.isfinite(logits) & (logits > self.tau)  # `factors`' own test, in its precision
         if not bool(hit.any()):  # a healthy step: one read
             self.streak = 0
@@ -154,11 +173,25 @@ class QKClip:
                     lr_backoff=self.lr_backoff, lr_scale=self.lr_scale, backoffs=self.backoffs, onset=self.onset
                 )
                 if self.rewind:
-                    evidence["rewind_before"] = self.onset - 1
+                    evidence.update(self.rewind_target())
         if self.clips >= self.max_clips:
             self.exhausted = True
             evidence["exhausted"] = True
         return evidence
+
+    def rewind_target(self) -> dict:
+        """Where a rewind goes: the newest good snapshot taken at or before `rewind_before`, else the earliest
+        one up to `rewind_latest` (just before the streak); `rewind_first`: the fit's first snapshot whenever it
+        is held; `growth_from`: the evidence, the last step the max logit stood at or below the floor."""
+        latest = {"rewind_latest": self.onset - 1}
+        if self.rewind_to == "onset":
+            return {"rewind_before": self.onset - 1, "rewind_first": False, **latest}
+        if self.rewind_to == "first":
+            return {"rewind_before": self.onset - 1, "rewind_first": True, **latest}
+        low = [step for step, peak in self.history if step < self.onset and peak <= self.growth_floor * self.tau]
+        if not low:  # above the floor from the first measurement on: the growth began at the start
+            return {"rewind_before": self.onset - 1, "rewind_first": True, "growth_from": None, **latest}
+        return {"rewind_before": low[-1], "rewind_first": False, "growth_from": low[-1], **latest}
 
     def state_dict(self) -> dict:
         return {
@@ -168,9 +201,11 @@ class QKClip:
             "backoffs": self.backoffs,
             "lr_scale": self.lr_scale,
             "exhausted": self.exhausted,
+            "history": [list(h) for h in self.history],
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.clips, self.streak, self.backoffs = int(state["clips"]), int(state["streak"]), int(state["backoffs"])
         self.onset = int(state["onset"])
         self.lr_scale, self.exhausted = float(state["lr_scale"]), bool(state["exhausted"])
+        self.history = deque(((int(a), float(b)) for a, b in state.get("history", [])), maxlen=HISTORY)

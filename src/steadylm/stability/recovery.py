@@ -21,7 +21,10 @@ run, all ranks stop together: the broken state in `checkpoints/diverged.ckpt` an
 `checkpoints/last_good.ckpt`.
 
 At the end of training, a run whose final training loss (median of the last `final_window` steps) is more
-than `final_margin` above its best such median has diverged (`final_verdict`).
+than `final_margin` above its best such median has diverged (`final_verdict`). The best is counted from the
+state the suite last restored: a rollback or rewind throws the newer weights away on purpose, so a best
+reached on them is no bar for the run that goes on from the restored state. A run that ends before its loss
+came back to the best it had before that restore (`unrecovered`) was cut short, not diverged.
 """
 
 from __future__ import annotations
@@ -172,7 +175,8 @@ class Recovery:
         self.last_onset: int | None = None
         self.skip_until = -1  # steps before this one are skipped (a longer data window after a repeated rollback)
         self.recent: deque[float] = deque(maxlen=self.final_window)
-        self.best = math.inf  # best median of `final_window` finite losses
+        self.best = math.inf  # best median of `final_window` finite losses since the last restore
+        self.restored: dict | None = None  # the last restore: step, to_step, the best it threw away
 
     # -- snapshots ---------------------------------------------------------------------------------------------
     def maybe_snapshot(self, trainer, pl_module, detectors: dict) -> None:
@@ -313,6 +317,7 @@ class Recovery:
             restored = {"source": "disk", **found, "detectors": {}}
         self.rollbacks += 1
         self.strikes, self.last_onset = strikes, onset
+        self._judge_from(trainer.global_step, restored["to_step"])
         restored.update(
             rollbacks=self.rollbacks,
             budget=self.max_rollbacks,
@@ -351,17 +356,30 @@ class Recovery:
         if first is not None and first not in self.good:
             self._set_spare(first)
 
-    def rewind(self, trainer, pl_module, before: int, to_first: bool = False) -> dict | None:
-        """Restore the good snapshot one before the newest taken at or before step `before` (the newest itself
-        when it is the only one): what grew past a bar at `before` began growing earlier; `to_first`: the held
-        first snapshot of the fit, when there is one (growth that began in the LR warmup). Outside the spike
-        escalation: no strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff).
-        None when memory holds none (after a resume, or without snapshots): the caller keeps its weights."""
-        first = self.first if to_first and self.first is not None and self.first.step <= before else None
-        snap = first or self.newest_good(before=before, older=True)
+    def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
+        """Restore the newest good snapshot taken at or before step `before`; when none is kept that far back, the
+        earliest one (the held first snapshot of the fit included) taken at or before `latest`; `to_first`: the
+        held first one whenever there is one (growth that began at the start). Outside the spike escalation: no
+        strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff). None when memory
+        holds none (after a resume, or without snapshots): the caller keeps its weights."""
+        kept = [s for s in (self.first, *self.good) if s is not None and s.step <= latest]
+        earliest = min(kept, key=lambda s: s.step, default=None)
+        first = self.first if self.first is not None and self.first.step <= latest else None
+        snap = (first if to_first else None) or self.newest_good(before=before) or earliest
         if snap is None:
             return None
-        return {**self._restore(trainer, pl_module, snap), "skipped_data_steps": trainer.global_step - snap.step}
+        restored = self._restore(trainer, pl_module, snap)
+        self._judge_from(trainer.global_step, snap.step)
+        return {**restored, "skipped_data_steps": trainer.global_step - snap.step}
+
+    def _judge_from(self, step: int, to_step: int) -> None:
+        """The run is judged from the state restored at `step` (back to `to_step`) on: the best loss of the
+        abandoned weights is kept only to say whether the run got back to it."""
+        bests = [b for b in (self.best, (self.restored or {}).get("best_before")) if b is not None and math.isfinite(b)]
+        best = min(bests, default=None)
+        self.restored = {"step": int(step), "to_step": int(to_step), "best_before": best}
+        self.recent.clear()
+        self.best = math.inf
 
     def why_not(self) -> str:
         """Why a rollback was refused, for the stop reason."""
@@ -382,6 +400,17 @@ class Recovery:
         )
         return Verdict("stop", "final_loss", {"final": final, "best": self.best}, reason=reason)
 
+    def unrecovered(self, step: int) -> dict | None:
+        """At the end of training: the last restore, when the run ended before its loss came back to the best it
+        had before that restore (a run cut short after a rewind, or one the lowered LR has not brought back)."""
+        r = self.restored
+        if r is None or r["best_before"] is None:
+            return None
+        final = statistics.median(self.recent) if self.recent else None
+        if final is not None and final <= r["best_before"]:
+            return None
+        return {**r, "steps_after": int(step) - r["step"], "final": final, "lost_steps": r["step"] - r["to_step"]}
+
     def state_dict(self) -> dict:
         return {
             "rollbacks": self.rollbacks,
@@ -390,6 +419,7 @@ class Recovery:
             "skip_until": self.skip_until,
             "recent": list(self.recent),
             "best": self.best if math.isfinite(self.best) else None,
+            "restored": self.restored,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -397,3 +427,4 @@ class Recovery:
         self.last_onset, self.skip_until = state["last_onset"], int(state["skip_until"])
         self.recent = deque(state.get("recent", []), maxlen=self.final_window)
         self.best = state["best"] if state.get("best") is not None else math.inf
+        self.restored = state.get("restored")

@@ -357,9 +357,11 @@ class Stability(L.Callback):
         keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
         why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
         detail = {**{k: evidence[k] for k in keys}, "reason": why}
-        restored = self._rewind(trainer, pl_module, evidence["rewind_before"]) if "rewind_before" in evidence else None
+        restored = self._rewind(trainer, pl_module, evidence) if "rewind_before" in evidence else None
         if restored is not None:
             detail["rewound_to"] = restored["to_step"]
+            if "growth_from" in evidence:
+                detail["growth_from"] = evidence["growth_from"]  # the last step the logits were below the floor
             if self.qk_clip.rewarm_steps:  # the LR ramps up again from the restored weights, as at the start
                 applied = trainer.global_step - pl_module.skipped_steps
                 pl_module.rewarm = (applied, self.qk_clip.rewarm_steps)
@@ -380,11 +382,12 @@ class Stability(L.Callback):
         elif not hold and self.recovery.hold_first:
             self.recovery.release_first()
 
-    def _rewind(self, trainer, pl_module, before: int) -> dict | None:
-        """Back to the newest good snapshot from before the logits' growth crossed tau (the weights grown since
-        are the damage the clip cannot undo), or to the first one while it is held (the growth began in the
-        warmup); the LR schedule resumes where those weights left off."""
-        restored = self.recovery.rewind(trainer, pl_module, before, to_first=True)
+    def _rewind(self, trainer, pl_module, target: dict) -> dict | None:
+        """Back to the snapshot QK-clip's `rewind_target` names (the weights grown since are the damage the clip
+        cannot undo); the LR schedule resumes where those weights left off."""
+        restored = self.recovery.rewind(
+            trainer, pl_module, target["rewind_before"], target["rewind_latest"], to_first=target["rewind_first"]
+        )
         if restored is None:
             return None
         self.measure.abandon()  # the step just done measured the abandoned weights
@@ -426,6 +429,8 @@ class Stability(L.Callback):
         final = self.recovery.final_verdict() if not self.stopped else None
         if final is not None:
             self.stop(trainer, pl_module, trainer.global_step, final, {})
+        elif not self.stopped and (cut := self.recovery.unrecovered(trainer.global_step)) is not None:
+            emit(trainer, trainer.global_step, "unrecovered", "log", cut)  # a restore is a reset, not a divergence
         self.measure.finish(trainer)
 
     def _optimizer_metrics(self, trainer, pl_module) -> dict[str, float]:

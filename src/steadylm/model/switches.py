@@ -1,0 +1,82 @@
+"""What each `GPTConfig` field means to the code that reads a model's config instead of running the model.
+
+Three readers work from the config alone: the Hugging Face export (`export.py`), the FLOP count
+(`GPT.flops_per_token`, behind MFU) and the memory estimate (`memory.py`, behind the startup refusal). Each
+field is declared here once, with what each reader does with it; `None` means that reader does not understand
+it, and then refuses any value but `neutral` (the value under which the model is as if the field did not exist).
+A field with no declaration is refused by every reader: a new switch is declared here before any reader can be
+wrong about it, never silently mis-counted or mis-exported. This module must stay free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from steadylm.errors import ConfigError
+
+READERS = {
+    "export": "the Hugging Face export (export.py)",
+    "flops": "the FLOP count (GPT.flops_per_token, behind perf/mfu)",
+    "memory": "the memory estimate (memory.py)",
+}
+
+
+@dataclass(frozen=True)
+class Switch:
+    export: str | None  # how export maps it (None: it cannot)
+    flops: str | None  # how flops_per_token counts it (None: it cannot)
+    memory: str | None  # how the memory estimate counts it (None: it cannot)
+    neutral: Any = None  # the value a reader that cannot handle the field accepts
+
+
+N = "6N (through the parameter count)"
+PARAMS = "the parameter count"
+NONE = "no cost: elementwise"
+MUP = Switch("folded into the weights (mup.sp_state_dict)", NONE, "nothing: multipliers only")
+
+SWITCHES: dict[str, Switch] = {
+    "n_layer": Switch("n_layer / num_hidden_layers", "6N + 12·L·d·T", "parameters; activations per layer"),
+    "n_head": Switch("n_head / num_attention_heads", "scores count d_model, not heads", "no T×T scores (fused)"),
+    "d_model": Switch("n_embd / hidden_size", "6N + 12·L·d·T", "parameters; 34·d activations per token"),
+    "context_length": Switch("n_positions / max_position_embeddings", "12·L·d·T", "tokens per batch"),
+    "vocab_size": Switch("vocab_size", N, "parameters; the fp32 logits"),
+    "dropout": Switch("resid/embd/attn_pdrop; attention_dropout", NONE, "masks, within 34·d"),
+    "bias": Switch("zero biases (GPT-2); attention_bias, mlp_bias (Llama)", N, PARAMS),
+    "qk_norm": Switch("Qwen3ForCausalLM with rope; refused with learned positions", N, PARAMS),
+    "init": Switch("nothing: the weights carry it", "nothing", "nothing"),
+    "pos": Switch("learned: GPT-2; rope: Llama or Qwen3", N + "; the position table is not multiplied", PARAMS),
+    "rope_theta": Switch("rope_theta", NONE, "nothing"),
+    "norm": Switch("must be the family's (refused otherwise)", NONE, PARAMS),
+    "norm_eps": Switch("layer_norm_epsilon / rms_norm_eps", "nothing", "nothing"),
+    "mlp": Switch("must be the family's (refused otherwise)", N, PARAMS),
+    "mlp_hidden": Switch("n_inner / intermediate_size", N, PARAMS),
+    "mlp_multiple_of": Switch("n_inner / intermediate_size", N, PARAMS),
+    "n_kv_head": Switch("num_key_value_heads (Llama); refused for GPT-2", N + "; scores count query heads", PARAMS),
+    "tie_embeddings": Switch("tie_word_embeddings", "6N counts the tied matrix once", PARAMS),
+    "parametrization": MUP,
+    "mup_base_width": MUP,
+    "mup_base_head_dim": MUP,
+    "mup_output_mult": MUP,
+}
+
+
+def require_understood(cfg: Any, reader: str) -> None:
+    """Raise ConfigError naming the first field of `cfg` (a GPTConfig) that `reader` cannot handle at its value."""
+    for f in fields(cfg):
+        switch, value = SWITCHES.get(f.name), getattr(cfg, f.name)
+        if switch is None:
+            raise ConfigError(
+                f"model.{f.name} is not declared in steadylm/model/switches.py, so {READERS[reader]} cannot know "
+                f"what it means; add it to SWITCHES with what export, the FLOP count and the memory estimate do with it"
+            )
+        if getattr(switch, reader) is None and value != switch.neutral:
+            raise ConfigError(
+                f"model.{f.name}={_show(value)} is not understood by {READERS[reader]}; use model.{f.name}="
+                f"{_show(switch.neutral)}, or teach it and say how in SWITCHES (steadylm/model/switches.py)"
+            )
+
+
+def _show(value: Any) -> str:
+    """As a command-line override spells it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
