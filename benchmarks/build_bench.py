@@ -49,6 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     fields = OmegaConf.to_container(compose([f"model={args.preset}"]).model, resolve=True)
+    fields["vocab_size"] = fields["vocab_size"] or 320  # a CPU preset's comes from the shards: the bytes tokenizer's
     fresh, drawn = [], []
     for r in range(args.rounds):  # the order alternates: the first build of a process also faults its pages in
         for patched in (r % 2 == 1, r % 2 == 0):

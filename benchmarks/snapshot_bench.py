@@ -44,7 +44,8 @@ def preset(name: str, **overrides) -> dict:
     from steadylm.config import compose
 
     cfg = compose([f"model={name}", "trainer=cpu"]).model
-    return {**OmegaConf.to_container(cfg, resolve=True), **overrides}
+    # A CPU preset's vocabulary comes from the shards at startup; here the bytes tokenizer's, padded.
+    return {**OmegaConf.to_container(cfg, resolve=True), "vocab_size": cfg.vocab_size or 320, **overrides}
 
 
 def sync(device: str) -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
 
 from steadylm.distributed import FSDPClipping
 from steadylm.errors import ConfigError
+from steadylm.progress import ProgressLines
 from steadylm.train import build, train
 from tests.helpers import CLI_TINY, run_cli
 
@@ -45,10 +45,9 @@ def test_multirun_with_a_relaunching_strategy_is_refused_before_training(make_cf
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing started, nothing written
 
 
-def test_progress_bar_is_tqdm_not_rich(make_cfg):
+def test_progress_is_plain_lines_not_a_bar(make_cfg):
     trainer = build(make_cfg("trainer.enable_progress_bar=true", "trainer.log_every_n_steps=7"))["trainer"]
-    assert type(trainer.progress_bar_callback) is TQDMProgressBar  # plain lines in SLURM logs
-    assert trainer.progress_bar_callback.refresh_rate == 7  # redrawn when the loss it shows changes, not every step
+    assert type(trainer.progress_bar_callback) is ProgressLines  # plain lines in SLURM logs and train.log
     assert build(make_cfg("trainer.enable_progress_bar=false"))["trainer"].progress_bar_callback is None
 
 

@@ -157,7 +157,9 @@ def test_rope_model_accepts_no_more_than_its_context():
 def test_preset_parameter_counts(preset, total, non_embedding):
     from omegaconf import OmegaConf
 
-    cfg = GPTConfig(**OmegaConf.to_container(compose([f"model={preset}"]).model, resolve=True))
+    # The CPU presets take their vocabulary from the shards: here the bytes tokenizer's, padded (320).
+    model = compose([f"model={preset}"]).model
+    cfg = GPTConfig(**{**OmegaConf.to_container(model, resolve=True), "vocab_size": model.vocab_size or 320})
     with torch.device("meta"):  # shapes only: the 1B model allocates nothing
         net = GPT(cfg)
     assert net.num_params(non_embedding=False) == total
@@ -251,4 +253,5 @@ def test_each_switch_trains_under_the_full_suite_with_qk_norm_z_loss_and_xavier(
     for i in range(2):
         for stat in ("grad_norm", "param_norm", "update_ratio", "act_rms", "max_attn_logit"):
             values = tags[f"stability/{stat}/block_{i}"]
-            assert values and all(math.isfinite(v) and v > 0 for v in values), (stat, i, values)
+            positive = stat != "max_attn_logit"  # a head's largest logit may be below 0 (qk-norm, early on)
+            assert values and all(math.isfinite(v) and (v > 0 or not positive) for v in values), (stat, i, values)

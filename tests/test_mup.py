@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from steadylm.checkpointing import safe_load
-from steadylm.config import compose, validate_config
+from steadylm.config import compose, set_key, validate_config
+from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL, OK
 from steadylm.doctor.coord_check import FLAT, check_coords, coord_check
 from steadylm.errors import ConfigError
@@ -101,6 +102,15 @@ def test_lmmodule_groups_scale_hidden_lr_and_keep_lr_times_wd():
     assert lrs[2] * by_name["hidden"]["weight_decay"] == pytest.approx(lrs[0] * 0.1)
 
 
+def startup_config(overrides: list[str]):
+    """The config as startup validates it: the null keys filled (the vocabulary as the bytes shards would give)."""
+    cfg = compose(overrides)
+    if cfg.model.vocab_size is None:
+        set_key(cfg, "model.vocab_size", 320)
+    fill_derived(cfg)
+    return cfg
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -114,7 +124,7 @@ def test_lmmodule_groups_scale_hidden_lr_and_keep_lr_times_wd():
 )
 def test_bad_mup_values_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
-        validate_config(compose(overrides))
+        validate_config(startup_config(overrides))
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -152,13 +162,13 @@ def test_coord_check_is_flat_under_mup_grows_under_sp_and_catches_missing_lr_sca
 
 
 def test_doctor_row_passes_mup_fails_the_broken_variant_and_shows_sp_growing():
-    cfg = compose(["model.parametrization=mup"])
+    cfg = compose(["model.parametrization=mup", "model.vocab_size=320"])
     batch = (tokens()[:, :-1], tokens()[:, 1:])
     ok = check_coords(cfg, batch)[0]
     assert ok.status == OK and ok.evidence.startswith("mup flat in width") and "widths 64/128/256" in ok.evidence
     bad = check_coords(cfg, batch, groups=no_lr_scaling)[0]
     assert bad.status == FAIL and "mup is not width-independent" in bad.evidence and "model/mup.py" in bad.fix
-    sp = check_coords(compose([]), batch)[0]
+    sp = check_coords(compose(["model.vocab_size=320"]), batch)[0]
     assert sp.status == OK and sp.evidence.startswith("sp (grows with width")
 
 
@@ -240,7 +250,7 @@ def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_p
     text = (tmp_path / "mup" / "summary.md").read_text()
     command = "python train.py model=small model.parametrization=mup model.mup_base_width=128 model.mup_base_head_dim=32 optim.lr=0.004"
     assert "**Best LR: 0.004** (job 1, val/loss 2.3)" in text and command in text
-    assert validate_config(compose(command.split()[2:])) is None  # the command composes and validates
+    assert validate_config(startup_config(command.split()[2:])) is None  # the command composes and validates
     assert OmegaConf.select(compose(command.split()[2:]), "model.d_model") == 768
     write_result(tmp_path / "alpha", 0, 4e-3, 2.3, {**model, "mup_output_mult": 4.0, "pos": "rope"})
     summarize_sweep(tmp_path / "alpha")

@@ -31,7 +31,7 @@ def test_the_wheel_ships_conf_and_composes_outside_the_repo(tmp_path):
     env.pop("STEADYLM_CONF", None)
     code = (
         "import steadylm, steadylm.config as c; cfg = c.compose(['experiment=demo']); "
-        "print(steadylm.__file__); print(c.CONF_DIR); print(cfg.model.vocab_size, cfg.data.tokenizer)"
+        "print(steadylm.__file__); print(c.CONF_DIR); print(cfg.data.vocab_size, cfg.data.tokenizer)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120

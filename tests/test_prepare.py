@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from steadylm.data.prepare import main, prepare, prepare_kwargs, stdlib_files
+from steadylm.data.prepare import bpe_vocab_size, main, prepare, prepare_kwargs, stdlib_files, val_slices
 from steadylm.data.shards import read_shard_info
 from steadylm.data.tokenizer import load_tokenizer
 from steadylm.errors import ConfigError, DataError, SteadyError
@@ -52,15 +52,16 @@ def test_prepare_txt_and_jsonl(tmp_path, corpus):
         info = read_shard_info(p, deep=True)
         assert info.tokenizer == "bytes" and info.vocab_size == 257 and info.dtype == "uint16"
         assert info.n_tokens <= 100 and info.format_version == 2
+    # Val: a quarter of the tokens, the stream's tail (one slice: under 2 x 2048 val tokens); train then val is the input.
+    stream = b"".join(d.encode() + b"\xff" for d in docs)  # bytes ids, 0xff standing for eos (256)
+    n_val = round(0.25 * len(stream))
+    assert summary["tokens"] == {"train": len(stream) - n_val, "val": n_val}
+    assert _docs_from_shards(train + val, tok) == docs
     # n_bytes: the UTF-8 bytes of the text behind each split's tokens
-    assert sum(read_shard_info(p).n_bytes for p in val) == sum(
-        len(d.encode()) for i, d in enumerate(docs) if i % 4 == 0
-    )
-    assert summary["bytes"]["train"] == sum(len(d.encode()) for i, d in enumerate(docs) if i % 4 != 0)
-    # Document i goes to val when i % round(1/0.25) == 0.
-    assert _docs_from_shards(val, tok) == [d for i, d in enumerate(docs) if i % 4 == 0]
-    assert _docs_from_shards(train, tok) == [d for i, d in enumerate(docs) if i % 4 != 0]
-    assert summary["documents"] == {"train": 8, "val": 3}
+    tail = stream[-n_val:]
+    assert sum(read_shard_info(p).n_bytes for p in val) == len(tail) - tail.count(b"\xff")
+    assert summary["bytes"]["train"] + summary["bytes"]["val"] == sum(len(d.encode()) for d in docs)
+    assert summary["documents"] == {"train": len(docs) - tail.count(b"\xff"), "val": tail.count(b"\xff")}
     assert summary["tokens"]["train"] == sum(p.n_tokens for p in map(read_shard_info, train))
     assert not [p for p in out.iterdir() if p.name.startswith(".") or p.suffix == ".partial"]
 
@@ -68,7 +69,7 @@ def test_prepare_txt_and_jsonl(tmp_path, corpus):
 def test_prepare_glob_and_list(tmp_path, corpus):
     src, docs = corpus
     s1 = prepare(input=str(src / "d*.txt"), out_dir=tmp_path / "a", val_fraction=0.5, progress=False)
-    assert s1["documents"] == {"train": 2, "val": 3}
+    assert s1["tokens"]["val"] == round(0.5 * sum(s1["tokens"].values()))
     s2 = prepare(input=[src / "d0.txt", src / "more.jsonl"], out_dir=tmp_path / "b", val_fraction=0.5, progress=False)
     assert s2["documents"]["train"] + s2["documents"]["val"] == 7
 
@@ -85,8 +86,9 @@ def test_prepare_embedded_corpus_small(tmp_path, capsys):
     assert total == 300_000
     assert "prepared" in capsys.readouterr().out
     tok = load_tokenizer(out)
-    val_text = _docs_from_shards(s["shards"]["val"], tok)[0]
-    assert val_text == files[0].read_text(encoding="utf-8", errors="replace")[: len(val_text)]
+    ids = np.concatenate([h5py.File(p, "r")["tokens"][:] for p in s["shards"]["train"] + s["shards"]["val"]])
+    assert tok.decode(ids[: ids.tolist().index(tok.eos_id)]) == files[0].read_text(encoding="utf-8", errors="replace")
+    assert s["tokens"]["val"] == round(0.1 * (s["tokens"]["train"] + s["tokens"]["val"]))
 
 
 def test_rerun_replaces_old_shards(tmp_path, corpus):
@@ -150,7 +152,9 @@ def test_bad_input(tmp_path, make, pattern):
 
 def test_too_few_documents(tmp_path):
     (tmp_path / "one.txt").write_text("only one")
-    with pytest.raises(DataError, match="1 document.*too few"):
+    with pytest.raises(
+        DataError, match=r"9 token\(s\), too few for a train and a val split at data\.val_fraction=0\.01"
+    ):
         prepare(input=tmp_path / "one.txt", out_dir=tmp_path / "out", progress=False)
     assert not list((tmp_path / "out").iterdir())
 
@@ -233,9 +237,9 @@ def _texts(n, seed=0):
 
 
 def _all_docs(out):
+    """Every document in input order: with one val slice (small inputs) val is the token stream's tail."""
     tok = load_tokenizer(out)
-    train, val = sorted(out.glob("train-*.h5")), sorted(out.glob("val-*.h5"))
-    return _docs_from_shards(train, tok), _docs_from_shards(val, tok)
+    return _docs_from_shards(sorted(out.glob("train-*.h5")) + sorted(out.glob("val-*.h5")), tok)
 
 
 @pytest.fixture
@@ -264,8 +268,7 @@ def mixed(tmp_path):
 def test_every_format_in_one_input_with_text_field(tmp_path, mixed):
     d, docs = mixed
     s = prepare(input=d, out_dir=tmp_path / "out", text_field="body", val_fraction=0.1, num_proc=1, progress=False)
-    train, val = _all_docs(tmp_path / "out")
-    assert val == docs[::10] and train == [t for i, t in enumerate(docs) if i % 10]
+    assert _all_docs(tmp_path / "out") == docs
     assert sum(s["bytes"].values()) == sum(len(t.encode()) for t in docs)
     with pytest.raises(DataError, match=r"a\.jsonl:1: no string field 'text' \(data\.text_field\)"):
         prepare(input=d, out_dir=tmp_path / "o2", progress=False)
@@ -284,9 +287,9 @@ def test_datasets_save_to_disk_folder(tmp_path):
         }
     ).save_to_disk(str(tmp_path / "dd"))
     prepare(input=tmp_path / "ds", out_dir=tmp_path / "o1", val_fraction=0.25, progress=False)
-    assert sorted(sum(_all_docs(tmp_path / "o1"), [])) == sorted(docs)
+    assert _all_docs(tmp_path / "o1") == docs
     prepare(input=tmp_path / "dd", out_dir=tmp_path / "o2", val_fraction=0.25, progress=False)  # its train split
-    assert sorted(sum(_all_docs(tmp_path / "o2"), [])) == sorted(docs[:20])
+    assert _all_docs(tmp_path / "o2") == docs[:20]
 
 
 def test_on_bad_record_skip_counts(tmp_path, capsys):
@@ -303,8 +306,7 @@ def test_on_bad_record_skip_counts(tmp_path, capsys):
     s = prepare(input=d, out_dir=tmp_path / "out", on_bad_record="skip", val_fraction=0.2, progress=False)
     assert s["skipped_records"] == 3 and "a.jsonl:4: invalid JSON" in s["first_skipped"]
     assert "skipped 3 bad record(s)" in capsys.readouterr().out
-    train, val = _all_docs(tmp_path / "out")
-    assert sorted(train + val) == sorted(t for i, t in enumerate(good) if i not in (3, 7))
+    assert _all_docs(tmp_path / "out") == [t for i, t in enumerate(good) if i not in (3, 7)]
 
 
 def test_jsonl_cut_into_byte_ranges_reads_every_line_once(tmp_path, monkeypatch):
@@ -332,9 +334,8 @@ def test_large_txt_is_read_in_pieces_with_the_same_ids(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text(text)
     (tmp_path / "b.txt").write_text("second document\n")
     monkeypatch.setattr(readers, "PIECE_BYTES", 100)
-    prepare(input=tmp_path, out_dir=tmp_path / "out", val_fraction=0.5, progress=False)
-    train, val = _all_docs(tmp_path / "out")
-    assert val == [text] and train == ["second document\n"]
+    prepare(input=tmp_path, out_dir=tmp_path / "out", val_fraction=0.1, progress=False)
+    assert _all_docs(tmp_path / "out") == [text, "second document\n"]
 
 
 def _digest(folder):
@@ -425,8 +426,7 @@ def test_bpe_end_to_end_and_tokenizer_json_reuse(tmp_path, mixed):
     assert (s["vocab_size"], tok.vocab_size, tok.eos_id) == (320, 320, 0)
     info = read_shard_info(tmp_path / "bpe" / "val-00000.h5")
     assert info.tokenizer == "bpe" and info.vocab_size == 320
-    train, val = _all_docs(tmp_path / "bpe")
-    assert val == docs[::10]
+    assert _all_docs(tmp_path / "bpe") == docs
     assert sum(s["bytes"].values()) == sum(len(t.encode()) for t in docs)  # exact for a byte-level BPE
     assert sum(s["tokens"].values()) < 0.6 * sum(len(t.encode()) for t in docs)
     # the saved tokenizer.json as data.tokenizer: the same ids
@@ -478,8 +478,35 @@ def test_demo_experiment_pairs_the_bpe_with_a_model_that_fits_it():
     from steadylm.config import compose
 
     cfg = compose(["experiment=demo"])
-    assert cfg.data.tokenizer == "bpe" and cfg.model.vocab_size >= cfg.data.vocab_size
+    assert cfg.data.tokenizer == "bpe" and cfg.model.vocab_size is None  # training takes the shards' (2048)
     assert (cfg.optim.name, cfg.optim.lr) == ("muon", 1e-2)  # Muon wins at this size (docs/data.md)
-    assert cfg.model.vocab_size % 64 == 0 and cfg.data.dir.endswith("stdlib-bpe")
+    assert cfg.data.vocab_size % 64 == 0 and cfg.data.dir.endswith("stdlib-bpe")
     kw = prepare_kwargs(compose_command("prepare", ["experiment=demo"]))  # `make demo` prepares with the same config
     assert (kw["tokenizer"], kw["vocab_size"], kw["out_dir"]) == ("bpe", cfg.data.vocab_size, cfg.data.dir)
+
+
+@pytest.mark.parametrize("n,fraction", [(10, 0.1), (1000, 0.01), (12_345, 0.3), (10**7, 0.01), (999_983, 0.001)])
+def test_val_slices_hold_the_fraction_exactly_spread_through_the_stream(n, fraction):
+    slices = val_slices(n, fraction)
+    assert sum(b - a for a, b in slices) == round(fraction * n)  # exact: no tolerance needed
+    assert all(0 <= a <= b <= c for (a, b), (c, _) in zip(slices, [*slices[1:], (n, n)]))  # sorted, disjoint
+    assert len(slices) == max(1, min(100, round(fraction * n) // 2048)) and slices[-1][1] == n
+    assert val_slices(n, fraction) == slices  # deterministic
+
+
+def test_val_gets_the_fraction_of_tokens_when_the_first_document_dominates(tmp_path):
+    """Document 0 holds 90 % of the text: val still gets 1 % of the tokens, from every part of the input."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.txt").write_text("big " * 90_000)
+    for i in range(10):
+        (src / f"b{i}.txt").write_text(f"small {i} " * 4_000)
+    s = prepare(input=src, out_dir=tmp_path / "out", progress=False)
+    assert s["tokens"]["val"] == round(0.01 * sum(s["tokens"].values())) == 6800 and s["val_slices"] == 3
+    text = load_tokenizer(tmp_path / "out").decode(h5py.File(s["shards"]["val"][0], "r")["tokens"][:])
+    assert "big " in text and "small 9 " in text  # from the big first file and from the last one
+
+
+def test_the_default_bpe_vocabulary_follows_the_text():
+    sizes = (1_000, 300_000, 12_000_000, 64 << 20, 10**9, 10**12)
+    assert [bpe_vocab_size(n) for n in sizes] == [512, 512, 4096, 8192, 32768, 32768]

@@ -19,7 +19,6 @@ import logging
 import os
 import pickle
 import random
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,6 @@ from steadylm.errors import SteadyError
 from steadylm.schedule import check_resume
 
 log = logging.getLogger("steadylm")
-
-# Lightning warns on any mid-epoch resume unless the DataLoader itself is stateful; ours resumes
-# through `ShardDataModule.state_dict()` (the sampler skips the batches already trained on).
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 # The stability callback's state inside a checkpoint's "callbacks" (its Lightning `state_key`).
 STABILITY_STATE_KEY = "steadylm.stability"

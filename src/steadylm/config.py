@@ -20,6 +20,8 @@ from steadylm.errors import ConfigError
 
 # `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
+# `${if_null:${data.tokenizer},bytes}`: a null key's stand-in inside another value (the default data.dir).
+OmegaConf.register_new_resolver("if_null", lambda value, default: default if value is None else value, replace=True)
 
 # Inside the package, so an installed copy composes the same configs outside the repo (`conf/` at the top of
 # the repo is a link to it). STEADYLM_CONF points every command at another config folder.
@@ -76,8 +78,8 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         (
             "data.val_fraction",
             d.get("val_fraction", 0.01),
-            0 < _num(d.get("val_fraction", 0.01)) < 1,
-            "a fraction in (0, 1)",
+            0 < _num(d.get("val_fraction", 0.01)) <= 0.5,
+            "a fraction in (0, 0.5]",
         ),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.accelerator", t.accelerator, str(t.accelerator) in ACCELERATORS, f"one of {', '.join(ACCELERATORS)}"),

@@ -15,7 +15,6 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import FSDPStrategy
-from omegaconf import OmegaConf
 
 from steadylm.compat import relaunches_script
 from steadylm.errors import ConfigError
@@ -28,14 +27,6 @@ RANK_ENV_VARS = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 def is_rank_zero_process() -> bool:
     """True unless the environment names this process as a non-zero rank (works before any process group)."""
     return all(os.environ.get(var, "0") == "0" for var in RANK_ENV_VARS)
-
-
-def rank_zero_file(path: str) -> str:
-    """`path` on rank 0, the null device elsewhere: used for Hydra's job log file."""
-    return path if is_rank_zero_process() else os.devnull
-
-
-OmegaConf.register_new_resolver("rank_zero_file", rank_zero_file, replace=True)
 
 
 def in_multirun() -> bool:

@@ -29,6 +29,7 @@ class Throughput(L.Callback):
         self._tokens = 0
         self._t0: float | None = None
         self._last_step = -1
+        self.tokens_per_sec: float | None = None  # the last measurement (the progress line shows it)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._tokens += batch[0].numel()
@@ -39,6 +40,7 @@ class Throughput(L.Callback):
         now = time.perf_counter()
         if self._t0 is not None and now > self._t0:
             tps = self._tokens * trainer.world_size / (now - self._t0)
+            self.tokens_per_sec = tps
             metrics = {"perf/tokens_per_sec": tps}
             peak = self.peak_flops or self._device_peak(pl_module.device)
             if peak:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -15,21 +16,26 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
+from steadylm.console import copy_console, quiet
+from steadylm.derived import fill_derived, fill_val_interval
 from steadylm.devices import devices_of
-from steadylm.distributed import in_multirun, refuse_multirun_multiprocess, use_fsdp_clipping
+from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.global_batch import apply_global_batch
 from steadylm.module import LMModule
 from steadylm.precision import resolve_precision
 from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback, preemption_of
 from steadylm.preflight import check_environment, hydra_errors_as_messages
+from steadylm.progress import ProgressLines
+from steadylm.stability.events import start_events
 from steadylm.sweep import finish_job
+from steadylm.validate_at_end import ValidateAtEnd
 
 log = logging.getLogger("steadylm")
 
@@ -65,8 +71,11 @@ def val_bytes_per_token(datamodule) -> float | None:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
+    quiet()
+    fill_derived(cfg)  # null vocab, tokenizer and warmup from the shards and the run length (derived.py)
     validate_config(cfg)
     apply_global_batch(cfg, devices_of(cfg).world_size)  # data.global_batch_tokens -> accumulate_grad_batches
+    fill_val_interval(cfg)
     check_environment(cfg)
     enable_fast_matmul()
     L.seed_everything(cfg.seed, workers=True)
@@ -84,12 +93,12 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
-    # Preemption runs after every other callback and is there even with callbacks=none (exit 75, docs/resume.md).
-    callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
+    # ValidateAtEnd and Preemption (last of all) are there even with callbacks=none: a final val/loss; exit 75
+    # with a checkpoint on a signal (docs/resume.md).
+    named = [*instantiate_named(cfg.get("callbacks"), "callbacks"), ValidateAtEnd()]
+    callbacks = place_last(named, f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
-        # Lightning's bar redraws every step (Python time on the hot path); the loss it shows changes only on
-        # logging steps, so it redraws on those.
-        callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
+        callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
     trainer = instantiate(
         cfg.trainer,
         callbacks=callbacks,
@@ -105,6 +114,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     use_fsdp_clipping(trainer)
     refuse_multirun_multiprocess(trainer)
     ckpt_path = checkpoint_to_resume(cfg, objects["module"])
+    if trainer.is_global_zero:
+        start_events(trainer)  # the events log exists from the start, empty while nothing happened
     try:
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     except Preempted:  # every rank stopped at one step, its state saved: the record is on the callback
@@ -121,6 +132,13 @@ _task_started = [False]
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
+    if not is_rank_zero_process():
+        return _run(cfg)
+    with copy_console(Path(cfg.paths.output_dir) / "train.log"):  # the run folder keeps what the console showed
+        return _run(cfg)
+
+
+def _run(cfg: DictConfig) -> float | None:
     try:
         metrics, objects = train(cfg)
     except SteadyError as err:

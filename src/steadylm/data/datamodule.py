@@ -19,10 +19,8 @@ from steadylm.compat import batches_processed
 from steadylm.data.consensus import ConsensusLoader
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
-from steadylm.data.shards import ShardInfo, read_shard_info
+from steadylm.data.shards import ShardInfo, read_shard_info, shard_files
 from steadylm.errors import DataError
-
-PREPARE_HINT = "run `make data` or `python -m steadylm.data.prepare data.dir={dir}`"
 
 
 def _same_tokenizer(recorded: str, configured) -> bool:
@@ -77,12 +75,6 @@ class ShardDataModule(L.LightningDataModule):
 
     # --- discovery and validation ---------------------------------------------------------
 
-    def _discover(self, split: str) -> list[Path]:
-        files = sorted(self.dir.glob(f"{split}-*.h5"))
-        if not files:
-            raise DataError(f"{self.dir}: no {split} shards ({split}-*.h5) found; " + PREPARE_HINT.format(dir=self.dir))
-        return files
-
     def _validate(self, infos: list[ShardInfo]) -> None:
         first = infos[0]
         for info in infos:
@@ -115,14 +107,13 @@ class ShardDataModule(L.LightningDataModule):
         raise DataError(
             f"{longest.path}: the longest {split} shard has {longest.n_tokens} tokens, fewer than "
             f"model.context_length + 1 = {self.context_length + 1}; lower model.context_length or prepare more data"
+            + (" (or a larger data.val_fraction)" if split == "val" else "")
         )
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        if not self.dir.is_dir():
-            raise DataError(f"{self.dir}: data.dir does not exist; " + PREPARE_HINT.format(dir=self.dir))
-        paths = {split: self._discover(split) for split in ("train", "val")}
+        paths = {split: shard_files(self.dir, split) for split in ("train", "val")}
         infos = {split: [read_shard_info(p) for p in ps] for split, ps in paths.items()}
         self._validate(infos["train"] + infos["val"])
         for split, inf in infos.items():

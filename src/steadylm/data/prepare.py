@@ -4,12 +4,14 @@ Turns documents (the embedded corpus = this interpreter's standard library sourc
 files, folders, globs, parquet, `datasets` folders, see `readers`) into `train-NNNNN.h5` / `val-NNNNN.h5`.
 
 How it runs, and what it guarantees:
-1. tokenizer: `bytes`, a `tokenizer.json`, a tiktoken name, or `bpe` trained here on (a sample of) the input;
+1. tokenizer: `bytes` (the default), a `tokenizer.json`, a tiktoken name, or `bpe` trained here on (a sample of)
+   the input, its vocabulary following the sample's size unless `data.vocab_size` is set (`bpe_vocab_size`);
 2. encode: the input is cut into work units (`readers.plan_units`, independent of `data.num_proc`); each of
    `num_proc` processes reads and encodes one unit at a time, streaming ids to a file in the staging folder,
    so memory stays bounded whatever the input size;
-3. merge: units are concatenated in input order; document i goes to val when i % round(1/val_fraction) == 0;
-   shards of `shard_tokens` ids are written with `n_bytes` (UTF-8 bytes behind their ids).
+3. merge: units are concatenated in input order; val takes `val_fraction` of the tokens, exactly, as evenly
+   spaced slices of that stream (`val_slices`: a slice may cut a document); shards of `shard_tokens` ids are
+   written with `n_bytes` (UTF-8 bytes behind their ids).
 The same input gives byte-identical shards for every `num_proc`. All work happens in `out_dir/.prepare-<key>`,
 whose key hashes the inputs and settings; shards are moved into place only when every one is complete
 (tokenizer.json last of all), so an interrupted run leaves nothing training would accept, and re-running
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -39,7 +42,6 @@ from steadylm.cli import run_command
 from steadylm.data.readers import ReadStats, Unit, doc_units, plan_units, read_unit, resolve_inputs
 from steadylm.data.shards import FORMAT_VERSION, token_dtype, write_shard
 from steadylm.data.tokenizer import (
-    DEFAULT_BPE_VOCAB,
     ByteTokenizer,
     get_tokenizer,
     load_tokenizer,
@@ -54,6 +56,12 @@ BATCH_CHARS = 1 << 20  # characters per encode_batch call
 # Text the BPE is trained on (the start of the input): bounds its memory. The trainer holds every distinct
 # word: 100 MB of very diverse synthetic text (3 M distinct words) peaked at 0.97 GB RSS, so 64 MB stays under 1 GB.
 BPE_SAMPLE_BYTES = 64 << 20
+# data.vocab_size=null for bpe: the power of two nearest sqrt(bytes the BPE trains on), within these bounds
+# (300 KB of text -> 512, 12 MB -> 4096, the 64 MB sample -> 8192): a vocabulary the text can fill, so a small
+# corpus does not give a model that is mostly embedding.
+BPE_VOCAB_RANGE = (512, 32768)
+VAL_SLICE_TOKENS = 2048  # the shortest val slice: many model windows long, so few windows straddle two slices
+MAX_VAL_SLICES = 100
 STAGE_PREFIX = ".prepare-"
 
 
@@ -99,9 +107,9 @@ def _worker_tokenizer(tok_dir: str):
     return tok
 
 
-def _unit_paths(stage: Path, k: int) -> tuple[Path, Path, Path]:
+def _unit_paths(stage: Path, k: int) -> tuple[Path, Path]:
     base = stage / "units" / f"{k:07d}"
-    return base.with_suffix(".tok"), base.with_suffix(".len"), base.with_suffix(".json")
+    return base.with_suffix(".tok"), base.with_suffix(".json")
 
 
 def _encode_texts(tok, texts: list[str], dtype) -> tuple[np.ndarray, list[int]]:
@@ -122,17 +130,16 @@ def encode_unit(job: dict) -> dict:
     tok = _worker_tokenizer(job["tok_dir"])
     dtype = token_dtype(tok.vocab_size)
     eos = np.asarray([tok.eos_id], dtype=dtype)
-    tok_path, len_path, meta_path = _unit_paths(stage, k)
+    tok_path, meta_path = _unit_paths(stage, k)
     stats = ReadStats()
     n_docs = n_tokens = 0
-    doc_len = 0
-    lens: list[int] = []
+    in_doc = False  # the last text did not end its document
     with open(tok_path.with_suffix(".tok.partial"), "wb") as ft:
         batch: list[tuple[str, bool]] = []
         chars = 0
 
         def flush():
-            nonlocal doc_len, n_docs, n_tokens
+            nonlocal in_doc, n_docs, n_tokens
             ids, counts = _encode_texts(tok, [t for t, _ in batch], dtype)
             # Insert eos after every text that ends a document, in one vectorised pass.
             ends = np.cumsum(counts)[[e for _, e in batch]] if any(e for _, e in batch) else np.zeros(0, np.int64)
@@ -140,12 +147,8 @@ def encode_unit(job: dict) -> dict:
                 ids = np.insert(ids, ends, eos[0])
             ft.write(ids.tobytes())
             n_tokens += int(ids.size)
-            for (_, end), c in zip(batch, counts):
-                doc_len += c
-                if end:
-                    lens.append(doc_len + 1)
-                    doc_len = 0
-                    n_docs += 1
+            n_docs += sum(1 for _, e in batch if e)
+            in_doc = not batch[-1][1]
             batch.clear()
 
         for text, end in read_unit(
@@ -158,13 +161,11 @@ def encode_unit(job: dict) -> dict:
                 chars = 0
         if batch:
             flush()
-    if doc_len:  # a reader that stopped inside a document (skip mode): end it
+    if in_doc:  # a reader that stopped inside a document (skip mode): end it
         with open(tok_path.with_suffix(".tok.partial"), "ab") as ft:
             ft.write(eos.tobytes())
-        lens.append(doc_len + 1)
         n_docs += 1
         n_tokens += 1
-    np.asarray(lens, dtype=np.int64).tofile(len_path)
     os.replace(tok_path.with_suffix(".tok.partial"), tok_path)
     meta = {
         "k": k,
@@ -245,27 +246,38 @@ class _SplitWriter:
         self.n_bytes += n_bytes
 
 
-def _merge(stage: Path, n_units: int, writers: dict[str, _SplitWriter], every: int, dtype) -> None:
-    """Concatenate the units in order, sending each document to its split (runs of one split at a time)."""
-    doc = 0
+def val_slices(n_tokens: int, val_fraction: float) -> list[tuple[int, int]]:
+    """The val split as [start, stop) ranges of the input's token stream: round(val_fraction x n_tokens) tokens
+    exactly, whatever the documents' sizes, as the ends of k equal parts of the stream (k up to 100, each slice
+    at least VAL_SLICE_TOKENS long), so val samples the whole input, not its first or last file."""
+    n_val = round(float(val_fraction) * n_tokens)
+    k = max(1, min(MAX_VAL_SLICES, n_val // VAL_SLICE_TOKENS))
+    slices = []
+    for b in range(k):
+        end = n_tokens * (b + 1) // k
+        slices.append((end - (n_val * (b + 1) // k - n_val * b // k), end))
+    return slices
+
+
+def _merge(stage: Path, n_units: int, writers: dict[str, _SplitWriter], slices: list[tuple[int, int]], dtype) -> None:
+    """Concatenate the units in order, sending the tokens inside `slices` to val and the rest to train."""
+    bounds = [b for s in slices for b in s]  # sorted: the split flips at each
+    offset = 0
     for k in range(n_units):
-        tok_path, len_path, _ = _unit_paths(stage, k)
-        lens = np.fromfile(len_path, dtype=np.int64)
-        if not lens.size:
+        tok_path = _unit_paths(stage, k)[0]
+        n = tok_path.stat().st_size // np.dtype(dtype).itemsize
+        if not n:
             continue
         ids = np.memmap(tok_path, dtype=dtype, mode="r")
-        is_val = (doc + np.arange(lens.size)) % every == 0
-        ends = np.cumsum(lens)
-        # Boundaries where the split changes: each run of documents is one contiguous slice of ids.
-        change = np.flatnonzero(is_val[1:] != is_val[:-1]) + 1
-        starts_doc = np.concatenate([[0], change])
-        stops_doc = np.concatenate([change, [lens.size]])
-        for a, b in zip(starts_doc.tolist(), stops_doc.tolist()):
-            lo = int(ends[a - 1]) if a else 0
-            w = writers["val" if is_val[a] else "train"]
-            w.add(ids[lo : int(ends[b - 1])])
-            w.n_docs += b - a
-        doc += lens.size
+        cuts = [0, *(b - offset for b in bounds if offset < b < offset + n), n]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            # Bounds at or before `offset + lo` flipped the split that many times, starting in train.
+            val = sum(b <= offset + lo for b in bounds) % 2 == 1
+            w = writers["val" if val else "train"]
+            piece = ids[lo:hi]
+            w.add(piece)
+            w.n_docs += int(np.count_nonzero(piece == w.tok.eos_id))
+        offset += n
         del ids
 
 
@@ -292,18 +304,27 @@ def _fingerprint(inputs, settings: dict) -> str:
     return h.hexdigest()[:16]
 
 
+def bpe_vocab_size(n_bytes: int) -> int:
+    """The default BPE vocabulary for `n_bytes` of training text (BPE_VOCAB_RANGE's comment)."""
+    lo, hi = BPE_VOCAB_RANGE
+    return min(hi, max(lo, 2 ** round(math.log2(max(1.0, math.sqrt(n_bytes))))))
+
+
 def _make_tokenizer(spec: str, vocab_size, stage: Path, pieces, bpe_sample_bytes: int, progress: bool):
     """The tokenizer, saved as `stage/tokenizer.json` (reused there when resuming a BPE run)."""
     if spec == "bpe":
         if (stage / "tokenizer.json").is_file():
             return load_tokenizer(stage)
-        vocab = DEFAULT_BPE_VOCAB if vocab_size is None else int(vocab_size)
+        texts = [t for t, _ in cap_pieces(pieces(), bpe_sample_bytes)]
+        n_bytes = sum(len(t.encode("utf-8", errors="replace")) for t in texts)
+        vocab = bpe_vocab_size(n_bytes) if vocab_size is None else int(vocab_size)
+        how = (
+            "data.vocab_size"
+            if vocab_size is not None
+            else "the power of two nearest sqrt(bytes); data.vocab_size sets it"
+        )
         if progress:
-            print(
-                f"prepare: training a byte-level BPE (vocab {vocab}) on up to {bpe_sample_bytes / 1e6:.0f} MB of the input",
-                file=sys.stderr,
-            )
-        texts = (t for t, _ in cap_pieces(pieces(), bpe_sample_bytes))
+            print(f"prepare: training a byte-level BPE, vocab {vocab} ({how}), on {n_bytes:,} bytes", file=sys.stderr)
         tok = train_bpe(texts, vocab)
     else:
         tok = get_tokenizer(spec)
@@ -314,7 +335,7 @@ def _make_tokenizer(spec: str, vocab_size, stage: Path, pieces, bpe_sample_bytes
 def prepare(
     input=None,
     out_dir=DEFAULT_DIR,
-    tokenizer: str = "bytes",
+    tokenizer: str | None = "bytes",
     val_fraction: float = 0.01,
     shard_tokens: int = 10_000_000,
     max_bytes: int | None = None,
@@ -327,11 +348,8 @@ def prepare(
     progress: bool = True,
 ) -> dict:
     """Tokenize documents into `out_dir/{train,val}-NNNNN.h5` + `tokenizer.json`; returns a summary."""
-    if not 0 < float(val_fraction) < 1:
-        raise ConfigError(f"data.val_fraction={val_fraction} must be in (0, 1), e.g. 0.01")
-    every = max(1, round(1 / float(val_fraction)))
-    if every < 2:
-        raise ConfigError(f"data.val_fraction={val_fraction} would put every document in val; use a value <= 0.5")
+    if not 0 < float(val_fraction) <= 0.5:
+        raise ConfigError(f"data.val_fraction={val_fraction} must be in (0, 0.5], e.g. 0.01")
     if int(shard_tokens) < 1:
         raise ConfigError(f"data.shard_tokens={shard_tokens} must be a positive number of tokens")
     if max_bytes is not None and int(max_bytes) < 1:
@@ -339,7 +357,7 @@ def prepare(
     if on_bad_record not in ("error", "skip"):
         raise ConfigError(f"data.on_bad_record={on_bad_record!r} must be error or skip")
     procs = _resolve_num_proc(num_proc)
-    spec = str(tokenizer)
+    spec = str(tokenizer or "bytes")
     if spec != "bpe":
         get_tokenizer(spec)  # refuse an unknown name before reading anything
 
@@ -415,14 +433,16 @@ def prepare(
             raise DataError(f"{out}: the input holds no documents (every file empty or skipped); check data.input")
         writers = {s: _SplitWriter(s, stage, tok, spec, int(shard_tokens), tok.token_bytes()) for s in ("train", "val")}
         t_merge = time.perf_counter()
-        _merge(stage, len(metas), writers, every, token_dtype(tok.vocab_size))
-        if writers["val"].n_docs == 0 or writers["train"].n_docs == 0:
-            raise DataError(
-                f"{out}: input gave {n_docs} document(s), too few for a train and a val split; "
-                "give more documents (or a larger data.max_bytes)"
-            )
+        n_tokens = sum(m["tokens"] for m in metas)
+        slices = val_slices(n_tokens, float(val_fraction))
+        _merge(stage, len(metas), writers, slices, token_dtype(tok.vocab_size))
         for w in writers.values():
             w.finish()
+        if not writers["val"].n_tokens or not writers["train"].n_tokens:
+            raise DataError(
+                f"{out}: input gave {n_tokens} token(s), too few for a train and a val split at "
+                f"data.val_fraction={val_fraction}; give more text (or a larger data.max_bytes)"
+            )
         # Commit: move the new shards in, drop old shards not in the new set, tokenizer.json last.
         new = {n for w in writers.values() for n in w.names}
         for name in sorted(new):
@@ -464,16 +484,31 @@ def prepare(
         "seconds": seconds,
         "merge_seconds": t_merge,  # concatenating the encoded units into shards (one process)
         "input_bytes": bytes_in,
+        "val_slices": len(slices),
     }
-    print(
-        f"prepared {out}: train {summary['tokens']['train']:,} tokens in {len(writers['train'].names)} shard(s), "
-        f"val {summary['tokens']['val']:,} tokens in {len(writers['val'].names)} shard(s) "
-        f"({n_docs:,} docs from {source}, tokenizer {spec}, {procs} process(es), "
-        f"{bytes_in / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
-        + (f"; skipped {skipped:,} bad record(s), first: {summary['first_skipped']}" if skipped else "")
-        + (f"; resumed {resumed} unit(s) from an interrupted run" if resumed else "")
-    )
+    print(report(summary, out_dir, float(val_fraction)))
     return summary
+
+
+def report(summary: dict, out_dir, val_fraction: float) -> str:
+    """What prepare made, the split it chose, and the command that trains on it."""
+    tokens, shards, docs = summary["tokens"], summary["shards"], summary["documents"]
+    total = tokens["train"] + tokens["val"]
+    skipped, resumed = summary["skipped_records"], summary["resumed_units"]
+    return "\n".join(
+        [
+            f"prepared {summary['out_dir']}: {sum(docs.values()):,} docs from {summary['source']}, "
+            f"{summary['input_bytes']:,} bytes -> {total:,} tokens, tokenizer {summary['tokenizer']} "
+            f"(vocab {summary['vocab_size']:,}, tokenizer.json beside the shards), {summary['num_proc']} process(es), "
+            f"{summary['input_bytes'] / 1e6 / max(summary['seconds'], 1e-9):.1f} MB/s"
+            + (f"; skipped {skipped:,} bad record(s), first: {summary['first_skipped']}" if skipped else "")
+            + (f"; resumed {resumed} unit(s) from an interrupted run" if resumed else ""),
+            f"  split: train {tokens['train']:,} tokens in {len(shards['train'])} shard(s), val {tokens['val']:,} "
+            f"tokens ({tokens['val'] / max(total, 1):.2%}; data.val_fraction={val_fraction:g}) in "
+            f"{len(shards['val'])} shard(s), taken as {summary['val_slices']} evenly spaced slice(s) of the input",
+            f"  train on it: python train.py data.dir={out_dir}",
+        ]
+    )
 
 
 def _encode_all(
@@ -516,7 +551,7 @@ def _encode_all(
     def jobs() -> Iterator[dict]:
         nonlocal resumed
         for k, unit in enumerate(units):
-            meta_path = _unit_paths(stage, k)[2]
+            meta_path = _unit_paths(stage, k)[1]
             if meta_path.is_file():
                 try:
                     done(json.loads(meta_path.read_text()))
@@ -613,7 +648,7 @@ USAGE = """Tokenize text into HDF5 shards, with the same `key=value` overrides a
   data.input=PATH|GLOB|hf:NAME|[A,B] .txt .jsonl .jsonl.gz .jsonl.zst .parquet, datasets folders; null: the stdlib
   data.text_field=text              the JSON key / column of each document
   data.tokenizer=bytes|bpe|PATH/tokenizer.json|gpt2
-  data.vocab_size=8192              for data.tokenizer=bpe
+  data.vocab_size=N                 for data.tokenizer=bpe (null: the power of two nearest sqrt(text bytes), 512..32768)
   data.num_proc=N                   reading/encoding processes (null: all cores; the shards are identical for any N)
   data.on_bad_record=error|skip     data.val_fraction=0.01   experiment=demo (the demo's BPE data)"""
 

@@ -131,6 +131,19 @@ def _attr(f: h5py.File, path: Path, name: str):
     return v.decode() if isinstance(v, bytes) else v
 
 
+PREPARE_HINT = "run `make data` or `python -m steadylm.data.prepare data.dir={dir}`"
+
+
+def shard_files(data_dir: Path, split: str) -> list[Path]:
+    """`data_dir/<split>-*.h5`, sorted; one DataError naming the folder and the command when there are none."""
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: data.dir does not exist; " + PREPARE_HINT.format(dir=data_dir))
+    files = sorted(data_dir.glob(f"{split}-*.h5"))
+    if not files:
+        raise DataError(f"{data_dir}: no {split} shards ({split}-*.h5) found; " + PREPARE_HINT.format(dir=data_dir))
+    return files
+
+
 def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> ShardInfo:
     """Validate a shard's structure and attributes; `deep=True` also rescans every token id."""
     path = Path(path)

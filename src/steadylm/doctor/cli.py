@@ -12,16 +12,23 @@ from omegaconf import DictConfig
 
 from steadylm.cli import run_command
 from steadylm.config import set_key
-from steadylm.doctor.check import Check, guarded, render_markdown, render_text
+from steadylm.derived import fill_derived
+from steadylm.doctor.check import FAIL, Check, guarded, render_markdown, render_text
+from steadylm.errors import DataError, one_line
 
 
 def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Check]:
     # Imported here so a mistyped override is reported before torch and Lightning load.
     from steadylm.doctor.config_checks import check_schedule, config_checks
-    from steadylm.doctor.data_checks import data_checks
+    from steadylm.doctor.data_checks import check_shards, data_checks
     from steadylm.doctor.lr_probe import check_lr_probe
     from steadylm.doctor.model_checks import model_checks
 
+    try:
+        fill_derived(cfg)  # null vocab, tokenizer and warmup as training fills them, before any row reads them
+    except DataError as err:  # no shards to take the vocabulary from: nothing else can be built
+        fix = "prepare the data (python -m steadylm.data.prepare data.dir=...), or set model.vocab_size"
+        return [Check("data: vocabulary from the shards", FAIL, one_line(err), fix), *check_shards(cfg, deep)]
     rows = config_checks(cfg)
     data_rows, batch = data_checks(cfg, deep)
     rows += data_rows

@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from steadylm.config import context_length_copies, validate_config
+from steadylm.derived import padded_vocab
 from steadylm.devices import devices_of
 from steadylm.doctor.check import FAIL, OK, WARN, Check, guarded
 from steadylm.precision import resolve_precision
@@ -153,7 +154,7 @@ def check_vocab_padding(cfg: DictConfig) -> list[Check]:
     name = "config: vocab padding"
     v = int(cfg.model.vocab_size)
     if v % 64:
-        padded = -(-v // 64) * 64
+        padded = padded_vocab(v)
         return [
             Check(
                 name,

@@ -41,6 +41,14 @@ def events_path(trainer) -> Path:
     return stability_dir(trainer) / "events.jsonl"
 
 
+def start_events(trainer) -> Path:
+    """Create the (empty) log before training, so a run folder always has one; an existing log is kept."""
+    path = events_path(trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path
+
+
 def emit(trainer, step: int, kind: str, action: str, detail: dict[str, Any] | None = None) -> None:
     """Append one event (rank 0 only) and echo it to the console log."""
     assert kind in KINDS and action in ACTIONS, (kind, action)

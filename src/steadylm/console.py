@@ -1,0 +1,117 @@
+"""What the console shows, in one place: the third-party messages steadylm silences, and the copy of a run's
+console in `<run>/train.log`.
+
+Each silenced message is named here with the reason a user cannot act on it; anything else still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
+
+# (warning category, message start as a regex, why nobody running steadylm can act on it)
+SILENCED_WARNINGS = (
+    (
+        FutureWarning,
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        "Lightning's own pytree helper under torch >= 2.10; fixed in Lightning, not in user code",
+    ),
+    (
+        UserWarning,
+        r"Precision .* is not supported by the model summary",
+        "the summary's size column under bf16-mixed; the memory estimate at startup is steadylm's number",
+    ),
+    (
+        UserWarning,
+        r"You're resuming from a checkpoint that ended before the epoch ended",
+        "steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see",
+    ),
+)
+# (logger, message start, why)
+SILENCED_LOGS = (
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        "💡 Tip: For seamless cloud logging",
+        "an advertisement for a hosted logger, printed by every Trainer",
+    ),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet() -> None:
+    """Install the filters above (idempotent: the same filter is never added twice)."""
+    for category, message, _why in SILENCED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    by_logger: dict[str, tuple[str, ...]] = {}
+    for name, start, _why in SILENCED_LOGS:
+        by_logger[name] = (*by_logger.get(name, ()), start)
+    for name, starts in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(starts))
+
+
+class _Tee:
+    """A text stream that writes to the console stream and a file; everything else is the console's."""
+
+    def __init__(self, console: TextIO, file: TextIO) -> None:
+        self.console, self.file = console, file
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        self.file.flush()
+        return self.console.write(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+        self.file.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.console, name)
+
+
+@contextmanager
+def copy_console(path: Path) -> Iterator[None]:
+    """Everything printed to stdout and stderr (and by logging handlers bound to them) also goes to `path`.
+
+    A folder that cannot be written gets no copy: the run's own check names the key and exits 2.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = path.open("a", encoding="utf-8")
+    except OSError:
+        yield
+        return
+    with file:
+        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+        tees = {name: _Tee(stream, file) for name, stream in streams.items()}
+        handlers = [
+            h
+            for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+            if isinstance(logger, logging.Logger)
+            for h in logger.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+        ]
+        bound = [(h, h.stream) for h in handlers if any(h.stream is s for s in streams.values())]
+        sys.stdout, sys.stderr = tees["stdout"], tees["stderr"]
+        for h, stream in bound:
+            h.setStream(tees["stdout"] if stream is streams["stdout"] else tees["stderr"])
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
+            for h, stream in bound:
+                h.setStream(stream)

@@ -1,0 +1,74 @@
+"""What a run prints while it trains: one line per logging step and one per validation, plain text.
+
+    step 50/300 | loss 3.2140 | 41.2k tok/s | stability: ok
+    val  50/300 | loss 3.1872 | bpb 1.931
+
+Plain lines, not a redrawn bar, so the console, `train.log` and a SLURM log read the same. It is a Lightning
+`ProgressBar`, so Lightning adds no bar of its own; `trainer.enable_progress_bar=false` turns it off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ProgressBar
+
+from steadylm.logging_steps import is_logging_step
+from steadylm.stability.events import events_path, read_events
+from steadylm.throughput import Throughput
+
+
+class ProgressLines(ProgressBar):
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._last_step = -1
+        self._events: tuple[int, str] = (-1, "ok")  # (events.jsonl size read, the status it gave)
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step  # a line on the steps whose loss is logged: the value shown is this step's
+        if not self._enabled or step == self._last_step or not is_logging_step(step - 1, trainer.log_every_n_steps):
+            return
+        self._last_step = step
+        parts = [f"step {step}/{trainer.max_steps}"]
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            parts.append(f"loss {float(loss):.4f}")
+        rate = next((c.tokens_per_sec for c in trainer.callbacks if isinstance(c, Throughput)), None)
+        if rate:
+            parts.append(f"{rate / 1e3:.1f}k tok/s")
+        parts.append(f"stability: {self._stability(trainer)}")
+        print(" | ".join(parts), flush=True)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._enabled or trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        parts = [f"val  {trainer.global_step}/{trainer.max_steps}"]
+        parts += [f"{name} {float(m[key]):.4f}" for name, key in (("loss", "val/loss"), ("bpb", "val/bpb")) if key in m]
+        print(" | ".join(parts), flush=True)
+
+    def _stability(self, trainer) -> str:
+        """`ok`, or how many events `stability/events.jsonl` holds and the last one (re-read when it grew)."""
+        path: Path = events_path(trainer)
+        size = path.stat().st_size if path.exists() else 0
+        if size != self._events[0]:
+            events = read_events(path.parent.parent)
+            last = events[-1] if events else None
+            status = (
+                f"{len(events)} event(s), last {last['kind']} -> {last['action']} at step {last['step']}"
+                if last
+                else "ok"
+            )
+            self._events = (size, status)
+        return self._events[1]

@@ -1,0 +1,59 @@
+"""Null keys filled once at startup: vocabulary and tokenizer from the shards, warmup and validation from the run
+length; an explicit setting wins, and one that contradicts the shards is refused naming the shard."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+from steadylm.config import compose
+from steadylm.derived import fill_derived, fill_val_interval, padded_vocab, val_every_steps, warmup_steps
+from steadylm.errors import DataError
+from steadylm.train import build
+
+
+def test_the_rules():
+    assert [padded_vocab(v) for v in (257, 512, 2048, 50257, 128256)] == [320, 512, 2048, 50304, 128256]
+    assert [warmup_steps(n) for n in (5, 10, 50, 300, 2000, 20000)] == [0, 1, 5, 30, 100, 100]
+    assert [val_every_steps(n) for n in (1, 3, 10, 50, 300, 2000, 20000)] == [1, 1, 2, 10, 60, 200, 200]
+
+
+def test_null_keys_come_from_the_shards_and_the_run_length(shards_dir):
+    overrides = ["trainer.max_steps=50", "trainer.accumulate_grad_batches=2", "model.context_length=64"]
+    cfg = compose([f"data.dir={shards_dir}", *overrides])
+    assert cfg.model.vocab_size is None and cfg.data.tokenizer is None  # the defaults
+    fill_derived(cfg)
+    fill_val_interval(cfg)
+    assert (cfg.model.vocab_size, cfg.data.tokenizer, cfg.data.model_vocab_size) == (320, "bytes", 320)
+    assert cfg.optim.warmup_steps == 5 and cfg.optim.total_steps == 50
+    assert cfg.trainer.val_check_interval == 20  # every 10 optimizer steps = 20 micro-batches
+
+
+def test_explicit_settings_win_and_a_contradiction_names_the_shard(make_cfg):
+    module = build(make_cfg("model.vocab_size=384", "data.tokenizer=bytes"))["module"]
+    assert module.net.cfg.vocab_size == 384  # larger than the shards' is allowed: set by hand
+    with pytest.raises(DataError, match=r"train-00000\.h5: shard vocab_size 257 exceeds model\.vocab_size 256"):
+        build(make_cfg("model.vocab_size=256"))
+    with pytest.raises(DataError, match=r"written by tokenizer 'bytes' but data\.tokenizer is 'bpe'"):
+        build(make_cfg("data.tokenizer=bpe"))
+
+
+def test_no_shards_and_a_null_vocab_is_one_line_naming_the_command(make_cfg, tmp_path):
+    with pytest.raises(DataError, match=r"nowhere: data\.dir does not exist; run `make data` or `python -m steadylm"):
+        build(make_cfg(f"data.dir={tmp_path / 'nowhere'}"))
+
+
+class _ValSteps(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.steps.append(trainer.global_step)
+
+
+def test_a_run_validates_at_its_end_whatever_the_interval(make_cfg):
+    objects = build(make_cfg("trainer.max_steps=7", "trainer.val_check_interval=5", "callbacks=minimal"))
+    seen = _ValSteps()
+    objects["trainer"].callbacks.append(seen)
+    objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+    assert seen.steps == [5, 7] and "val/loss" in objects["trainer"].callback_metrics
