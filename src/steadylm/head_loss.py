@@ -29,12 +29,17 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _chunk(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 logits, log Z per token, per-token cross-entropy with 0 at ignored targets) of one chunk."""
+    """(fp32 log-softmax, log Z per token, per-token cross-entropy with 0 at ignored targets) of one chunk.
+
+    One fused log-softmax, as `F.cross_entropy` does; log Z is read back from it at the target's column
+    (logit - log-prob), so no second pass over the chunk computes it."""
     logits = F.linear(h, w).float()
-    lse = torch.logsumexp(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    col = t.clamp(min=0)[:, None]
+    picked = logp.gather(1, col).squeeze(1)
+    lse = logits.gather(1, col).squeeze(1) - picked
     valid = t != IGNORE_INDEX
-    picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
-    return logits, lse, torch.where(valid, lse - picked, 0.0)  # as cross_entropy: an ignored row is 0, even if inf
+    return logp, lse, torch.where(valid, -picked, 0.0)  # as cross_entropy: an ignored row is 0, even if inf
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -53,7 +58,7 @@ class _HeadLoss(torch.autograd.Function):
             z_sum = hidden.new_zeros((), dtype=torch.float32)
             for s in range(0, hidden.shape[0], chunk):
                 h, t = hidden[s : s + chunk].to(dtype), targets[s : s + chunk]
-                logits, lse, ce = _chunk(h, w, t)
+                logp, lse, ce = _chunk(h, w, t)
                 valid = t != IGNORE_INDEX
                 ce_sum += ce.sum()
                 z_sum += torch.where(valid, lse.square(), 0.0).sum()
@@ -61,7 +66,7 @@ class _HeadLoss(torch.autograd.Function):
                     continue
                 # d/dlogits of CE + z (log Z)^2 = softmax * (1 + 2 z log Z) - onehot(target), on valid rows only.
                 row = torch.where(valid, (1 + 2 * z_coeff * lse) * inv, 0.0)
-                g = logits.sub_(lse[:, None]).exp_().mul_(row[:, None])
+                g = logp.exp_().mul_(row[:, None])  # the softmax, in the log-softmax's own buffer
                 g.scatter_add_(1, t.clamp(min=0)[:, None], -(valid * inv)[:, None])
                 g = g.to(dtype)
                 if grad_h is not None:
