@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -151,10 +152,12 @@ def test_lm_eval_on_a_checkpoint_equals_our_scorer(eval_run, tmp_path, monkeypat
     pytest.importorskip("lm_eval")
     from steadylm.eval.harness import main
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # the command sets them for local tasks; undone after
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     _, ckpt, task = eval_run
     main([f"ckpt={ckpt}", f'tasks=["mc={task}"]', "device=cpu", f"out={tmp_path / 'r.json'}"])
+    assert os.environ["HF_DATASETS_OFFLINE"] == os.environ["HF_HUB_OFFLINE"] == "1"  # local tasks: no network
     results = json.loads((tmp_path / "r.json").read_text())["mc"]
     acc, acc_norm = own_score(ckpt, task)
     assert results["acc,none"] == pytest.approx(acc)

@@ -32,11 +32,16 @@ def task_yaml(name: str, data: Path) -> str:
     )
 
 
+def is_local(spec: str) -> bool:
+    """A task file (PATH or NAME=PATH) rather than an lm-eval task name."""
+    return spec.endswith(".jsonl") or "=" in spec or Path(spec).is_file()
+
+
 def local_tasks(specs: list[str], folder: Path) -> list[str]:
     """Write each local task file as generic jsonl + a task YAML into `folder`; returns every task's lm-eval name."""
     names = []
     for spec in specs:
-        if not (spec.endswith(".jsonl") or "=" in spec or Path(spec).is_file()):
+        if not is_local(spec):
             names.append(spec)  # an lm-eval task name
             continue
         task = load_task(spec)
@@ -54,6 +59,10 @@ def run_lm_eval(
     ckpt: str, tasks: list[str], limit: int | None = None, batch_size: int = 16, device: str = "auto"
 ) -> dict:
     """lm-eval's results dict for `tasks` on the checkpoint; `results[task]["acc,none"]` etc."""
+    if all(is_local(t) for t in tasks):
+        # Nothing to download: never wait on a network that is not there (read when `datasets` is imported).
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -87,7 +96,6 @@ def main(argv: list[str] | None = None) -> None:
 
     def task(cfg) -> None:
         tasks = [cfg.tasks] if isinstance(cfg.tasks, str) else [str(t) for t in cfg.tasks]
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only; a hub task is asked for by name
         results = run_lm_eval(cfg.ckpt, tasks, cfg.limit, cfg.batch_size, cfg.device)
         print(f"{'task':24} {'acc':>7} {'acc_norm':>9}")
         for name, r in results.items():
