@@ -83,3 +83,14 @@ def test_no_grad_and_all_padding():
 def test_bad_loss_keys_are_one_config_error(key, value, match):
     with pytest.raises(ConfigError, match=match):
         LMModule(model=MODEL, optim={"lr": 1e-3, key: value})
+
+
+def test_suspects_on_a_snapshot_use_its_weights_not_the_live_ones():
+    torch.manual_seed(0)
+    live, other = LMModule(model=MODEL, optim=dict(lr=1e-3)), LMModule(model=MODEL, optim=dict(lr=1e-3))
+    tensors = [t.detach().clone() for t in [*other.parameters(), *other.buffers()]]
+    snapshot = type("Snapshot", (), {"weights": lambda self: tensors})()
+    x, y = batch()
+    losses = lambda module, weights=None: [v for *_, v in sample_losses(module, [(x, y)], weights)]  # noqa: E731
+    assert losses(live, snapshot) == pytest.approx(losses(other), abs=1e-6)
+    assert losses(live, snapshot) != pytest.approx(losses(live), abs=1e-3)
