@@ -3,8 +3,9 @@
 `train.py` refuses a run that cannot fit and `doctor` prints the same numbers, so the two never disagree.
 The estimate is deliberately simple and says what it counts: fp32 weights, gradients and both AdamW moments
 (sharded across ranks under FSDP); activations after Korthikanti et al. (2022), ~34·d values per token per
-layer with a fused attention kernel (no T×T scores), at the precision's activation width; and the fp32 logits
-with their gradient, which dominate small models with large vocabularies. What is available: each GPU's
+layer with a fused attention kernel (no T×T scores), at the precision's activation width; and the logits with their
+gradient: whole under `optim.loss=plain` (they dominate small models with large vocabularies), one chunk of
+`optim.loss_chunk` tokens plus the head's fp32 weight gradient under the default chunked loss. What is available: each GPU's
 memory (every process has its own), or the RAM that all CPU processes on this machine share.
 """
 
@@ -88,6 +89,16 @@ def ram_available() -> int | None:
         return None
 
 
+def logits_bytes(cfg: DictConfig, tokens: int, elem: int) -> int:
+    """The head + loss's peak: the logits (matmul dtype), their fp32 log-softmax and its gradient, for every token
+    (plain) or one chunk of tokens, plus the fp32 weight gradient the chunks add into (chunked, the default)."""
+    m, optim = cfg.model, cfg.get("optim") or {}
+    if optim.get("loss", "chunked") == "plain":
+        return tokens * int(m.vocab_size) * (elem + 8)
+    chunk = min(tokens, int(optim.get("loss_chunk", 1024)))
+    return chunk * int(m.vocab_size) * (elem + 8) + int(m.vocab_size) * int(m.d_model) * 4
+
+
 def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
     m = model_config(cfg.model)
     require_understood(m, "memory")  # a switch this estimate does not count is refused, not under-counted
@@ -98,7 +109,7 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
     parts = {
         "weights+grads+adamw": n_params * ADAMW_BYTES_PER_PARAM // shards,
         "activations": tokens * m.n_layer * 34 * m.d_model * elem // 2,
-        "logits": tokens * m.vocab_size * (elem + 8),
+        "logits": logits_bytes(cfg, tokens, elem),
     }
     if devices.on_cuda:
         available, where = (

@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from steadylm.compat import attached_trainer
 from steadylm.data.dataset import IGNORE_INDEX
+from steadylm.errors import ConfigError
+from steadylm.head_loss import chunked_head_loss, chunked_token_losses
 from steadylm.logging_steps import will_log, write_metrics
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups
@@ -41,6 +43,19 @@ def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"targets shape {tuple(targets.shape)} != logits shape {tuple(logits.shape[:-1])}")
 
 
+LOSS_PATHS = ("chunked", "plain")
+
+
+def loss_path(optim: dict) -> tuple[str, int]:
+    """(`optim.loss`, `optim.loss_chunk`), checked: chunked (default) or plain, and a positive chunk of tokens."""
+    path, chunk = optim.get("loss", "chunked"), optim.get("loss_chunk", 1024)
+    if path not in LOSS_PATHS:
+        raise ConfigError(f"optim.loss={path!r} is not allowed; use one of: {', '.join(LOSS_PATHS)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"optim.loss_chunk={chunk!r} must be a whole number of tokens >= 1 (e.g. 1024)")
+    return path, chunk
+
+
 class LMModule(L.LightningModule):
     def __init__(
         self,
@@ -56,6 +71,7 @@ class LMModule(L.LightningModule):
         self.save_hyperparameters({"model": model, "optim": optim, "compile": compile})
         self.optim_cfg = optim
         self.z_loss = float(optim.get("z_loss", 0.0))
+        self.loss_path, self.loss_chunk = loss_path(optim)
         self.net = GPT(GPTConfig(**model))
         if compile:
             # In place, so the state_dict keys stay `net.*` (a wrapper attribute would store every weight twice).
@@ -99,9 +115,33 @@ class LMModule(L.LightningModule):
             z = self.z_loss * (torch.logsumexp(flat, dim=-1).pow(2) * valid).sum() / n
         return ce + z, z
 
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss(self(x), targets)` by the configured path (`optim.loss`): chunked, the logits of one chunk of
+        `optim.loss_chunk` tokens alive at a time, or plain. Same value and gradients; z is detached when chunked."""
+        if self.loss_path == "plain":
+            return self.loss(self(x), targets)
+        hidden = self.net(x, head=False)
+        check_targets(hidden, targets)
+        loss, _, z = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk)
+        return loss, z
+
+    def target_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-target cross-entropy (fp32, 0 at padding), shaped like `targets`, without gradients; chunked unless
+        `optim.loss=plain`. For the exact val loss, the suspects' per-sample losses and multiple-choice scoring."""
+        with torch.no_grad():
+            if self.loss_path == "plain":
+                logits = self(x)
+                check_targets(logits, targets)
+                flat = logits.float().view(-1, logits.shape[-1])
+                ce = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+                return ce.view(targets.shape)
+            hidden = self.net(x, head=False)
+            check_targets(hidden, targets)
+            return chunked_token_losses(hidden, self.net.lm_head.weight, targets, self.loss_chunk)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss, z = self.loss(self(x), y)
+        loss, z = self.head_loss(x, y)
         # Only on the steps the Trainer writes: `self.log` is milliseconds of Python, a step's worth on small models.
         # As a host copy: Lightning turns the progress-bar value into a number after every step, and on a
         # device tensor that `.item()` would be one more host sync per step.
@@ -116,7 +156,7 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx) -> None:
         x, y = batch
-        ce_sum, count = self.token_losses(self(x), y)
+        ce_sum, count = self.target_losses(x, y).double().sum(), (y != IGNORE_INDEX).sum()
         self._val_totals += torch.stack([ce_sum.double(), count.double()])
 
     def on_validation_epoch_end(self) -> None:

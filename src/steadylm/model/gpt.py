@@ -61,8 +61,9 @@ class GPT(nn.Module):
         # muP's readout factor 1/width_mult (1 under sp), on the final hidden state: d_model floats, not vocab.
         self.logit_mult = mup.logit_mult(cfg)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size); `head=False`: the head's input (B, T, d_model) instead,
+        for a loss that applies `lm_head.weight` itself a chunk of tokens at a time (`steadylm.head_loss`)."""
         T = idx.shape[1]
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} > model.context_length={self.cfg.context_length}")
@@ -78,7 +79,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if self.logit_mult != 1.0:
             x = x * self.logit_mult
-        return self.lm_head(x)
+        return self.lm_head(x) if head else x
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count (a tied matrix once). `non_embedding` drops the tables that are only looked up,

@@ -17,7 +17,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.strategies import FSDPStrategy
 
 from steadylm.data.dataset import IGNORE_INDEX
@@ -27,29 +26,38 @@ PREVIEW_CHARS = 160
 TOP_SUSPECTS = 3
 
 
+class _TargetLosses(torch.nn.Module):
+    """The module's per-target losses as a forward, so `functional_call` can run them on a snapshot's weights."""
+
+    def __init__(self, lm) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lm.target_losses(x, y)
+
+
 @torch.no_grad()
 def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int, float]]:
     """(micro-batch, row, mean loss over the row's valid targets) for every non-padding row of `batches`.
 
-    `weights`: a `recovery.Snapshot` whose host weights to use instead of the live ones (None: live).
+    `weights`: a `recovery.Snapshot` whose host weights to use instead of the live ones (None: live). The losses
+    come from `target_losses`: the configured head + loss path (chunked by default, no whole logits).
     """
-    run = pl_module
+    run = pl_module.target_losses
     if weights is not None:
         names = [n for n, _ in pl_module.named_parameters()] + [n for n, _ in pl_module.named_buffers()]
         device = next(pl_module.parameters()).device
-        state = {n: t.to(device) for n, t in zip(names, weights.weights())}
-        run = lambda x: torch.func.functional_call(pl_module, state, (x,))  # noqa: E731
+        state = {f"lm.{n}": t.to(device) for n, t in zip(names, weights.weights())}
+        run = lambda x, y: torch.func.functional_call(_TargetLosses(pl_module), state, (x, y))  # noqa: E731
     rows = []
     was_training = pl_module.training
     pl_module.eval()
     try:
         for mi, (x, y) in enumerate(batches):
-            logits = run(x).float()
-            ce = F.cross_entropy(
-                logits.view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-            ).view(y.shape)
+            ce = run(x, y)
             valid = y != IGNORE_INDEX
-            per = (ce * valid).sum(1) / valid.sum(1).clamp(min=1)
+            per = ce.sum(1) / valid.sum(1).clamp(min=1)
             for r, (v, ok) in enumerate(zip(per.tolist(), valid.any(1).tolist())):
                 if ok:
                     rows.append((mi, r, float(v)))

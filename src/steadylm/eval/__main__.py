@@ -1,0 +1,3 @@
+from steadylm.eval.harness import main
+
+main()
