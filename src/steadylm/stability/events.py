@@ -24,6 +24,8 @@ KINDS = (
     "fp16_skip_streak",
     "qk_clip",
     "lr_backoff",
+    "precursor",
+    "forecast",
     "init_loss",
     "rollback",
     "stop",

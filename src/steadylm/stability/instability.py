@@ -8,6 +8,9 @@ rank it as healthy. The rule, from `stability/events.jsonl` alone so `train.py` 
 - the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps (a
   few clips early in a run are the policy doing its job; dozens mean the LR sits in the unstable region);
 - or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps;
+- or a precursor signal the logits do not show (`precursor` events: the residual stream, the update ratio,
+  log Z; `signals.py`) was past its level on at least `PERSISTENT_ALARMS` stats steps, or made the suite
+  back off;
 - or the run started from a wrong init: an `init_loss` event (its first loss far from ln(vocab_size)).
 
 It only reads; it must never change a run's files.
@@ -34,6 +37,10 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
             f"the initial loss was {d['loss']:.3g} nats, ln({d['vocab_size']}) = {d['expected']:.3g} expected: the "
             f"init is wrong (over-confident logits); fix: {init_fix(d.get('init'), INIT_OTHERWISE)}"
         )
+    precursors = [e for e in events if e.get("kind") == "precursor"]
+    signal_backoffs = [e for e in events if e.get("kind") == "lr_backoff" and e["detail"].get("cause") != "qk_clip"]
+    if signal_backoffs or len(precursors) >= PERSISTENT_ALARMS:
+        return _precursor_reason(precursors, signal_backoffs, lr)
     clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
     backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
     alarms = [e for e in events if e.get("kind") == "attn_logit"]
@@ -53,3 +60,32 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
     if not clips and not backoffs:
         cause += f" on {len(alarms)} logging steps, unmitigated"
     return f"{cause}; fix: model.qk_norm=true, or {lower} (python -m steadylm.doctor runs the LR probe)"
+
+
+SIGNAL_CAUSES = {
+    "residual_rms": "the residual stream's RMS grew past {level:g} (max {peak:.3g}; healthy runs stay O(1))",
+    "update_ratio": "the update/param ratio stayed above {level:g} after the warmup (max {peak:.3g})",
+    "log_z": "the output softmax's |log Z| drifted past {level:g} (max {peak:.3g})",
+}
+
+
+def _precursor_reason(precursors: list[dict], backoffs: list[dict], lr: float | None) -> str:
+    """The cause and fix of a run whose precursor signals fired (the first signal to fire names the cause)."""
+    first = (precursors or backoffs)[0]
+    signal = first["detail"].get("signal") or first["detail"].get("cause")
+    mine = [e for e in precursors if e["detail"].get("signal") == signal]
+    level = float(mine[0]["detail"]["threshold"]) if mine else float("nan")
+    peak = max((float(e["detail"]["value"]) for e in mine), default=float("nan"))
+    cause = SIGNAL_CAUSES.get(signal, f"{signal} passed its level {{level:g}} (max {{peak:.3g}})")
+    cause = cause.format(level=level, peak=peak) + f" from step {first['step']}"
+    if backoffs:
+        scale = float(backoffs[-1]["detail"]["lr_scale"])
+        cause += f"; the suite lowered the LR {len(backoffs)} time(s) to x{scale:g}"
+        rewound = [e["detail"]["rewound_to"] for e in backoffs if "rewound_to" in e["detail"]]
+        if rewound:
+            cause += f" and rewound to step {rewound[0]}"
+        lower = f"optim.lr={lr * scale:.3g}" if lr else f"optim.lr x{scale:g}"
+    else:
+        cause += f", on {len(mine)} stats steps, unmitigated"
+        lower = f"optim.lr={lr / 10:.3g}" if lr else "a lower optim.lr"
+    return f"{cause}: the LR is too high; fix: {lower} (python -m steadylm.doctor runs the LR probe)"
