@@ -10,7 +10,7 @@ Every run is a real `python train.py` of a small model on the embedded corpus (`
 Healthy, natural and injected runs observe only (`signals.action=log`, no QK-clip, spikes logged), so the loss
 shows what the LR does. Per signal, its level is replayed over the logged values through `Precursors` itself:
 a hit is an alarm in a natural or injected run, a false alarm one in a healthy run. The forecast's lead time is
-read from the runs' own `forecast` events against the step where the loss shows the trouble (its 3-point
+replayed the same way (the default levels and forecast rule, as the runs' own `forecast` events) against the step where the loss shows the trouble (its 3-point
 running median 10 % above its best so far, or non-finite). The mitigated group runs the default suite with
 QK-norm at the issue's LRs and compares its final val loss with the stable LR's.
 
@@ -125,6 +125,16 @@ def replay(series: dict[int, dict[str, float]], signal: str, level: float, warmu
     return None
 
 
+def forecast_replay(series: dict[int, dict[str, float]], warmup: int) -> tuple[int, str] | None:
+    """The first forecast of the default `Precursors` over the logged values: (step, signal), or None."""
+    check = Precursors(action="log")
+    for step, values in series.items():
+        for v in check.observe(step, values, in_warmup=step < warmup):
+            if v.kind == "forecast":
+                return step, v.detail["signal"]
+    return None
+
+
 def loss_onset(run_dir: Path) -> int | None:
     """Where the loss shows the trouble: its 3-point running median 10 % above its best so far, or non-finite."""
     steps, loss = load_run(run_dir).series("train/loss")
@@ -146,21 +156,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reuse", type=Path, help="analyse the runs already in this folder (a previous run's work dir)")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="steadylm-signals-"))
+    work = args.reuse or Path(tempfile.mkdtemp(prefix="steadylm-signals-"))
     groups = {"healthy": HEALTHY, "natural": NATURAL, "injected": INJECTED}
     jobs = [(g, name, [*o, *OBSERVE]) for g, cases in groups.items() for name, o in cases.items()]
     jobs += [("mitigated", name, o) for name, o in MITIGATED.items()]
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {
-            (g, name): (o, pool.submit(run, work / f"{g}-{i}", o, args.steps)) for i, (g, name, o) in enumerate(jobs)
+            (g, name): (o, pool.submit(lambda d, o: d if args.reuse else run(d, o, args.steps), work / f"{g}-{i}", o))
+            for i, (g, name, o) in enumerate(jobs)
         }
+    print(f"runs in {work}")
     rows = {}
     for (g, name), (o, fut) in futures.items():
         d = fut.result()
         series = values_by_step(d)
         events = read_events(d)
-        forecasts = [e for e in events if e["kind"] == "forecast"]
+        forecast = forecast_replay(series, warmup_of(o, args.steps))
         result = json.loads((d / "result.json").read_text())
         rows[(g, name)] = {
             "alarms": {
@@ -168,8 +181,8 @@ def main() -> None:
                 for s, lvs in LEVELS.items()
                 for lv in lvs
             },
-            "forecast": forecasts[0]["step"] if forecasts else None,
-            "forecast_signal": forecasts[0]["detail"]["signal"] if forecasts else None,
+            "forecast": forecast[0] if forecast else None,
+            "forecast_signal": forecast[1] if forecast else None,
             "onset": loss_onset(d),
             "status": result["status"],
             "val_loss": result.get("val_loss"),

@@ -34,10 +34,10 @@ def test_a_growing_residual_is_forecast_then_flagged_then_backed_off_once_per_bu
     kinds = [(s, v.kind) for s, v in verdicts]
     forecasts = [(s, v) for s, v in verdicts if v.kind == "forecast"]
     alarms = [(s, v) for s, v in verdicts if v.kind == "precursor"]
-    assert len(forecasts) == 1 and forecasts[0][0] == 40, kinds  # 16 >= 10: within a decade of the level
+    assert len(forecasts) == 1 and forecasts[0][0] == 50, kinds  # 32 >= 25, rising at each of 4 points
     detail = forecasts[0][1].detail
     assert detail["signal"] == "residual_rms" and detail["doubling_steps"] == pytest.approx(10.0)
-    assert detail["expected_step"] == 66  # 40 + log2(100 / 16) * 10
+    assert detail["expected_step"] == 66  # 50 + log2(100 / 32) * 10
     assert alarms[0][0] == 70 and alarms[0][1].detail["threshold"] == 100.0
     backoffs = [(s, v.context["backoff"]) for s, v in alarms if "backoff" in v.context]
     assert [s for s, _ in backoffs] == [90]  # the third alarm in a row; the budget of 1 is spent after it
@@ -50,6 +50,8 @@ def test_a_growing_residual_is_forecast_then_flagged_then_backed_off_once_per_bu
 def test_a_healthy_series_raises_nothing_and_a_log_policy_never_backs_off():
     noisy = [(s, 1.0 + 0.5 * math.sin(s)) for s in range(0, 400, 10)]
     assert feed(Precursors(update_ratio=0.03, log_z=10.0), noisy) == []
+    plateau = [(s, 30.0 + 3 * math.sin(s)) for s in range(0, 400, 10)]  # near the level, no steady rise
+    assert feed(Precursors(), plateau, name="attn_logit") == []
     logging_only = Precursors(action="log", persist=1)
     verdicts = feed(logging_only, growing(50.0, 10.0))
     assert verdicts and not any(v.context.get("backoff") for _, v in verdicts)
@@ -61,7 +63,7 @@ def test_the_update_ratio_is_judged_only_after_the_warmup_and_attn_logits_are_on
     assert early == []
     late = feed(check, [(s, 0.5) for s in range(50, 80, 10)], name="update_ratio", warmup=50)
     assert [v.kind for _, v in late] == ["precursor"] * 3 and "backoff" in late[1][1].context
-    logits = feed(Precursors(), growing(20.0, 10.0), name="attn_logit")
+    logits = feed(Precursors(), growing(5.0, 20.0), name="attn_logit")
     assert {v.kind for _, v in logits} == {"forecast"}  # QK-clip owns the alarm and the mitigation
 
 

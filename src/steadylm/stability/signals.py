@@ -14,8 +14,8 @@ its steps (every `stats.every_n_steps`), reduced with MAX across ranks by the ow
 A signal is *alarmed* on a measurement above its level (null: the signal is not judged). Alarmed on `persist`
 measurements in a row, it asks its `Backoff` (`backoff.py`, the same mechanism QK-clip's backoff uses) for a
 lower LR and a rewind to before the growth began (`action: backoff`), or only logs (`action: log`). Before
-that, a *forecast*: the trend of log(value) over the last `trend_points` measurements, once the value is within
-a factor `1 / forecast_from` of the level, reaches the level within `horizon` steps; the forecast names the
+that, a *forecast*: the value rose at each of the last `trend_points` measurements, is within a factor
+`1 / forecast_from` of the level, and the trend of log(value) over them reaches the level within `horizon` steps; the forecast names the
 signal, its doubling time and the expected step, once per episode (a new one after the value falls back or a
 backoff). The levels are absolute and far from healthy values (measured: `benchmarks/signals_bench.py`), so the
 rule does not depend on the model's width or parametrisation. It is a plain class: it never reads a trainer.
@@ -60,9 +60,9 @@ class Precursors:
         attn_logit: float | None = 100.0,
         persist: int = 3,
         action: str = "backoff",
-        trend_points: int = 3,
+        trend_points: int = 4,
         horizon: int = 200,
-        forecast_from: float = 0.1,
+        forecast_from: float = 0.25,
         lr_backoff: float | None = 0.1,
         max_backoffs: int = 2,
         rewind: bool = True,
@@ -88,9 +88,10 @@ class Precursors:
         self.alarms = 0
 
     def trend(self, name: str) -> float | None:
-        """Growth rate of log(value) per step over the recent measurements (least squares); None: too few."""
+        """Growth rate of log(value) per step over the recent measurements (least squares); None: too few, or
+        not rising at every one of them (a noisy plateau has a slope too)."""
         points = [(s, math.log(v)) for s, v in self.history[name] if v > 0]
-        if len(points) < self.trend_points:
+        if len(points) < self.trend_points or any(b[1] <= a[1] for a, b in zip(points, points[1:])):
             return None
         n = len(points)
         ms, mv = sum(s for s, _ in points) / n, sum(v for _, v in points) / n
