@@ -76,6 +76,7 @@ INJECTED = {
 MITIGATED = {f"QK-norm, lr {lr}": [*SMALL, QK, f"optim.lr={lr}", "seed=5"] for lr in ("3e-3", "0.1", "0.3")}
 
 # The levels compared: each signal judged alone. The defaults are the first of each.
+DEFAULT = "residual_rms>100"  # the default alarm, that a forecast runs ahead of
 LEVELS = {"residual_rms": (100.0, 30.0), "update_ratio": (0.03, 0.1), "log_z": (10.0,), "attn_logit": (100.0,)}
 
 
@@ -204,24 +205,34 @@ def report(rows: dict) -> None:
         false = sum(r["alarms"][n] is not None for r in good)
         print(f"| {n} | {hits}/{len(bad)} | {false}/{len(good)} |")
     print("\n## Per run (observe only)\n")
-    print("| group | run | first alarm per signal | forecast (signal) | loss shows it | lead |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    leads = []
+    print(
+        "| group | run | first alarm per signal | forecast (signal) | loss shows it | forecast lead on alarm | warning lead on loss |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    leads, alarm_leads = [], []
     for (g, name), r in rows.items():
         if g == "mitigated":
             continue
         alarms = ", ".join(f"{k}@{v}" for k, v in r["alarms"].items() if v is not None) or "-"
         fc = f"{r['forecast']} ({r['forecast_signal']})" if r["forecast"] is not None else "-"
+        alarm = r["alarms"][DEFAULT]
+        ahead = "-"
+        if r["forecast"] is not None and alarm is not None:
+            ahead = alarm - r["forecast"]
+            alarm_leads.append(ahead)
+        warnings = [s for s in (r["forecast"], alarm) if s is not None]
         lead = "-"
-        if r["forecast"] is not None and r["onset"] is not None:
-            lead = r["onset"] - r["forecast"]
+        if warnings and r["onset"] is not None:
+            lead = r["onset"] - min(warnings)
             leads.append(lead)
-        print(f"| {g} | {name} | {alarms} | {fc} | {r['onset'] if r['onset'] is not None else '-'} | {lead} |")
+        onset = r["onset"] if r["onset"] is not None else "-"
+        print(f"| {g} | {name} | {alarms} | {fc} | {onset} | {ahead} | {lead} |")
     forecast_hits = sum(r["forecast"] is not None for r in bad)
     forecast_false = sum(r["forecast"] is not None for r in good)
     print(f"\nforecasts: {forecast_hits}/{len(bad)} unstable runs, {forecast_false}/{len(good)} healthy runs")
-    if leads:
-        print(f"lead time (loss onset - forecast), steps: median {statistics.median(leads):g}, worst {min(leads)}")
+    for what, xs in (("forecast ahead of the alarm", alarm_leads), ("first warning ahead of the loss", leads)):
+        if xs:
+            print(f"{what}, steps: median {statistics.median(xs):g}, worst {min(xs)} ({len(xs)} runs)")
     print(
         "\n## Mitigated (default suite)\n\n| run | status | val loss | vs stable | events |\n| --- | --- | --- | --- | --- |"
     )
