@@ -22,9 +22,13 @@ def growing(start: float, doubling: float, steps=range(0, 200, 10)) -> list[tupl
 
 
 def feed(check: Precursors, series, name="residual_rms", warmup=0):
+    """The verdicts on `series`; a backoff restarts the check, as the owner (`Stability.back_off`) does."""
     out = []
     for step, value in series:
-        out += [(step, v) for v in check.observe(step, {name: value}, in_warmup=step < warmup)]
+        verdicts = check.observe(step, {name: value}, in_warmup=step < warmup)
+        out += [(step, v) for v in verdicts]
+        if any("backoff" in v.context for v in verdicts):
+            check.restart()
     return out
 
 

@@ -147,6 +147,10 @@ class QKClip:
             evidence["exhausted"] = True
         return evidence
 
+    def restart(self) -> None:
+        """After a backoff (this check's or a precursor signal's) a new streak is needed for the next one."""
+        self.streak = 0
+
     @property
     def backoffs(self) -> int:
         return self.backoff.backoffs

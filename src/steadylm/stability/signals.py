@@ -131,7 +131,6 @@ class Precursors:
                 if request is not None:
                     asked = True
                     context["backoff"] = {**request, "signal": name, "value": value, "threshold": level}
-                    self._reset()
             out.append(Verdict("log", "precursor", detail, onset=step, context=context))
         return out
 
@@ -156,8 +155,8 @@ class Precursors:
         }
         return Verdict("log", "forecast", detail, onset=step)
 
-    def _reset(self) -> None:
-        """After a backoff the weights (and the trends) start again."""
+    def restart(self) -> None:
+        """After a backoff (this check's or QK-clip's) the LR, the weights and so the trends start again."""
         for name in SIGNALS:
             self.history[name].clear()
             self.streak[name], self.onset[name], self.forecast[name] = 0, -1, False

@@ -428,6 +428,9 @@ class Stability(L.Callback):
         emit(trainer, step, "lr_backoff", "backoff", detail)
         if restored is not None:
             emit(trainer, step, "rollback", "rollback", {**restored, "cause": cause, "onset": detail["onset"]})
+        for part in (self.qk_clip, self.signals):  # one backoff answers every check's streak: each starts again
+            if part is not None:
+                part.restart()
         return restored is not None
 
     def _hold_first_through_warmup(self, trainer, pl_module) -> None:
