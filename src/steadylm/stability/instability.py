@@ -39,11 +39,12 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
         )
     precursors = [e for e in events if e.get("kind") == "precursor"]
     signal_backoffs = [e for e in events if e.get("kind") == "lr_backoff" and e["detail"].get("cause") != "qk_clip"]
-    if signal_backoffs or len(precursors) >= PERSISTENT_ALARMS:
-        return _precursor_reason(precursors, signal_backoffs, lr)
     clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
     backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
     alarms = [e for e in events if e.get("kind") == "attn_logit"]
+    # Logits past the bar name the more specific cause (and QK-norm the fix); the signals speak when they are quiet.
+    if not clips and not alarms and (signal_backoffs or len(precursors) >= PERSISTENT_ALARMS):
+        return _precursor_reason(precursors, signal_backoffs, lr)
     if not backoffs and len(clips) < MATERIAL_CLIPS and len(alarms) < PERSISTENT_ALARMS:
         return None
     first = (clips or alarms)[0] if clips or alarms else backoffs[0]
