@@ -146,3 +146,10 @@ def test_a_too_high_lr_with_qk_norm_is_flagged_backed_off_and_ends_unstable(make
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["status"] == "unstable" and "residual stream's RMS grew past 100" in result["reason"]
     assert "fix: optim.lr=0.03" in result["reason"]
+
+
+def test_where_qk_clip_acts_the_signals_only_log():
+    check = Precursors(persist=1)
+    verdicts = [v for s, x in growing(200.0, 10.0)[:3] for v in check.observe(s, {"residual_rms": x}, False, False)]
+    assert [v.kind for v in verdicts] == ["precursor"] * 3 and not any(v.context for v in verdicts)
+    assert check.backoff.backoffs == 0

@@ -12,7 +12,8 @@ its steps (every `stats.every_n_steps`), reduced with MAX across ranks by the ow
 | `attn_logit` | the max attention logit (forecast only) | QK-clip owns its alarm and its mitigation; here it is only forecast |
 
 A signal is *alarmed* on a measurement above its level (null: the signal is not judged). Alarmed on `persist`
-measurements in a row, it asks its `Backoff` (`backoff.py`, the same mechanism QK-clip's backoff uses) for a
+measurements in a row, where QK-clip cannot act (QK-norm on, or QK-clip removed; else QK-clip owns the
+mitigation and the signals only log and forecast), it asks its `Backoff` (`backoff.py`, the same mechanism QK-clip's backoff uses) for a
 lower LR and a rewind to before the growth began (`action: backoff`), or only logs (`action: log`). Before
 that, a *forecast*: the value rose at each of the last `trend_points` measurements, is within a factor
 `1 / forecast_from` of the level, and the trend of log(value) over them reaches the level within `horizon` steps; the forecast names the
@@ -98,9 +99,10 @@ class Precursors:
         var = sum((s - ms) ** 2 for s, _ in points)
         return sum((s - ms) * (v - mv) for s, v in points) / var if var else None
 
-    def observe(self, step: int, values: dict[str, float], in_warmup: bool) -> list[Verdict]:
+    def observe(self, step: int, values: dict[str, float], in_warmup: bool, may_back_off: bool = True) -> list[Verdict]:
         """One stats step's values (all-reduced): the `forecast` and `precursor` verdicts, and at most one
-        backoff request (in a `precursor` verdict's `context["backoff"]`)."""
+        backoff request (in a `precursor` verdict's `context["backoff"]`); none when not `may_back_off` (QK-clip
+        owns the mitigation of a model without QK-norm)."""
         out: list[Verdict] = []
         asked = False
         for name in SIGNALS:
@@ -126,7 +128,7 @@ class Precursors:
                 self.onset[name] = step
             detail = {"signal": name, "value": value, "threshold": level, "streak": self.streak[name]}
             context = {}
-            if self.streak[name] >= self.persist and self.action == "backoff" and not asked:
+            if self.streak[name] >= self.persist and self.action == "backoff" and may_back_off and not asked:
                 request = self.backoff.ask(self.onset[name])
                 if request is not None:
                     asked = True

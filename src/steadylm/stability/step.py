@@ -383,7 +383,9 @@ class Stability(L.Callback):
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
             values = dict(zip(values, packed.tolist()))
         step = trainer.global_step - 1  # the update just measured
-        verdicts = self.signals.observe(step, values, in_warmup=self._in_warmup(pl_module, trainer.global_step))
+        clip_acts = self.qk_clip is not None and bool(self._clip_targets(trainer, pl_module))
+        in_warmup = self._in_warmup(pl_module, trainer.global_step)
+        verdicts = self.signals.observe(step, values, in_warmup, may_back_off=not clip_acts)
         for v in verdicts:
             emit(trainer, v.onset, v.kind, v.action, v.detail)
             if v.kind == "forecast":
