@@ -174,3 +174,25 @@ def test_real_healthy_run_reports_none(make_cfg, tmp_path):
     train(make_cfg())
     diagnosis, text = report(tmp_path / "run")
     assert diagnosis.primary is None and "**No instability found.**" in text
+
+
+def test_a_precursor_signal_is_named_with_its_lead_and_plotted(tmp_path):
+    """The residual stream grows by orders of magnitude: the finding names the signal, the forecast's step and
+    how far ahead of the alarm it came, and what the suite did; signals.png holds its panel."""
+    curves = healthy_curves()
+    curves["stability/act_rms/block_0"] = [0.5 * 2 ** (s / 8) for s in range(100)]
+    detail = {"signal": "residual_rms", "threshold": 100.0}
+    events = [
+        (40, "forecast", "log", {**detail, "value": 16.0, "doubling_steps": 8.0, "expected_step": 61}),
+        *(
+            (s, "precursor", "log", {**detail, "value": 0.5 * 2 ** (s / 8), "streak": i + 1})
+            for i, s in enumerate((62, 64, 66))
+        ),
+        (66, "lr_backoff", "backoff", {"cause": "residual_rms", "lr_backoff": 0.1, "lr_scale": 0.1, "onset": 40}),
+    ]
+    diagnosis, text = report(write_run(tmp_path / "run", curves, events, CONFIG))
+    p = diagnosis.primary
+    assert (p.onset, p.cause) == (40, "residual-stream growth")
+    assert "forecast at step 40" in p.summary and "past 100 at step 62, 22 steps after the forecast" in p.summary
+    assert "lowered the LR 1 time(s) to x0.1" in p.summary and "optim.lr x0.1" in p.fix
+    assert "![signals](signals.png)" in text and (tmp_path / "run" / "signals.png").stat().st_size > 10_000

@@ -105,3 +105,35 @@ def plot_heatmap(
     _marks(ax, marks)
     ax.set(xlabel="optimizer step", title=title)
     return _save(fig, path)
+
+
+Panel = dict  # {"label", "steps", "values", "level", "spans": [(start, end)], "forecasts": [step], "logy"}
+
+
+def plot_signals(panels: Sequence[Panel], path: Path, *, title: str, marks: Sequence[Mark] = ()) -> Path:
+    """One panel per precursor signal: its values (log scale where it spans orders of magnitude), its alarm
+    level as a red line, the spans it stayed past it shaded, and each forecast as a dotted line."""
+    import numpy as np
+
+    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(8, 2.6 * max(len(panels), 1)), sharex=True, squeeze=False)
+    if not panels:
+        _empty(axes[0][0], title)
+        return _save(fig, path)
+    for ax, p in zip(axes[:, 0], panels):
+        steps, values = np.asarray(p["steps"]), np.asarray(p["values"], dtype=float)
+        ax.plot(steps, values, lw=1.2, label=p["label"])
+        positive = values[np.isfinite(values) & (values > 0)]
+        if p.get("logy", True) and len(positive) and positive.max() / positive.min() > 30:
+            ax.set_yscale("log")
+        if p.get("level") is not None:
+            ax.axhline(p["level"], color="red", lw=1, ls="-", label=f"alarm level {p['level']:g}")
+        for i, (a, b) in enumerate(p.get("spans", [])):
+            ax.axvspan(a, b, color="red", alpha=0.15, label="past the level" if i == 0 else None)
+        for i, s in enumerate(p.get("forecasts", [])):
+            ax.axvline(s, color="darkorange", ls=":", lw=1.5, label="forecast" if i == 0 else None)
+        _marks(ax, marks)
+        ax.set(ylabel=p["label"])
+        ax.legend(fontsize=7, loc="best")
+    axes[-1][0].set(xlabel="optimizer step")
+    axes[0][0].set_title(title)
+    return _save(fig, path)

@@ -347,9 +347,72 @@ def _lone_update(log: RunLog, events: list[dict]) -> Finding | None:
     )
 
 
+SIGNAL_NAMES = {
+    "residual_rms": "residual-stream growth",
+    "update_ratio": "oversized updates at the peak LR",
+    "log_z": "output-logit (log Z) drift",
+    "attn_logit": "attention logit growth",
+}
+
+
+def precursor_lead(log: RunLog) -> dict | None:
+    """The precursor signal that fired first and how far ahead: its forecast step, its first alarm step and the
+    step the loss showed the trouble (any may be None)."""
+    fired = [e for e in log.events if e["kind"] in ("forecast", "precursor")]
+    if not fired:
+        return None
+    signal = fired[0]["detail"].get("signal")
+    mine = [e for e in fired if e["detail"].get("signal") == signal]
+    alarm = next((e for e in mine if e["kind"] == "precursor"), None)
+    # a forecast counts when it came before the alarm (a later one forecasts a new episode)
+    forecast = next(
+        (e for e in mine if e["kind"] == "forecast" and (alarm is None or e["step"] <= alarm["step"])), None
+    )
+    return {
+        "signal": signal,
+        "forecast": forecast,
+        "alarm": alarm,
+        "loss_onset": loss_onset(log),
+        "peak": max(float(e["detail"]["value"]) for e in mine),
+        "threshold": float(mine[0]["detail"]["threshold"]),
+    }
+
+
+def _precursor(log: RunLog, events: list[dict]) -> Finding | None:
+    """A precursor signal (signals.py) forecast or past its level: which one, how far ahead, what was done."""
+    lead = precursor_lead(log)
+    if lead is None or (lead["alarm"] is None and lead["signal"] == "attn_logit"):
+        return None  # a logit forecast alone: QK-clip's events tell the rest
+    signal, forecast, alarm, onset = lead["signal"], lead["forecast"], lead["alarm"], lead["loss_onset"]
+    parts = []
+    if forecast is not None:
+        d = forecast["detail"]
+        parts.append(
+            f"forecast at step {forecast['step']} ({d['value']:.3g}, doubling every {d['doubling_steps']:.0f} "
+            f"steps, level {d['threshold']:g} expected at step {d['expected_step']})"
+        )
+    if alarm is not None:
+        ahead = (
+            f", {alarm['step'] - forecast['step']} steps after the forecast" if forecast else " (no forecast before)"
+        )
+        parts.append(f"past {lead['threshold']:g} at step {alarm['step']}{ahead} (max {lead['peak']:.3g})")
+    first = forecast or alarm
+    if onset is not None:
+        parts.append(f"the loss showed it at step {onset}, {onset - first['step']} steps after the first warning")
+    else:
+        parts.append("the loss never showed a spike or divergence")
+    backoffs = [e for e in events if e["kind"] == "lr_backoff" and e["detail"].get("cause") == signal]
+    fix = "lower optim.lr (python -m steadylm.doctor runs the LR probe) or lengthen optim.warmup_steps"
+    if backoffs:
+        d = backoffs[-1]["detail"]
+        parts.append(f"the suite lowered the LR {len(backoffs)} time(s) to x{d['lr_scale']:g}")
+        fix = f"set optim.lr x{d['lr_scale']:g} from the start, or lower; python -m steadylm.doctor runs the LR probe"
+    return Finding(first["step"], SIGNAL_NAMES.get(signal, signal), f"{signal}: " + "; ".join(parts), fix)
+
+
 def analyse(log: RunLog) -> Diagnosis:
     events = log.events
-    found = (_nonfinite(events), _fp16(events), _spike(log, events), _lone_update(log, events))
+    found = (_nonfinite(events), _fp16(events), _spike(log, events), _lone_update(log, events), _precursor(log, events))
     firsthand = sorted((f for f in found if f), key=lambda f: f.onset)
     alarms = _alarms(events)
     curve = _curves(log, [a for a in alarms if not firsthand or a.onset < firsthand[0].onset - EVENT_SLACK])

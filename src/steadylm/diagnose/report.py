@@ -6,7 +6,8 @@ from pathlib import Path
 
 from steadylm.diagnose.findings import Diagnosis
 from steadylm.diagnose.runlog import RunLog
-from steadylm.plots import Mark, plot_heatmap, plot_series
+from steadylm.plots import Mark, plot_heatmap, plot_series, plot_signals
+from steadylm.stability.signals import SIGNALS, signal_values
 
 KIND_COLORS = {
     "nonfinite_loss": "red",
@@ -16,6 +17,7 @@ KIND_COLORS = {
     "attn_logit": "brown",
     "fp16_skip_streak": "magenta",
     "rollback": "green",
+    "lr_backoff": "teal",
     "stop": "black",
 }
 
@@ -48,6 +50,43 @@ def _segments(log: RunLog, tag: str) -> dict:
         label = tag if i == 0 else f"{tag} after reset {i} (to step {log.restores()[i - 1][1]})"
         out[label] = (steps[keep], values[keep])
     return out
+
+
+def _signal_panels(log: RunLog) -> list[dict]:
+    """The precursor signals this run measured, each with its level, its alarm spans and its forecasts."""
+    by_step: dict[int, dict[str, float]] = {}
+    for tag, (steps, values) in log.scalars.items():
+        if tag.startswith("stability/"):
+            for s, v in zip(steps, values):
+                by_step.setdefault(int(s), {})[tag] = float(v)
+    series = {s: signal_values(m, bool(log.setting("model.qk_norm", False))) for s, m in sorted(by_step.items())}
+    events = [e for e in log.events if e["kind"] in ("precursor", "forecast")]
+    every = int(log.setting("trainer.log_every_n_steps", 10) or 10)
+    levels = log.setting("callbacks.stability.signals", {}) or {}
+    panels = []
+    for name in SIGNALS:
+        points = [(s, v[name]) for s, v in series.items() if name in v]
+        mine = [e for e in events if e["detail"].get("signal") == name]
+        if not points or (not mine and levels.get(name) is None):
+            continue
+        spans: list[list[int]] = []
+        for e in (e for e in mine if e["kind"] == "precursor"):
+            if spans and e["step"] - spans[-1][1] <= every:
+                spans[-1][1] = e["step"]
+            else:
+                spans.append([e["step"], e["step"]])
+        level = mine[0]["detail"]["threshold"] if mine else levels.get(name)
+        panels.append(
+            {
+                "label": name,
+                "steps": [s for s, _ in points],
+                "values": [v for _, v in points],
+                "level": level,
+                "spans": [(a - every / 2, b + every / 2) for a, b in spans],
+                "forecasts": [e["step"] for e in mine if e["kind"] == "forecast"],
+            }
+        )
+    return panels
 
 
 def draw_plots(log: RunLog, diagnosis: Diagnosis, out: Path) -> dict[str, Path]:
@@ -93,6 +132,11 @@ def draw_plots(log: RunLog, diagnosis: Diagnosis, out: Path) -> dict[str, Path]:
             marks=marks,
         ),
     }
+    panels = _signal_panels(log)
+    if panels:
+        plots["signals"] = plot_signals(
+            panels, out / "signals.png", title="precursor signals (stability/events.jsonl: precursor, forecast)"
+        )
     return plots
 
 

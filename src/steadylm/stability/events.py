@@ -24,6 +24,8 @@ KINDS = (
     "fp16_skip_streak",
     "qk_clip",
     "lr_backoff",
+    "precursor",
+    "forecast",
     "init_loss",
     "rollback",
     "unrecovered",  # the run ended before its loss came back to where it was before the suite's last restore

@@ -8,6 +8,9 @@ rank it as healthy. The rule, from `stability/events.jsonl` alone so `train.py` 
 - the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps (a
   few clips early in a run are the policy doing its job; dozens mean the LR sits in the unstable region);
 - or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps;
+- or a precursor signal the logits do not show (`precursor` events: the residual stream, the update ratio,
+  log Z; `signals.py`) was past its level on at least `PERSISTENT_ALARMS` stats steps, or made the suite
+  back off;
 - or the run started from a wrong init: an `init_loss` event (its first loss far from ln(vocab_size));
 - or the run ended before its loss came back to where it was before the suite's last rollback or rewind
   (an `unrecovered` event): it was reset and cut short, which is said in the reason, never called diverged.
@@ -36,10 +39,15 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
             f"the initial loss was {d['loss']:.3g} nats, ln({d['vocab_size']}) = {d['expected']:.3g} expected: the "
             f"init is wrong (over-confident logits); fix: {init_fix(d.get('init'), INIT_OTHERWISE)}"
         )
+    precursors = [e for e in events if e.get("kind") == "precursor"]
+    signal_backoffs = [e for e in events if e.get("kind") == "lr_backoff" and e["detail"].get("cause") != "qk_clip"]
     clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
     backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
     alarms = [e for e in events if e.get("kind") == "attn_logit"]
     cut = next((cut_short(e["detail"]) for e in events if e.get("kind") == "unrecovered"), None)
+    # Logits past the bar name the more specific cause (and QK-norm the fix); the signals speak when they are quiet.
+    if not clips and not alarms and (signal_backoffs or len(precursors) >= PERSISTENT_ALARMS):
+        return _precursor_reason(precursors, signal_backoffs, lr, cut)
     if not backoffs and len(clips) < MATERIAL_CLIPS and len(alarms) < PERSISTENT_ALARMS:
         return f"{cut}; fix: a longer run (trainer.max_steps) shows whether it recovers" if cut else None
     first = (clips or alarms)[0] if clips or alarms else backoffs[0]
@@ -68,3 +76,33 @@ def cut_short(d: dict) -> str:
         f"and it ended {d['steps_after']} steps later, before its loss came back to its earlier best "
         f"{d['best_before']:.3f}{final}: cut short, not diverged"
     )
+
+
+SIGNAL_CAUSES = {
+    "residual_rms": "the residual stream's RMS grew past {level:g} (max {peak:.3g}; healthy runs stay O(1))",
+    "update_ratio": "the update/param ratio stayed above {level:g} after the warmup (max {peak:.3g})",
+    "log_z": "the output softmax's |log Z| drifted past {level:g} (max {peak:.3g})",
+}
+
+
+def _precursor_reason(precursors: list[dict], backoffs: list[dict], lr: float | None, cut: str | None) -> str:
+    """The cause and fix of a run whose precursor signals fired (the first signal to fire names the cause)."""
+    first = (precursors or backoffs)[0]
+    signal = first["detail"].get("signal") or first["detail"].get("cause")
+    mine = [e for e in precursors if e["detail"].get("signal") == signal]
+    level = float(mine[0]["detail"]["threshold"]) if mine else float("nan")
+    peak = max((float(e["detail"]["value"]) for e in mine), default=float("nan"))
+    cause = SIGNAL_CAUSES.get(signal, f"{signal} passed its level {{level:g}} (max {{peak:.3g}})")
+    cause = cause.format(level=level, peak=peak) + f" from step {first['step']}"
+    if backoffs:
+        scale = float(backoffs[-1]["detail"]["lr_scale"])
+        cause += f"; the suite lowered the LR {len(backoffs)} time(s) to x{scale:g}"
+        rewound = [e["detail"]["rewound_to"] for e in backoffs if "rewound_to" in e["detail"]]
+        if rewound:
+            cause += f" and rewound to step {rewound[0]}"
+        lower = f"optim.lr={lr * scale:.3g}" if lr else f"optim.lr x{scale:g}"
+    else:
+        cause += f", on {len(mine)} stats steps, unmitigated"
+        lower = f"optim.lr={lr / 10:.3g}" if lr else "a lower optim.lr"
+    cause += f"; {cut}" if cut else ""
+    return f"{cause}: the LR is too high; fix: {lower} (python -m steadylm.doctor runs the LR probe)"

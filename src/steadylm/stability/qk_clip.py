@@ -19,12 +19,12 @@ rotation, so the same rows serve `model.pos=rope`.
 Bounded: one intervention scales a head's logits by at least `min_factor`; a measurement that is not
 finite is ignored (the guard owns non-finite steps); after `max_clips` clipping steps the policy stops
 acting (and says so once). When clipping persists, i.e. `backoff_after` measurements in a row needed it,
-it asks for the LR to be multiplied by `lr_backoff`, at most `max_backoffs` times in the run, and (`rewind`)
-for the weights to go back to a snapshot from before the growth began: the damage of a too-high LR (a
-residual stream grown 100-fold) is done before the logits cross tau, and clipping cannot undo it. How far back
-is `rewind_to`: `growth` (default) reads the measured max logits and goes back to the last step at which they
-still stood at or below `growth_floor * tau`, so a rewind throws away only the steps the logits grew in;
-`onset`, to just before the streak (the shallowest); `first`, to the fit's first snapshot. It is a plain
+it asks its `Backoff` (`lr_backoff`, `max_backoffs`, `rewind`, `rewarm_steps`: see `backoff.py`) for a lower
+LR and a rewind to before the growth began: the damage of a too-high LR (a residual stream grown 100-fold)
+is done before the logits cross tau, and clipping cannot undo it. How far back is `rewind_to`: `growth`
+(default) reads the measured max logits and goes back to the last step at which they still stood at or
+below `growth_floor * tau`, so a rewind throws away only the steps the logits grew in; `onset`, to just
+before the streak (the shallowest); `first`, to the fit's first snapshot. It is a plain
 class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, all-reduces
 the logits with MAX, clips on the device at once (`clip`: no host read) and accounts for the clip a step
 later from a host copy (`account`), applies the LR factor and writes the events.
@@ -37,6 +37,7 @@ from collections import deque
 import torch
 
 from steadylm.errors import ConfigError
+from steadylm.stability.backoff import Backoff
 
 REWIND_TO = ("growth", "onset", "first")
 HISTORY = 4096  # measurements kept for `rewind_to: growth` (a float pair each)
@@ -64,19 +65,12 @@ class QKClip:
             raise ConfigError(f"{where}.tau={tau} must be > 0 (Kimi K2 uses 100)")
         if not 0 < min_factor <= 1:
             raise ConfigError(f"{where}.min_factor={min_factor} must be in (0, 1]")
-        if lr_backoff is not None and not 0 < lr_backoff <= 1:
-            raise ConfigError(f"{where}.lr_backoff={lr_backoff} must be in (0, 1], or null to never lower the LR")
         if backoff_after is not None and backoff_after < 1:
             raise ConfigError(f"{where}.backoff_after={backoff_after} must be >= 1, or null to never lower the LR")
         self.every_n_steps = int(every_n_steps)
         self.tau, self.min_factor, self.max_clips = float(tau), float(min_factor), int(max_clips)
-        if not isinstance(rewind, bool):
-            raise ConfigError(f"{where}.rewind={rewind!r} must be true or false")
-        self.backoff_after, self.lr_backoff, self.max_backoffs = backoff_after, lr_backoff, int(max_backoffs)
-        self.rewind = rewind
-        if not isinstance(rewarm_steps, int) or rewarm_steps < 0:
-            raise ConfigError(f"{where}.rewarm_steps={rewarm_steps!r} must be an integer >= 0 (0: no re-warmup)")
-        self.rewarm_steps = rewarm_steps
+        self.backoff_after = backoff_after
+        self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
         if rewind_to not in REWIND_TO:
             raise ConfigError(f"{where}.rewind_to={rewind_to!r} is not allowed; use one of: {', '.join(REWIND_TO)}")
         if not 0 < growth_floor < 1:
@@ -86,8 +80,6 @@ class QKClip:
         self.clips = 0  # steps on which at least one head was clipped
         self.streak = 0  # measurements in a row that clipped
         self.onset = -1  # the step at which the current streak began
-        self.backoffs = 0
-        self.lr_scale = 1.0  # the product of the LR factors asked for so far
         self.exhausted = False
 
     def factors(self, head_max: torch.Tensor, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,15 +156,12 @@ class QKClip:
             "clips": self.clips,
             "budget": self.max_clips,
         }
-        if self.backoff_after is not None and self.lr_backoff is not None and self.lr_backoff < 1:
-            if self.streak >= self.backoff_after and self.backoffs < self.max_backoffs:
-                self.backoffs += 1
-                self.lr_scale *= self.lr_backoff
+        if self.backoff_after is not None and self.streak >= self.backoff_after:
+            asked = self.backoff.ask(self.onset)
+            if asked is not None:
                 self.streak = 0
-                evidence.update(
-                    lr_backoff=self.lr_backoff, lr_scale=self.lr_scale, backoffs=self.backoffs, onset=self.onset
-                )
-                if self.rewind:
+                evidence.update(asked)
+                if "rewind_before" in asked:
                     evidence.update(self.rewind_target())
         if self.clips >= self.max_clips:
             self.exhausted = True
@@ -193,19 +182,30 @@ class QKClip:
             return {"rewind_before": self.onset - 1, "rewind_first": True, "growth_from": None, **latest}
         return {"rewind_before": low[-1], "rewind_first": False, "growth_from": low[-1], **latest}
 
+    def restart(self) -> None:
+        """After a backoff (this check's or a precursor signal's) a new streak is needed for the next one."""
+        self.streak = 0
+
+    @property
+    def backoffs(self) -> int:
+        return self.backoff.backoffs
+
+    @property
+    def lr_scale(self) -> float:
+        return self.backoff.lr_scale
+
     def state_dict(self) -> dict:
         return {
             "clips": self.clips,
             "streak": self.streak,
             "onset": self.onset,
-            "backoffs": self.backoffs,
-            "lr_scale": self.lr_scale,
             "exhausted": self.exhausted,
             "history": [list(h) for h in self.history],
+            **self.backoff.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.clips, self.streak, self.backoffs = int(state["clips"]), int(state["streak"]), int(state["backoffs"])
-        self.onset = int(state["onset"])
-        self.lr_scale, self.exhausted = float(state["lr_scale"]), bool(state["exhausted"])
+        self.clips, self.streak, self.onset = int(state["clips"]), int(state["streak"]), int(state["onset"])
+        self.exhausted = bool(state["exhausted"])
+        self.backoff.load_state_dict(state)
         self.history = deque(((int(a), float(b)) for a, b in state.get("history", [])), maxlen=HISTORY)

@@ -3,13 +3,16 @@
 Every `every_n_steps` steps (chosen to coincide with the logging steps): per-block grad norm, param norm and
 update/param ratio ‖Δθ‖/‖θ‖ (params copied before the update on those steps only), max attention logit per
 layer (tracking switched on for that step only, on one sequence) and activation RMS per block (forward hooks
-on that step only). All of a measured step's tensors are stacked and copied to the host once. Alarms
+on that step only) and the mean log Z of the output logits (the log of the softmax normaliser: Wortsman et al.
+2023's output-logit divergence shows as its drift). All of a measured step's tensors are stacked and copied to the host once. Alarms
 (`update_ratio`, `attn_logit`) are `log` verdicts; they never change training.
 The owner calls `arm` at the step's first micro-batch, `before_update` after backward and `after_update`
 once the update is in the weights.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -28,6 +31,7 @@ class GradParamStats:
         self.armed_step = -1
         self._hooks: list = []
         self._act: dict[int, torch.Tensor] = {}
+        self._log_z: torch.Tensor | None = None
         self._params: list[torch.nn.Parameter] = []  # the armed step's parameters, and a copy from before its update
         self._before: list[torch.Tensor] = []
         self._owner: torch.Tensor | None = None  # block index of each parameter (n_blocks for the rest)
@@ -46,6 +50,12 @@ class GradParamStats:
         for i, block in enumerate(self._blocks(pl_module)):
             block.attn.track_max_logit = True
             self._hooks.append(block.register_forward_hook(self._rms_hook(i)))
+        head = getattr(pl_module.net, "lm_head", None)
+        if head is not None:
+            self._hooks.append(head.register_forward_hook(self._log_z_hook))
+
+    def _log_z_hook(self, module, args, out) -> None:
+        self._log_z = out.detach().float().logsumexp(-1).mean()
 
     def _rms_hook(self, i: int):
         def hook(module, args, out):
@@ -101,9 +111,10 @@ class GradParamStats:
         totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
         logits = [b.attn.max_logit if b.attn.max_logit is not None else torch.zeros(()) for b in blocks]
         acts = [self._act.get(i, torch.zeros(())) for i in range(n)]
+        log_z = self._log_z if self._log_z is not None else torch.tensor(float("nan"))
         for b in blocks:
             b.attn.max_logit = None
-        self._params, self._before, self._act = [], [], {}
+        self._params, self._before, self._act, self._log_z = [], [], {}, None
         device = totals.device
         rows = [
             self._grad_norms,
@@ -111,16 +122,19 @@ class GradParamStats:
             delta_norms,
             *(torch.stack([t.to(device).float() for t in r]).view(-1) for r in (logits, acts) if r),
             totals,
+            log_z.to(device).float().view(1),
         ]
         values = torch.cat(rows).tolist()  # the one host copy of a measured step
         return self._report(armed, values, n)
 
     def _report(self, step: int, values: list[float], n: int) -> tuple[dict[str, float], list[Verdict]]:
         grad, param, delta, logit, act = (values[k * n : (k + 1) * n] for k in range(5))
-        total_delta, total_param = values[5 * n], values[5 * n + 1]
+        total_delta, total_param, log_z = values[5 * n : 5 * n + 3]
         ratio = [d / max(p, 1e-12) for d, p in zip(delta, param)]
         total_ratio = total_delta / max(total_param, 1e-12)
         metrics = {"stability/update_ratio": total_ratio}
+        if not math.isnan(log_z):  # NaN: no output head was measured
+            metrics["stability/log_z"] = log_z
         for i in range(n):
             metrics.update(
                 {

@@ -39,6 +39,7 @@ from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
 from steadylm.stability.qk_clip import QKClip
 from steadylm.stability.recovery import Recovery, restore_weights_and_optimizer
 from steadylm.stability.rollback import checkpoint_dir
+from steadylm.stability.signals import Precursors, signal_values
 from steadylm.stability.spike import SpikeDetector
 from steadylm.stability.stats import GradParamStats
 from steadylm.stability.suspects import batch_window_ids, spike_suspects
@@ -78,6 +79,7 @@ class Stability(L.Callback):
         qk_clip=None,
         init_loss=None,
         recovery=None,
+        signals=None,
         defer: bool = True,
     ):
         if not isinstance(defer, bool):
@@ -88,6 +90,7 @@ class Stability(L.Callback):
         self.loss_scale = _part("loss_scale", LossScaleMonitor, loss_scale)
         self.qk_clip = _part("qk_clip", QKClip, qk_clip)
         self.init_loss = _part("init_loss", InitLoss, init_loss)
+        self.signals = _part("signals", Precursors, signals)
         self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
         self.measure = StepMeasure(defer=defer and not (self.spike and self.spike.acts_before_update))
         self.stopped = False
@@ -111,7 +114,7 @@ class Stability(L.Callback):
             for attn in self._clip_targets(trainer, pl_module):
                 attn.track_max_logit = True
             self._clip_armed = trainer.global_step
-        if self.qk_clip is not None and self.qk_clip.rewind:
+        if any(b.rewind for b in self._backoffs()):
             self._hold_first_through_warmup(trainer, pl_module)
         spike_window = {"spike": self.spike.window_state()} if self.spike is not None else {}
         self.recovery.maybe_snapshot(trainer, pl_module, spike_window)
@@ -289,6 +292,8 @@ class Stability(L.Callback):
                 write_metrics(trainer, metrics)
             for v in alarms:
                 emit(trainer, v.onset, v.kind, v.action, v.detail)
+            if metrics and self.signals is not None and not self.stopped:
+                self.watch_signals(trainer, pl_module, metrics)
         if self.qk_clip is not None and not self.stopped:
             self.clip_logits(trainer, pl_module)
         if self._log is not None:
@@ -353,22 +358,88 @@ class Stability(L.Callback):
         emit(trainer, step, "qk_clip", "clip", evidence)
         if "lr_backoff" not in evidence:
             return False
-        pl_module.lr_scale *= evidence["lr_backoff"]
         keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
+        keys += ("rewind_before", "rewind_latest", "rewind_first", "growth_from")  # QKClip.rewind_target
         why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
-        detail = {**{k: evidence[k] for k in keys}, "reason": why}
-        restored = self._rewind(trainer, pl_module, evidence) if "rewind_before" in evidence else None
+        return self.back_off(
+            trainer,
+            pl_module,
+            step,
+            "qk_clip",
+            self.qk_clip.backoff,
+            {k: evidence[k] for k in keys if k in evidence},
+            why,
+        )
+
+    # -- precursor signals: after the stats of a measured step ---------------------------------------------------
+    def watch_signals(self, trainer, pl_module, metrics: dict[str, float]) -> None:
+        """The precursor signals of the stats step just measured, reduced with MAX over ranks (one small
+        all-reduce on stats steps only): forecasts and alarms logged, a persisting alarm backed off from."""
+        net = getattr(pl_module, "net", None)
+        values = signal_values(metrics, qk_norm=bool(net is not None and net.cfg.qk_norm))
+        if not values:
+            return
+        if trainer.world_size > 1 and dist.is_initialized():
+            packed = torch.tensor(list(values.values()), device=pl_module.device, dtype=torch.float64)
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+            values = dict(zip(values, packed.tolist()))
+        step = trainer.global_step - 1  # the update just measured
+        clip_acts = self.qk_clip is not None and bool(self._clip_targets(trainer, pl_module))
+        in_warmup = self._in_warmup(pl_module, trainer.global_step)
+        verdicts = self.signals.observe(step, values, in_warmup, may_back_off=not clip_acts)
+        for v in verdicts:
+            emit(trainer, v.onset, v.kind, v.action, v.detail)
+            if v.kind == "forecast":
+                write_metrics(trainer, {f"stability/forecast/{v.detail['signal']}": float(v.detail["expected_step"])})
+        for v in verdicts:
+            request = v.context.get("backoff")
+            if request is not None:
+                why = (
+                    f"{request['signal']} stayed above {request['threshold']:g} on {self.signals.persist} "
+                    f"measurements in a row"
+                )
+                keys = ("lr_backoff", "lr_scale", "backoffs", "onset", "rewind_before", "signal", "value")
+                detail = {k: request[k] for k in keys if k in request}
+                self.back_off(trainer, pl_module, step, request["signal"], self.signals.backoff, detail, why)
+
+    @staticmethod
+    def _in_warmup(pl_module, step: int) -> bool:
+        """The LR is still ramping up at optimizer step `step` (the first warmup, or a re-warmup after a rewind)."""
+        applied = step - pl_module.skipped_steps
+        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
+        start, length = getattr(pl_module, "rewarm", (0, 0))
+        return applied < warmup or (length > 0 and applied < start + length)
+
+    # -- the one LR backoff: QK-clip's and the precursor signals' ------------------------------------------------
+    def _backoffs(self) -> list:
+        return [p.backoff for p in (self.qk_clip, self.signals) if p is not None]
+
+    def back_off(self, trainer, pl_module, step: int, cause: str, backoff, detail: dict, why: str) -> bool:
+        """Apply a backoff a check's `Backoff` granted (`detail`: its evidence): the LR scale times the factor,
+        a rewind to the good snapshot from before `rewind_before` (and a re-warmup), the `lr_backoff` event and
+        the rollback's. Every rank reaches it from the same reduced values. True when it rewound."""
+        pl_module.lr_scale *= detail["lr_backoff"]
+        keys = ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
+        target = {k: detail.pop(k) for k in keys if k in detail}  # QK-clip's rewind_target, else before the onset
+        detail = {**detail, "cause": cause, "reason": why}
+        restored = None
+        if "rewind_before" in target:
+            target = {"rewind_latest": target["rewind_before"], "rewind_first": True, **target}
+            restored = self._rewind(trainer, pl_module, target)
         if restored is not None:
             detail["rewound_to"] = restored["to_step"]
-            if "growth_from" in evidence:
-                detail["growth_from"] = evidence["growth_from"]  # the last step the logits were below the floor
-            if self.qk_clip.rewarm_steps:  # the LR ramps up again from the restored weights, as at the start
+            if "growth_from" in target:
+                detail["growth_from"] = target["growth_from"]  # the last step the logits were below the floor
+            if backoff.rewarm_steps:  # the LR ramps up again from the restored weights, as at the start
                 applied = trainer.global_step - pl_module.skipped_steps
-                pl_module.rewarm = (applied, self.qk_clip.rewarm_steps)
-                detail["rewarm_steps"] = self.qk_clip.rewarm_steps
+                pl_module.rewarm = (applied, backoff.rewarm_steps)
+                detail["rewarm_steps"] = backoff.rewarm_steps
         emit(trainer, step, "lr_backoff", "backoff", detail)
         if restored is not None:
-            emit(trainer, step, "rollback", "rollback", {**restored, "cause": "qk_clip", "onset": evidence["onset"]})
+            emit(trainer, step, "rollback", "rollback", {**restored, "cause": cause, "onset": detail["onset"]})
+        for part in (self.qk_clip, self.signals):  # one backoff answers every check's streak: each starts again
+            if part is not None:
+                part.restart()
         return restored is not None
 
     def _hold_first_through_warmup(self, trainer, pl_module) -> None:
@@ -376,7 +447,10 @@ class Stability(L.Callback):
         10x the stable run's by step 19 and crosses 100 at 60): recovery holds the fit's first snapshot until
         the warmup, and a streak begun at its end, are over; a rewind then goes back to it."""
         warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
-        hold = trainer.global_step - pl_module.skipped_steps <= warmup + (self.qk_clip.backoff_after or 0)
+        after = [(self.qk_clip.backoff_after or 0) * self.qk_clip.every_n_steps] if self.qk_clip else []
+        if self.signals is not None and self.stats is not None:
+            after.append(self.signals.persist * self.stats.every_n_steps)
+        hold = trainer.global_step - pl_module.skipped_steps <= warmup + max(after, default=0)
         if hold and not self.recovery.hold_first:
             self.recovery.hold_first = True
         elif not hold and self.recovery.hold_first:
@@ -462,6 +536,7 @@ class Stability(L.Callback):
             "spike": self.spike,
             "loss_scale": self.loss_scale,
             "qk_clip": self.qk_clip,
+            "signals": self.signals,
             "recovery": self.recovery,
         }
         state = {name: part.state_dict() for name, part in parts.items() if part is not None}
@@ -469,7 +544,7 @@ class Stability(L.Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.measure.load_state_dict(state.get("measure"))
-        for name in ("guard", "spike", "loss_scale", "qk_clip", "recovery"):
+        for name in ("guard", "spike", "loss_scale", "qk_clip", "signals", "recovery"):
             part = getattr(self, name)
             if part is not None and name in state:
                 part.load_state_dict(state[name])

@@ -1,0 +1,183 @@
+"""`Precursors`: instability that the attention logits do not show, flagged, forecast and backed off from.
+
+With QK-norm on, attention logits stay bounded whatever the LR, so QK-clip never fires; a far too high LR
+still does its damage elsewhere. These signals come from the measurements `GradParamStats` already takes on
+its steps (every `stats.every_n_steps`), reduced with MAX across ranks by the owner:
+
+| signal | value | why |
+| --- | --- | --- |
+| `residual_rms` | the largest per-block RMS of the residual stream | a pre-LN model stays O(1) there; a too-high LR grows the weights, and with them the stream, by orders of magnitude, drowning what later updates add |
+| `update_ratio` | ‖Δθ‖/‖θ‖ of the whole model, after the warmup | Adam moves each weight by about the LR; a ratio far above the usual 1e-3..1e-2 at the peak LR is a step size the weights cannot absorb |
+| `log_z` | the mean \\|log Z\\| of the output softmax | Wortsman et al. 2023: output-logit divergence shows as log Z drifting far from 0 (z-loss holds it) |
+| `attn_logit` | the max attention logit (forecast only) | QK-clip owns its alarm and its mitigation; here it is only forecast |
+
+A signal is *alarmed* on a measurement above its level (null: the signal is not judged). Alarmed on `persist`
+measurements in a row, where QK-clip cannot act (QK-norm on, or QK-clip removed; else QK-clip owns the
+mitigation and the signals only log and forecast), it asks its `Backoff` (`backoff.py`, the same mechanism QK-clip's backoff uses) for a
+lower LR and a rewind to before the growth began (`action: backoff`), or only logs (`action: log`). Before
+that, a *forecast*: the value rose at each of the last `trend_points` measurements, is within a factor
+`1 / forecast_from` of the level, and the trend of log(value) over them reaches the level within `horizon` steps; the forecast names the
+signal, its doubling time and the expected step, once per episode (a new one after the value falls back or a
+backoff). The levels are absolute and far from healthy values (measured: `benchmarks/signals_bench.py`), so the
+rule does not depend on the model's width or parametrisation. It is a plain class: it never reads a trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from steadylm.errors import ConfigError
+from steadylm.stability.backoff import Backoff
+from steadylm.stability.verdict import Verdict
+
+SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
+GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
+AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
+
+
+def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
+    """The signals' values from one stats step's metrics (`GradParamStats`); a signal not measured is absent."""
+    blocks = [v for k, v in metrics.items() if k.startswith("stability/act_rms/block_")]
+    logits = [v for k, v in metrics.items() if k.startswith("stability/max_attn_logit/block_")]
+    out = {}
+    if blocks:
+        out["residual_rms"] = max(blocks)
+    if "stability/update_ratio" in metrics:
+        out["update_ratio"] = metrics["stability/update_ratio"]
+    if "stability/log_z" in metrics:
+        out["log_z"] = abs(metrics["stability/log_z"])
+    if logits and not qk_norm:
+        out["attn_logit"] = max(logits)
+    return out
+
+
+class Precursors:
+    def __init__(
+        self,
+        residual_rms: float | None = 100.0,
+        update_ratio: float | None = None,
+        log_z: float | None = None,
+        attn_logit: float | None = 100.0,
+        persist: int = 3,
+        action: str = "backoff",
+        trend_points: int = 4,
+        horizon: int = 200,
+        forecast_from: float = 0.25,
+        lr_backoff: float | None = 0.1,
+        max_backoffs: int = 2,
+        rewind: bool = True,
+        rewarm_steps: int = 100,
+    ) -> None:
+        where = "callbacks.stability.signals"
+        self.levels = {"residual_rms": residual_rms, "update_ratio": update_ratio, "log_z": log_z}
+        self.levels["attn_logit"] = attn_logit
+        for name, level in self.levels.items():
+            if level is not None and not level > 0:
+                raise ConfigError(f"{where}.{name}={level} must be > 0, or null to not judge it")
+        if action not in ("backoff", "log"):
+            raise ConfigError(f"{where}.action={action!r} must be backoff or log")
+        if persist < 1 or trend_points < 2 or horizon < 1 or not 0 < forecast_from <= 1:
+            raise ConfigError(f"{where}: persist >= 1, trend_points >= 2, horizon >= 1 and forecast_from in (0, 1]")
+        self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
+        self.horizon, self.forecast_from = int(horizon), float(forecast_from)
+        self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
+        self.history: dict[str, deque] = {s: deque(maxlen=self.trend_points) for s in SIGNALS}
+        self.streak = {s: 0 for s in SIGNALS}
+        self.onset = {s: -1 for s in SIGNALS}  # the step the current episode began (its first forecast or alarm)
+        self.forecast = {s: False for s in SIGNALS}  # forecast already given in this episode
+        self.alarms = 0
+
+    def trend(self, name: str) -> float | None:
+        """Growth rate of log(value) per step over the recent measurements (least squares); None: too few, or
+        not rising at every one of them (a noisy plateau has a slope too)."""
+        points = [(s, math.log(v)) for s, v in self.history[name] if v > 0]
+        if len(points) < self.trend_points or any(b[1] <= a[1] for a, b in zip(points, points[1:])):
+            return None
+        n = len(points)
+        ms, mv = sum(s for s, _ in points) / n, sum(v for _, v in points) / n
+        var = sum((s - ms) ** 2 for s, _ in points)
+        return sum((s - ms) * (v - mv) for s, v in points) / var if var else None
+
+    def observe(self, step: int, values: dict[str, float], in_warmup: bool, may_back_off: bool = True) -> list[Verdict]:
+        """One stats step's values (all-reduced): the `forecast` and `precursor` verdicts, and at most one
+        backoff request (in a `precursor` verdict's `context["backoff"]`); none when not `may_back_off` (QK-clip
+        owns the mitigation of a model without QK-norm)."""
+        out: list[Verdict] = []
+        asked = False
+        for name in SIGNALS:
+            level, value = self.levels[name], values.get(name)
+            if level is None or value is None or not math.isfinite(value):
+                continue
+            if name in AFTER_WARMUP and in_warmup:
+                continue
+            self.history[name].append((step, value))
+            if value < level * self.forecast_from and self.streak[name] == 0:
+                self.forecast[name], self.onset[name] = False, -1  # the episode is over
+            if value <= level:
+                self.streak[name] = 0
+                v = self._forecast(name, step, value, level)
+                if v is not None:
+                    out.append(v)
+                continue
+            if name == "attn_logit":
+                continue  # QK-clip's alarm, not this class's
+            self.streak[name] += 1
+            self.alarms += 1
+            if self.onset[name] < 0:
+                self.onset[name] = step
+            detail = {"signal": name, "value": value, "threshold": level, "streak": self.streak[name]}
+            context = {}
+            if self.streak[name] >= self.persist and self.action == "backoff" and may_back_off and not asked:
+                request = self.backoff.ask(self.onset[name])
+                if request is not None:
+                    asked = True
+                    context["backoff"] = {**request, "signal": name, "value": value, "threshold": level}
+            out.append(Verdict("log", "precursor", detail, onset=step, context=context))
+        return out
+
+    def _forecast(self, name: str, step: int, value: float, level: float) -> Verdict | None:
+        if name not in GROWING or self.forecast[name] or value < level * self.forecast_from:
+            return None
+        rate = self.trend(name)
+        if rate is None or rate <= 0:
+            return None
+        expected = step + math.log(level / value) / rate
+        if expected - step > self.horizon:
+            return None
+        self.forecast[name] = True
+        if self.onset[name] < 0:
+            self.onset[name] = self.history[name][0][0]  # the growth was under way at the first point of the fit
+        detail = {
+            "signal": name,
+            "value": value,
+            "threshold": level,
+            "doubling_steps": math.log(2) / rate,
+            "expected_step": int(round(expected)),
+        }
+        return Verdict("log", "forecast", detail, onset=step)
+
+    def restart(self) -> None:
+        """After a backoff (this check's or QK-clip's) the LR, the weights and so the trends start again."""
+        for name in SIGNALS:
+            self.history[name].clear()
+            self.streak[name], self.onset[name], self.forecast[name] = 0, -1, False
+
+    def state_dict(self) -> dict:
+        return {
+            "history": {k: [list(p) for p in v] for k, v in self.history.items()},
+            "streak": dict(self.streak),
+            "onset": dict(self.onset),
+            "forecast": dict(self.forecast),
+            "alarms": self.alarms,
+            **self.backoff.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in SIGNALS:
+            self.history[name] = deque((tuple(p) for p in state["history"].get(name, [])), maxlen=self.trend_points)
+            self.streak[name] = int(state["streak"].get(name, 0))
+            self.onset[name] = int(state["onset"].get(name, -1))
+            self.forecast[name] = bool(state["forecast"].get(name, False))
+        self.alarms = int(state["alarms"])
+        self.backoff.load_state_dict(state)

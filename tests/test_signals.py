@@ -1,0 +1,155 @@
+"""Precursor signals (`stability/signals.py`): the verdicts on synthetic series (forecast before the alarm, a
+bounded backoff once the alarm persists, nothing on a healthy series), resume, the `unstable` reason, and one
+real too-high-LR run with QK-norm that the attention logits cannot flag."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from steadylm.errors import ConfigError
+from steadylm.stability import read_events
+from steadylm.stability.instability import instability
+from steadylm.stability.signals import Precursors, signal_values
+from steadylm.sweep import finish_job
+from steadylm.train import train
+
+
+def growing(start: float, doubling: float, steps=range(0, 200, 10)) -> list[tuple[int, float]]:
+    return [(s, start * 2 ** (s / doubling)) for s in steps]
+
+
+def feed(check: Precursors, series, name="residual_rms", warmup=0):
+    """The verdicts on `series`; a backoff restarts the check, as the owner (`Stability.back_off`) does."""
+    out = []
+    for step, value in series:
+        verdicts = check.observe(step, {name: value}, in_warmup=step < warmup)
+        out += [(step, v) for v in verdicts]
+        if any("backoff" in v.context for v in verdicts):
+            check.restart()
+    return out
+
+
+def test_a_growing_residual_is_forecast_then_flagged_then_backed_off_once_per_budget():
+    check = Precursors(persist=3, max_backoffs=1)
+    verdicts = feed(check, growing(1.0, 10.0))  # 1 -> 100 at step ~66
+    kinds = [(s, v.kind) for s, v in verdicts]
+    forecasts = [(s, v) for s, v in verdicts if v.kind == "forecast"]
+    alarms = [(s, v) for s, v in verdicts if v.kind == "precursor"]
+    assert len(forecasts) == 1 and forecasts[0][0] == 50, kinds  # 32 >= 25, rising at each of 4 points
+    detail = forecasts[0][1].detail
+    assert detail["signal"] == "residual_rms" and detail["doubling_steps"] == pytest.approx(10.0)
+    assert detail["expected_step"] == 66  # 50 + log2(100 / 32) * 10
+    assert alarms[0][0] == 70 and alarms[0][1].detail["threshold"] == 100.0
+    backoffs = [(s, v.context["backoff"]) for s, v in alarms if "backoff" in v.context]
+    assert [s for s, _ in backoffs] == [90]  # the third alarm in a row; the budget of 1 is spent after it
+    request = backoffs[0][1]
+    assert request["lr_scale"] == pytest.approx(0.1) and request["signal"] == "residual_rms"
+    assert request["rewind_before"] == 19  # the growth was under way at the forecast's first point (step 20)
+    assert check.backoff.backoffs == 1 and len(alarms) > 3  # alarms go on being logged after the budget
+
+
+def test_a_healthy_series_raises_nothing_and_a_log_policy_never_backs_off():
+    noisy = [(s, 1.0 + 0.5 * math.sin(s)) for s in range(0, 400, 10)]
+    assert feed(Precursors(update_ratio=0.03, log_z=10.0), noisy) == []
+    plateau = [(s, 30.0 + 3 * math.sin(s)) for s in range(0, 400, 10)]  # near the level, no steady rise
+    assert feed(Precursors(), plateau, name="attn_logit") == []
+    logging_only = Precursors(action="log", persist=1)
+    verdicts = feed(logging_only, growing(50.0, 10.0))
+    assert verdicts and not any(v.context.get("backoff") for _, v in verdicts)
+
+
+def test_the_update_ratio_is_judged_only_after_the_warmup_and_attn_logits_are_only_forecast():
+    check = Precursors(residual_rms=None, update_ratio=0.03, persist=2)
+    early = feed(check, [(s, 0.5) for s in range(0, 50, 10)], name="update_ratio", warmup=50)
+    assert early == []
+    late = feed(check, [(s, 0.5) for s in range(50, 80, 10)], name="update_ratio", warmup=50)
+    assert [v.kind for _, v in late] == ["precursor"] * 3 and "backoff" in late[1][1].context
+    logits = feed(Precursors(), growing(5.0, 20.0), name="attn_logit")
+    assert {v.kind for _, v in logits} == {"forecast"}  # QK-clip owns the alarm and the mitigation
+
+
+def test_state_survives_a_resume_mid_episode():
+    series = growing(1.0, 10.0)
+    whole = Precursors()
+    expected = feed(whole, series)
+    first = Precursors()
+    head = feed(first, series[:6])
+    resumed = Precursors()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    tail = feed(resumed, series[6:])
+    assert [(s, v.kind, v.detail) for s, v in head + tail] == [(s, v.kind, v.detail) for s, v in expected]
+    assert resumed.state_dict() == whole.state_dict()
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(ConfigError, match="signals.residual_rms=-1"):
+        Precursors(residual_rms=-1)
+    with pytest.raises(ConfigError, match="signals.action='stop'"):
+        Precursors(action="stop")
+    with pytest.raises(ConfigError, match="signals.lr_backoff=2"):
+        Precursors(lr_backoff=2)
+
+
+def test_signal_values_come_from_the_stats_metrics():
+    metrics = {
+        "stability/act_rms/block_0": 3.0,
+        "stability/act_rms/block_1": 7.0,
+        "stability/update_ratio": 0.01,
+        "stability/log_z": -12.0,
+        "stability/max_attn_logit/block_0": 40.0,
+    }
+    assert signal_values(metrics, qk_norm=False) == {
+        "residual_rms": 7.0,
+        "update_ratio": 0.01,
+        "log_z": 12.0,
+        "attn_logit": 40.0,
+    }
+    assert "attn_logit" not in signal_values(metrics, qk_norm=True)
+
+
+def _events(tmp_path, events):
+    (tmp_path / "stability").mkdir(parents=True)
+    (tmp_path / "stability" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return tmp_path
+
+
+def test_an_unmitigated_persisting_signal_makes_the_run_unstable_with_cause_and_fix(tmp_path):
+    alarm = {
+        "kind": "precursor",
+        "action": "log",
+        "detail": {"signal": "update_ratio", "value": 0.2, "threshold": 0.03},
+    }
+    run = _events(tmp_path, [{**alarm, "step": s} for s in (100, 110, 120, 130, 140)])
+    reason = instability(run, lr=0.3)
+    assert reason.startswith("the update/param ratio stayed above 0.03 after the warmup (max 0.2) from step 100")
+    assert "on 5 stats steps, unmitigated" in reason and "fix: optim.lr=0.03" in reason
+    assert instability(_events(tmp_path / "few", [{**alarm, "step": 100}])) is None
+
+
+@pytest.mark.slow
+def test_a_too_high_lr_with_qk_norm_is_flagged_backed_off_and_ends_unstable(make_cfg, tmp_path):
+    """lr 0.3 with QK-norm: the attention logits stay bounded, the residual stream does not."""
+    cfg = make_cfg("model.qk_norm=true", "optim.lr=0.3", "trainer.max_steps=25", "trainer.limit_val_batches=1")
+    train(cfg)
+    events = read_events(tmp_path / "run")
+    kinds = [e["kind"] for e in events]
+    assert "qk_clip" not in kinds and "attn_logit" not in kinds  # nothing the logits could have said
+    alarms = [e for e in events if e["kind"] == "precursor"]
+    assert alarms and alarms[0]["detail"]["signal"] == "residual_rms" and alarms[0]["detail"]["value"] > 100
+    (backoff,) = [e for e in events if e["kind"] == "lr_backoff"][:1]
+    assert backoff["detail"]["cause"] == "residual_rms" and backoff["detail"]["lr_scale"] == pytest.approx(0.1)
+    assert "rollback" in kinds and backoff["detail"]["rewound_to"] == 0
+    finish_job(cfg, {"train/loss": 3.0, "val/loss": 3.0})
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "unstable" and "residual stream's RMS grew past 100" in result["reason"]
+    assert "fix: optim.lr=0.03" in result["reason"]
+
+
+def test_where_qk_clip_acts_the_signals_only_log():
+    check = Precursors(persist=1)
+    verdicts = [v for s, x in growing(200.0, 10.0)[:3] for v in check.observe(s, {"residual_rms": x}, False, False)]
+    assert [v.kind for v in verdicts] == ["precursor"] * 3 and not any(v.context for v in verdicts)
+    assert check.backoff.backoffs == 0
