@@ -108,7 +108,7 @@ def test_lmmodule_groups_scale_hidden_lr_and_keep_lr_times_wd():
         (["model.parametrization=mup", "model.mup_base_head_dim=24"], "model.mup_base_head_dim=24 does not divide"),
         (["model.parametrization=mup", "model.mup_base_width=0"], "model.mup_base_width=0 must be a whole number > 0"),
         (["model.parametrization=mup", "model.mup_base_width=100000"], "outside [1/64, 1024]"),
-        (["model.parametrization=mup", "model.init=xavier"], "model.parametrization=mup needs model.init=gpt2"),
+        (["model.mup_base_width=64", "model.mup_base_head_dim=16", "model.init=xavier"], "needs model.init=gpt2 off"),
         (["model.mup_output_mult=0"], "model.mup_output_mult=0 must be a number > 0"),
     ],
 )
@@ -158,7 +158,7 @@ def test_doctor_row_passes_mup_fails_the_broken_variant_and_shows_sp_growing():
     assert ok.status == OK and ok.evidence.startswith("mup flat in width") and "widths 64/128/256" in ok.evidence
     bad = check_coords(cfg, batch, groups=no_lr_scaling)[0]
     assert bad.status == FAIL and "mup is not width-independent" in bad.evidence and "model/mup.py" in bad.fix
-    sp = check_coords(compose([]), batch)[0]
+    sp = check_coords(compose(["model.parametrization=sp"]), batch)[0]
     assert sp.status == OK and sp.evidence.startswith("sp (grows with width")
 
 

@@ -36,6 +36,8 @@ from steadylm.model.config import GPTConfig
 
 # Tables that are looked up (or, tied or not, the readout): one side is the vocabulary or the positions.
 EMBEDDING_LIKE = ("wte.weight", "wpe.weight", "lm_head.weight")
+# Under mup, the Muon groups' LR falls as width_mult ** -this (`muon_lr_mult`).
+MUON_WIDTH_EXP = 0.5
 
 
 def width_mult(cfg: GPTConfig) -> float:
@@ -65,6 +67,16 @@ def attn_scale(cfg: GPTConfig) -> float | None:
         return None
     b = cfg.mup_base_head_dim
     return (1.0 / math.sqrt(b)) * (b / cfg.head_dim)
+
+
+def muon_lr_mult(cfg: GPTConfig) -> float:
+    """Factor on the Muon groups' LR under mup: width_mult ** -MUON_WIDTH_EXP (1 under sp and at the base).
+
+    Muon's `match_rms_adamw` step has a fixed per-entry RMS (0.2 lr), like an sp Adam step, while its
+    spectral norm, which is what an orthogonal update adds to each output, grows as sqrt(max(A, B)); the
+    exponent is the one `benchmarks/lr_transfer.py --optim muon` measured (docs/model.md).
+    """
+    return width_mult(cfg) ** -MUON_WIDTH_EXP
 
 
 def is_hidden(name: str, p: torch.Tensor) -> bool:
