@@ -21,6 +21,7 @@ def doctor_cfg(shards_dir, preset: str, optim: str, *extra: str):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_default_lr_passes_doctor_and_ten_times_it_fails(preset, optim, shards_dir):

@@ -252,3 +252,12 @@ def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_p
     summarize_sweep(tmp_path / "sp")
     text = (tmp_path / "sp" / "summary.md").read_text()
     assert "**Best LR: 0.004**" in text and "Under sp it holds at this width only" in text and "model=small" not in text
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "llama_1b"])
+def test_mup_is_every_presets_default_and_muon_is_accepted_with_it(preset):
+    cfg = compose([f"model={preset}", "optim=muon"])
+    validate_config(cfg)  # mup + Muon: no longer refused
+    assert (cfg.model.parametrization, cfg.model.mup_base_width, cfg.model.mup_base_head_dim) == ("mup", 128, 32)
+    sp = compose(["experiment=gpt2_124m"]).model
+    assert sp.parametrization == "sp"  # the nanoGPT / llm.c reproduction keeps their parametrisation and LR

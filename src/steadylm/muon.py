@@ -21,7 +21,6 @@ import torch
 from torch.optim.adamw import adamw
 
 from steadylm import compat
-from steadylm.model import mup
 
 # Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
 # (its last entry repeats past its end) and the safety factor the input norm is divided by.
@@ -264,12 +263,8 @@ class Muon(torch.optim.Optimizer):
 def param_groups(net: torch.nn.Module, optim: dict) -> list[dict]:
     """AdamW groups first (decayed embeddings/head, undecayed norms and biases), then the Muon groups: every 2-D
     weight inside the blocks, with the fused qkv split into q, k, v and the SwiGLU `fc` into gate and up.
-    Each group carries `lr_mult` and starts at optim.lr · lr_mult (the LR schedule scales from there). Under
-    mup the AdamW groups are muP's embedding-like and vector groups (their LR does not scale with width) and the
-    Muon groups' `lr_mult` carries `mup.muon_lr_mult`, their decay its inverse (lr · wd stays width-free)."""
-    cfg = net.cfg
-    width = mup.muon_lr_mult(cfg) if cfg.parametrization == "mup" else 1.0
-    mult = float(optim["muon"]["lr_mult"]) * width
+    Each group carries `lr_mult` and starts at optim.lr · lr_mult (the LR schedule scales from there)."""
+    cfg, mult = net.cfg, float(optim["muon"]["lr_mult"])
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     fused_rows = {"attn.qkv.weight": (q, kv, kv)}
     if cfg.mlp == "swiglu":
@@ -289,6 +284,6 @@ def param_groups(net: torch.nn.Module, optim: dict) -> list[dict]:
         {"params": adam_plain, "weight_decay": 0.0, "muon": False, "lr": lr, "lr_mult": 1.0},
     ]
     groups.append(
-        {"params": muon, "weight_decay": wd / width, "muon": True, "splits": splits, "lr": lr * mult, "lr_mult": mult}
+        {"params": muon, "weight_decay": wd, "muon": True, "splits": splits, "lr": lr * mult, "lr_mult": mult}
     )
     return [g for g in groups if g["params"]]

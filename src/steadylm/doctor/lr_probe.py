@@ -46,6 +46,7 @@ MULTIPLES = (1.0, 3.0, 10.0)
 DOWN = (1 / 3, 1 / 9, 1 / 27, 1 / 81)  # walked while the loss keeps improving: to the best LR of a probe this short
 # An LR whose loss ends further above the best lower LR's than this share of that LR's progress is too high.
 EXCESS = 0.2
+FLAT = 0.02  # nats: a lower LR ending within this of the one above is on the same plateau, so the walk goes on
 
 
 @dataclass
@@ -237,9 +238,9 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
         return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau)
 
     results, prev = {1.0: probe(1.0)}, 1.0
-    for m in DOWN:  # the yardstick: down while a lower LR still ends lower, or the one above is plainly unstable
+    for m in DOWN:  # the yardstick: down while a lower LR ends no higher, or the one above is plainly unstable
         results[m] = probe(m)
-        if not results[prev].unstable(tau) and results[m].finite and results[m].end() >= results[prev].end():
+        if not results[prev].unstable(tau) and results[m].finite and results[m].end() > results[prev].end() + FLAT:
             break
         prev = m
 

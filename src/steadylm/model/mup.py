@@ -22,6 +22,11 @@ hence the 1/m on the logits; attention scores do the same over d_head, hence 1/d
 1/sqrt(d_head). Torch's AdamW decays by lr * wd per step, so the 1/m on the LR alone would weaken the
 hidden decay at width; scaling wd by m keeps it (microsoft/mup's MuAdamW rule for AdamW).
 
+Under `optim=muon` these groups are AdamW's (embeddings, vectors); the Muon groups keep `optim.lr` with no
+width factor. Muon's `match_rms_adamw` step already sets each matrix's update size from its shape, and measured
+(`benchmarks/lr_transfer.py --optim muon --widths 32,256`) its best LR moved -0.5 octaves from 1x to 8x with
+no factor, +1.0 with width_mult^-0.5 (the spectral rule), so none is applied.
+
 This module must stay free of optimizer objects and training state: it returns numbers and param groups.
 """
 
@@ -36,8 +41,6 @@ from steadylm.model.config import GPTConfig
 
 # Tables that are looked up (or, tied or not, the readout): one side is the vocabulary or the positions.
 EMBEDDING_LIKE = ("wte.weight", "wpe.weight", "lm_head.weight")
-# Under mup, the Muon groups' LR falls as width_mult ** -this (`muon_lr_mult`).
-MUON_WIDTH_EXP = 0.5
 
 
 def width_mult(cfg: GPTConfig) -> float:
@@ -67,16 +70,6 @@ def attn_scale(cfg: GPTConfig) -> float | None:
         return None
     b = cfg.mup_base_head_dim
     return (1.0 / math.sqrt(b)) * (b / cfg.head_dim)
-
-
-def muon_lr_mult(cfg: GPTConfig) -> float:
-    """Factor on the Muon groups' LR under mup: width_mult ** -MUON_WIDTH_EXP (1 under sp and at the base).
-
-    Muon's `match_rms_adamw` step has a fixed per-entry RMS (0.2 lr), like an sp Adam step, while its
-    spectral norm, which is what an orthogonal update adds to each output, grows as sqrt(max(A, B)); the
-    exponent is the one `benchmarks/lr_transfer.py --optim muon` measured (docs/model.md).
-    """
-    return width_mult(cfg) ** -MUON_WIDTH_EXP
 
 
 def is_hidden(name: str, p: torch.Tensor) -> bool:
