@@ -64,9 +64,10 @@ def measured_best(args, preset: str, optim_name: str, data) -> tuple[float, floa
 def probe_verdict(preset: str, optim_name: str) -> tuple[float, float | None, str]:
     """(default LR, the largest stable LR doctor's probe found, its verdict and what it probed)."""
     cfg = compose([f"model={preset}", f"optim={optim_name}", "trainer=cpu"], config_name="doctor")
+    cpu = time.process_time()
     sweep = probe_lrs(cfg)
     verdict = {None: "OK", 3.0: "WARN", 1.0: "FAIL"}.get(sweep.first_bad, "OK")
-    return sweep.lr, sweep.best, f"doctor probe {verdict}: {sweep.what}"
+    return sweep.lr, sweep.best, f"doctor probe {verdict}: {sweep.what} ({time.process_time() - cpu:.0f} s of CPU)"
 
 
 def main() -> None:

@@ -187,7 +187,7 @@ CLI_CASES = {
     ),
     "mup_off_base_with_xavier": (
         ["model=small", "model.init=xavier"],
-        r"model\.parametrization=mup needs model\.init=gpt2 off its base width, got 'xavier' at d_model=768",
+        r"model\.parametrization=mup needs model\.init=gpt2 off its base width, got 'xavier' at d_model=32",
     ),
     "callback_without_target": (
         ["+callbacks.guard.max_consecutive=2"],

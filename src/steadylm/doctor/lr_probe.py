@@ -21,7 +21,7 @@ the stable region.
 A model wider, deeper, longer or with a larger vocabulary than the probe's limits is probed on a proxy
 (`proxy_model`) that keeps what sets the LR: the head size, the grouping of key/value heads, the family
 switches, and the width rule. Under mup the proxy keeps the base shape, so the narrower proxy's best LR is
-the model's (muP's point). Under sp the proxy becomes a mup model whose base is the full model's width:
+the model's (muP's point). Under sp (or mup based at the model's own width) the proxy becomes a mup model whose base is the full model:
 mup at the base is sp, so the proxy behaves like the full-width sp model scaled down (an sp proxy taken
 narrower would tolerate a larger LR and pass an LR too high for the model). The vocabulary is cut to the
 token ids the probe batches use, which is what the output layer costs on a CPU and not what sets the LR.
@@ -118,9 +118,9 @@ def proxy_model(model: dict, max_layers: int, max_width: int, max_context: int) 
     }
     if m.get("mlp_hidden"):
         reduced["mlp_hidden"] = max(1, m["mlp_hidden"] * reduced["d_model"] // m["d_model"])
-    narrower = reduced["d_model"] != m["d_model"]
-    if narrower and m.get("parametrization", "sp") == "sp" and m.get("init", "gpt2") == "gpt2":
-        # mup whose base is the full model: the full model is sp, and muP carries its LR down to the proxy.
+    base = m.get("mup_base_width") if m.get("parametrization") == "mup" else None
+    if reduced["d_model"] != m["d_model"] and base is None and m.get("init", "gpt2") == "gpt2":
+        # mup whose base is the full model (sp, or mup based at itself): muP carries its LR down to the proxy.
         reduced.update(parametrization="mup", mup_base_width=m["d_model"], mup_base_head_dim=head_dim)
     original = {**m, "n_kv_head": m.get("n_kv_head") or m["n_head"]}
     changed = {k: v for k, v in reduced.items() if original.get(k) != v}
