@@ -71,15 +71,13 @@ def test_probe_fails_the_unstable_lrs_of_the_tiny_model_and_passes_the_default(l
     assert "max attention logit" in row.evidence and " s: " in row.evidence  # the cause, and the cost
     largest = float(row.fix.split("optim.lr<=")[1].split(" ")[0])
     assert largest < lr
-    # QK-norm bounds the logits, but the loss still shows the LR too high: no single stabiliser is named
-    assert "no single stabiliser (QK-norm, z-loss, warmup) made the first unstable LR stable" in row.fix
+    assert f"model.qk_norm=true makes lr {lr:.3g} stable (probed)" in row.fix
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lr", [0.1, 0.3])
-def test_with_qk_norm_the_probe_fails_an_lr_whose_loss_shows_it_though_the_logits_stay_bounded(lr, shards_dir):
+def test_with_qk_norm_the_probe_fails_an_lr_whose_loss_shows_it_though_the_logits_stay_bounded(shards_dir):
     cfg = compose(
-        ["model=tiny", "model.qk_norm=true", f"optim.lr={lr}", "trainer=cpu", f"data.dir={shards_dir}"],
+        ["model=tiny", "model.qk_norm=true", "optim.lr=0.3", "trainer=cpu", f"data.dir={shards_dir}"],
         config_name="doctor",
     )
     (row,) = check_lr_probe(cfg)
