@@ -1,18 +1,22 @@
-"""Does the best LR found at the base width hold at 8x the width? sp against mup, on the embedded corpus.
+"""Does the best LR found at the base shape hold at 8x the width, or 4x the depth? sp against mup, AdamW or Muon.
 
-`python benchmarks/lr_transfer.py [--widths 32,64,128,256] [--lrs -12:-4] [--steps 150] [--seeds 0,1,2] [--plot FILE]`
+`python benchmarks/lr_transfer.py [--widths 32,64,128,256] [--layers 2 | --layers 2,4,8] [--optim adamw|muon]
+[--muon-width-exp E] [--lrs -12:-4] [--steps 150] [--seeds 0,1,2] [--plot FILE]`
 
-For each parametrisation and width: the same init seed, the same batches, the same warmup + cosine
+For each parametrisation and shape: the same init seed, the same batches, the same warmup + cosine
 schedule and weight decay, short runs at LRs on a grid of octaves (within 2^-12 .. 2^-3), through
 steadylm's own `GPT`, `LMModule.loss` and `LMModule.configure_optimizers` (the groups and `lr_mult`s
 training uses) in a plain loop; then the mean loss on fixed held-out windows. The grid is walked, not
-filled: from the previous width's best octave, neighbours are run until the best one has both of its
-neighbours run (about 4 runs per width instead of 10, which keeps the sweep to minutes on 2 CPU cores).
-The best LR per width is the vertex of the parabola through that minimum and its neighbours (in log2
-LR), and its move from the base width is printed in octaves. muP's hyperparameters are tuned at the base
-width only, as its recipe says: the LR and `model.mup_output_mult` (alpha_output, --output-mults); the
-wider mup models reuse the base's alpha. muP's base is the narrowest width (with alpha_output = 1 there, sp and mup are the same model).
-The plot (loss vs LR, one line per width, sp | mup) goes to --plot (docs/lr_transfer.png).
+filled: from the previous shape's best octave, neighbours are run until the best one has both of its
+neighbours run (about 4 runs per shape instead of 10, which keeps the sweep to minutes on 2 CPU cores).
+The best LR per shape is the vertex of the parabola through that minimum and its neighbours (in log2
+LR), and its move from the base shape is printed in octaves. A comma list in `--layers` sweeps depth at
+the first width instead of width. muP's hyperparameters are tuned at the base width only, as its recipe
+says: the LR and `model.mup_output_mult` (alpha_output, --output-mults); the wider mup models reuse the
+base's alpha. muP's base is the narrowest width (with alpha_output = 1 there, sp and mup are the same
+model). `--muon-width-exp E` tries a width rule for the Muon groups under mup: their LR x width_mult^-E
+(weight decay x width_mult^E); without it they get the module's own groups. The plot (loss vs LR, one line
+per shape, sp | mup) goes to --plot (docs/lr_transfer.png; "" for none).
 """
 
 from __future__ import annotations
@@ -41,9 +45,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", default="2", help="one depth, or a comma list: a depth sweep at the first width")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    ap.add_argument("--optim", choices=("adamw", "muon"), default="adamw")
+    ap.add_argument(
+        "--muon-width-exp",
+        type=float,
+        default=None,
+        help="mup + muon: set the Muon groups' lr_mult to width_mult^-E (a variant to compare; default: the module's)",
+    )
     ap.add_argument("--parametrizations", default="sp,mup")
     ap.add_argument("--output-mults", default="1,2,4,8,16", help="mup: alpha_output values tuned at the base width")
     ap.add_argument("--val-windows", type=int, default=128)
@@ -70,15 +81,27 @@ def batch(ds: TokenWindows, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     return torch.stack(xs), torch.stack(ys)
 
 
-def run(args, param: str, width: int, base: int, log2_lr: int, train, val_batches, alpha: float = 1.0) -> float:
+def run(args, param: str, shape: tuple[int, int], base: int, log2_lr: int, train, val_batches, alpha=1.0) -> float:
     """The held-out loss at one point, the mean over `--seeds` (inf if any seed diverged)."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    return sum(run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, s) for s in seeds) / len(seeds)
+    return sum(run_seed(args, param, shape, base, log2_lr, train, val_batches, alpha, s) for s in seeds) / len(seeds)
 
 
-def run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, seed: int) -> float:
+MUON = dict(
+    lr_mult=1.0,
+    adjust_lr="match_rms_adamw",
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    ns_coeffs="quintic",
+    ns_dtype="float32",
+)
+
+
+def run_seed(args, param, shape, base, log2_lr, train, val_batches, alpha, seed: int) -> float:
+    width, layers = shape
     model = dict(
-        n_layer=args.layers,
+        n_layer=layers,
         n_head=args.heads,
         d_model=width,
         context_length=args.context,
@@ -91,6 +114,7 @@ def run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, seed:
     )
     lr = 2.0**log2_lr
     optim = dict(
+        name=args.optim,
         lr=lr,
         min_lr=lr * 0.1,
         weight_decay=0.1,
@@ -99,14 +123,28 @@ def run_seed(args, param, width, base, log2_lr, train, val_batches, alpha, seed:
         warmup_steps=max(1, args.steps // 10),
         total_steps=args.steps,
         fused=False,
+        muon=MUON,
     )
+    exp = args.muon_width_exp if param == "mup" else None
+    return held_out_loss(model, optim, args.steps, args.batch, train, val_batches, seed, muon_width_exp=exp)
+
+
+def held_out_loss(model: dict, optim: dict, steps: int, batch_size: int, train, val_batches, seed: int, **kw) -> float:
+    """Train `model` with `optim` (its warmup + cosine, clip 1.0) for `steps` steps in a plain loop through
+    `LMModule`, then the mean loss on `val_batches` (inf if the loss went non-finite)."""
     torch.manual_seed(seed)
     module = LMModule(model=model, optim=optim)
     opt = module.configure_optimizers()
+    if kw.get("muon_width_exp") is not None:  # a variant of `mup.muon_lr_mult`, lr · wd kept
+        width = model["d_model"] / model["mup_base_width"]
+        for group in opt.param_groups:
+            if group.get("muon"):
+                group["lr_mult"] = width ** -kw["muon_width_exp"]
+                group["weight_decay"] = optim["weight_decay"] / group["lr_mult"]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed + 1)).tolist()
-    for step in range(args.steps):
-        start = step * args.batch % (len(order) - args.batch)
-        x, y = batch(train, order[start : start + args.batch])
+    for step in range(steps):
+        start = step * batch_size % (len(order) - batch_size)
+        x, y = batch(train, order[start : start + batch_size])
         loss = module.loss(module(x), y)[0]
         if not torch.isfinite(loss):
             return math.inf
@@ -143,7 +181,11 @@ def best_log2_lr(losses: dict[int, float]) -> tuple[float, float]:
     return g + (0.5 * (a - c) / curv if curv > 0 else 0.0), b
 
 
-def plot(results: dict, widths: list[int], path: Path) -> None:
+def label(shape: tuple[int, int]) -> str:
+    return f"d{shape[0]} L{shape[1]}"
+
+
+def plot(results: dict, shapes: list[tuple[int, int]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,12 +193,12 @@ def plot(results: dict, widths: list[int], path: Path) -> None:
 
     params = list(results)
     fig, axes = plt.subplots(1, len(params), figsize=(5.5 * len(params), 4), sharey=True, squeeze=False)
-    finite = [v for p in params for w in widths for v in results[p][w].values() if math.isfinite(v)]
+    finite = [v for p in params for s in shapes for v in results[p][s].values() if math.isfinite(v)]
     top = min(max(finite), min(finite) + 2.0)
     for ax, param in zip(axes[0], params):
-        for w, color in zip(widths, plt.cm.viridis([i / max(1, len(widths) - 1) for i in range(len(widths))])):
-            runs = results[param][w]
-            ax.plot([2.0**g for g in runs], [min(v, top) for v in runs.values()], "o-", color=color, label=f"width {w}")
+        for s, color in zip(shapes, plt.cm.viridis([i / max(1, len(shapes) - 1) for i in range(len(shapes))])):
+            runs = results[param][s]
+            ax.plot([2.0**g for g in runs], [min(v, top) for v in runs.values()], "o-", color=color, label=label(s))
             best, _ = best_log2_lr(runs)
             ax.axvline(2.0**best, color=color, ls=":", lw=1)
         ax.set_xscale("log", base=2)
@@ -171,30 +213,40 @@ def plot(results: dict, widths: list[int], path: Path) -> None:
     plt.close(fig)
 
 
-def paired(args, results, alphas, widths, seeds, train, val_batches) -> None:
-    """mup - sp at the widest width, seed by seed, each at its best grid LR: the difference and its standard
+def paired(args, results, alphas, shapes, seeds, train, val_batches) -> None:
+    """mup - sp at the last shape, seed by seed, each at its best grid LR: the difference and its standard
     error (the seeds' spread is larger than the gap between the means)."""
-    wide, base = widths[-1], widths[0]
-    best = {p: min(results[p][wide], key=results[p][wide].__getitem__) for p in ("sp", "mup")}
+    last, base = shapes[-1], shapes[0][0]
+    best = {p: min(results[p][last], key=results[p][last].__getitem__) for p in ("sp", "mup")}
     diffs = []
     for s in seeds:
-        sp = run_seed(args, "sp", wide, base, best["sp"], train, val_batches, alphas["sp"], s)
-        mup = run_seed(args, "mup", wide, base, best["mup"], train, val_batches, alphas["mup"], s)
+        sp = run_seed(args, "sp", last, base, best["sp"], train, val_batches, alphas["sp"], s)
+        mup = run_seed(args, "mup", last, base, best["mup"], train, val_batches, alphas["mup"], s)
         diffs.append(mup - sp)
         print(f"seed {s}: sp (2^{best['sp']}) {sp:.4f}, mup (2^{best['mup']}) {mup:.4f}, mup - sp {mup - sp:+.4f}")
     se = statistics.stdev(diffs) / len(diffs) ** 0.5
-    print(f"width {wide}: mup - sp = {statistics.mean(diffs):+.4f} +- {se:.4f} nats (mean, standard error)")
+    print(f"{label(last)}: mup - sp = {statistics.mean(diffs):+.4f} +- {se:.4f} nats (mean, standard error)")
+
+
+def sweep_shapes(args) -> list[tuple[int, int]]:
+    """(width, layers) per point: a width sweep at one depth, or a depth sweep at the first width."""
+    widths = [int(w) for w in args.widths.split(",")]
+    layers = [int(n) for n in args.layers.split(",")]
+    if len(layers) > 1:
+        return [(widths[0], n) for n in layers]
+    return [(w, layers[0]) for w in widths]
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    widths = [int(w) for w in args.widths.split(",")]
+    shapes = sweep_shapes(args)
+    base = shapes[0][0]
     lo, hi = (int(v) for v in args.lrs.split(":"))
     train, val = windows(args.context)
     val_idx = list(range(0, min(len(val), args.val_windows)))
     val_batches = [batch(val, val_idx[i : i + args.batch]) for i in range(0, len(val_idx), args.batch)]
-    results: dict[str, dict[int, dict[int, float]]] = {}
+    results: dict[str, dict[tuple[int, int], dict[int, float]]] = {}
     t0 = time.time()
     alphas: dict[str, float] = {}
     show = lambda runs: " ".join(f"2^{g}:{v:.3f}" for g, v in runs.items())  # noqa: E731
@@ -202,46 +254,44 @@ def main() -> None:
         # muP's hyperparameters are tuned at the base only: the LR and, for mup, alpha_output with it.
         base_runs = {}
         for alpha in [float(a) for a in args.output_mults.split(",")] if param == "mup" else [1.0]:
-            evaluate = lambda g, p=param, a=alpha: run(args, p, widths[0], widths[0], g, train, val_batches, a)  # noqa: E731
+            evaluate = lambda g, p=param, a=alpha: run(args, p, shapes[0], base, g, train, val_batches, a)  # noqa: E731
             base_runs[alpha] = walk(evaluate, args.start, lo, hi)
-            print(f"{param:4} width {widths[0]:4} alpha {alpha:g}: {show(base_runs[alpha])}  ({time.time() - t0:.0f}s)")
+            print(f"{param:4} {label(shapes[0])} alpha {alpha:g}: {show(base_runs[alpha])}  ({time.time() - t0:.0f}s)")
         alphas[param] = min(base_runs, key=lambda a: min(base_runs[a].values()))
-        results[param] = {widths[0]: base_runs[alphas[param]]}
-        start = min(results[param][widths[0]], key=results[param][widths[0]].__getitem__)
-        for w in widths[1:]:
-            evaluate = lambda g, p=param, w=w: run(args, p, w, widths[0], g, train, val_batches, alphas[p])  # noqa: E731
-            results[param][w] = walk(evaluate, start, lo, hi)
-            start = min(results[param][w], key=results[param][w].__getitem__)
-            print(
-                f"{param:4} width {w:4} alpha {alphas[param]:g}: {show(results[param][w])}  ({time.time() - t0:.0f}s)"
-            )
+        results[param] = {shapes[0]: base_runs[alphas[param]]}
+        start = min(results[param][shapes[0]], key=results[param][shapes[0]].__getitem__)
+        for s in shapes[1:]:
+            evaluate = lambda g, p=param, s=s: run(args, p, s, base, g, train, val_batches, alphas[p])  # noqa: E731
+            results[param][s] = walk(evaluate, start, lo, hi)
+            start = min(results[param][s], key=results[param][s].__getitem__)
+            print(f"{param:4} {label(s)} alpha {alphas[param]:g}: {show(results[param][s])}  ({time.time() - t0:.0f}s)")
     print(
-        f"\n{args.family}, {args.layers} layers, {args.steps} steps x {args.batch} x {args.context} tokens; base width {widths[0]}"
+        f"\n{args.family}, optim={args.optim}, {args.steps} steps x {args.batch} x {args.context} tokens, "
+        f"seeds {args.seeds}; base {label(shapes[0])}"
     )
     print("alpha_output tuned at the base: " + ", ".join(f"{p} {a:g}" for p, a in alphas.items()))
-    print("param  width  best log2(lr)  moved (octaves)  best loss")
+    print("param  shape       best log2(lr)  moved (octaves)  best loss")
     summary = {}
     for param in results:
-        base_best = best_log2_lr(results[param][widths[0]])[0]
-        for w in widths:
-            best, loss = best_log2_lr(results[param][w])
-            summary[f"{param}/{w}"] = {"best_log2_lr": best, "moved_octaves": best - base_best, "best_loss": loss}
-            print(f"{param:5}  {w:5}  {best:13.2f}  {best - base_best:+15.2f}  {loss:9.4f}")
-    wide = widths[-1]
-    if {"sp", "mup"} <= set(results):
-        sp_loss, mup_loss = summary[f"sp/{wide}"]["best_loss"], summary[f"mup/{wide}"]["best_loss"]
-        print(f"\nwidth {wide} ({wide // widths[0]}x base): best loss mup {mup_loss:.4f} vs sp {sp_loss:.4f}")
-        for param in ("sp", "mup"):
-            print(
-                f"{param}: optimum moved {summary[f'{param}/{wide}']['moved_octaves']:+.2f} octaves base -> {wide // widths[0]}x"
-            )
+        base_best = best_log2_lr(results[param][shapes[0]])[0]
+        for s in shapes:
+            best, loss = best_log2_lr(results[param][s])
+            summary[f"{param}/{label(s)}"] = {
+                "best_log2_lr": best,
+                "moved_octaves": best - base_best,
+                "best_loss": loss,
+            }
+            print(f"{param:5}  {label(s):10}  {best:13.2f}  {best - base_best:+15.2f}  {loss:9.4f}")
     seeds = [int(s) for s in args.seeds.split(",")]
     if {"sp", "mup"} <= set(results) and len(seeds) > 1:
-        paired(args, results, alphas, widths, seeds, train, val_batches)
-    plot(results, widths, Path(args.plot))
-    print(f"plot: {args.plot}; {time.time() - t0:.0f}s in all")
+        paired(args, results, alphas, shapes, seeds, train, val_batches)
+    if args.plot:
+        plot(results, shapes, Path(args.plot))
+        print(f"plot: {args.plot}")
+    print(f"{time.time() - t0:.0f}s in all")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "alphas": alphas, "summary": summary}, indent=2))
+        raw = {p: {label(s): runs for s, runs in r.items()} for p, r in results.items()}
+        Path(args.json).write_text(json.dumps({"results": raw, "alphas": alphas, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":

@@ -185,9 +185,9 @@ CLI_CASES = {
         ["+callbacks.stability.spike.sigmaa=5"],
         r"callbacks\.stability\.spike\.sigmaa is not a setting; use one of sigma, window",
     ),
-    "mup_with_muon": (
-        ["optim=muon", "model.parametrization=mup"],
-        r"model\.parametrization='mup' is not allowed; it must be sp under optim=muon",
+    "mup_off_base_with_xavier": (
+        ["model=small", "model.init=xavier"],
+        r"model\.parametrization=mup needs model\.init=gpt2 off its base width, got 'xavier' at d_model=32",
     ),
     "callback_without_target": (
         ["+callbacks.guard.max_consecutive=2"],

@@ -4,10 +4,11 @@ stable LR and the stabiliser that widens the region, and pass the default LR; a 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from steadylm.config import compose
 from steadylm.doctor.check import FAIL
-from steadylm.doctor.lr_probe import check_lr_probe, proxy_model
+from steadylm.doctor.lr_probe import EXCESS, Probe, check_lr_probe, probe_vocab, proxy_model
 
 
 def test_a_big_model_is_probed_on_a_proxy_with_its_head_size_and_grouping():
@@ -20,6 +21,37 @@ def test_a_big_model_is_probed_on_a_proxy_with_its_head_size_and_grouping():
     assert where.startswith("proxy (n_layer=4, n_head=4, n_kv_head=1, d_model=256")
     tiny = dict(compose(["model=tiny"]).model)
     assert proxy_model(tiny, 4, 256, 256) == ({**tiny, "n_kv_head": 4}, "the model itself")
+
+
+def test_an_sp_proxy_is_mup_based_at_the_full_width_and_a_mup_proxy_keeps_its_base():
+    small_sp = dict(compose(["model=small", "model.parametrization=sp"]).model)
+    proxy, where = proxy_model(small_sp, max_layers=4, max_width=128, max_context=128)
+    assert (proxy["d_model"], proxy["n_head"], proxy["parametrization"]) == (128, 2, "mup")
+    assert (proxy["mup_base_width"], proxy["mup_base_head_dim"]) == (768, 64)  # mup at its base is this sp model
+    assert "parametrization=mup" in where
+    small = dict(compose(["model=small"]).model)
+    proxy, where = proxy_model(small, max_layers=4, max_width=128, max_context=128)
+    assert (proxy["d_model"], proxy["mup_base_width"], proxy["mup_base_head_dim"]) == (128, 128, 32)
+    assert "parametrization" not in where
+    x = torch.tensor([[0, 5, 200]])
+    assert probe_vocab(proxy, [(x, x)]) == ({**proxy, "vocab_size": 256}, "vocab_size=256")
+
+
+def curve(lr: float, start: float, end: float, steps: int = 40) -> Probe:
+    losses = [start + (end - start) * min(1.0, i / (steps // 2)) for i in range(steps)]
+    return Probe(lr, losses, [5.0] * steps, [5.0] * steps, [0.01] * steps)
+
+
+def test_an_lr_is_judged_by_its_loss_against_the_start_and_the_best_lower_lr_not_its_first_steps():
+    assert "ended above its start (5.60 -> 9.00" in curve(0.3, 5.6, 9.0).unstable(100.0)
+    lower = curve(0.01, 5.6, 2.6)
+    close = 2.6 + 0.9 * EXCESS * 3.0
+    assert curve(0.03, 5.6, close).unstable(100.0, lower) is None
+    far = curve(0.1, 5.6, 2.6 + 1.1 * EXCESS * 3.0).unstable(100.0, lower)
+    assert far.startswith("loss ended") and "above lr 0.01's" in far
+    climbed = curve(0.1, 5.6, 2.0)
+    climbed.losses[-10:] = [4.5] * 10
+    assert "gave back more than half" in climbed.unstable(100.0)
 
 
 @pytest.mark.slow
@@ -40,3 +72,15 @@ def test_probe_fails_the_unstable_lrs_of_the_tiny_model_and_passes_the_default(l
     largest = float(row.fix.split("optim.lr<=")[1].split(" ")[0])
     assert largest < lr
     assert f"model.qk_norm=true makes lr {lr:.3g} stable (probed)" in row.fix
+
+
+@pytest.mark.slow
+def test_with_qk_norm_the_probe_fails_an_lr_whose_loss_shows_it_though_the_logits_stay_bounded(shards_dir):
+    cfg = compose(
+        ["model=tiny", "model.qk_norm=true", "optim.lr=0.3", "trainer=cpu", f"data.dir={shards_dir}"],
+        config_name="doctor",
+    )
+    (row,) = check_lr_probe(cfg)
+    assert row.status == FAIL, row
+    x1 = row.evidence.split("x1 lr")[1].split("; x")[0]
+    assert "UNSTABLE: loss ended" in x1 and "max attention logit" not in x1.split("UNSTABLE")[1], x1

@@ -63,6 +63,28 @@ def test_muon_takes_exactly_the_blocks_matrices_with_fused_projections_split(kw)
         assert "lm_head.weight" in adam  # untied: the output head stays on AdamW
 
 
+def test_under_mup_muon_groups_take_no_width_factor_and_a_wide_mup_model_learns():
+    """The Muon groups' LR needs no width rule under mup (measured: mup.py); the rest is muP's own."""
+    mup = {"parametrization": "mup", "mup_base_width": 32, "mup_base_head_dim": 8}
+    at_base = [(g["muon"], g["lr"], g["lr_mult"], g["weight_decay"]) for g in param_groups(tiny(**mup), OPTIM)]
+    assert at_base == [(g["muon"], g["lr"], g["lr_mult"], g["weight_decay"]) for g in param_groups(tiny(), OPTIM)]
+    torch.manual_seed(0)
+    wide = GPT(GPTConfig(n_layer=2, n_head=4, d_model=128, context_length=16, vocab_size=64, **mup))  # m = 4
+    assert wide.logit_mult == 0.25  # muP's own multipliers act
+    groups = param_groups(wide, OPTIM)
+    assert [(g["muon"], g["lr"], g["lr_mult"], g["weight_decay"]) for g in groups] == at_base
+    opt = Muon(groups, lr=3e-3, ns_dtype="float32")
+    idx = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(15):
+        loss = torch.nn.functional.cross_entropy(wide(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses  # mup + Muon learns
+
+
 @pytest.mark.parametrize("coeffs, lo, hi", [("quintic", 0.5, 1.4), ("polar_express", 0.8, 1.2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_newton_schulz_puts_every_singular_value_near_one(dtype, coeffs, lo, hi):

@@ -118,7 +118,7 @@ def startup_config(overrides: list[str]):
         (["model.parametrization=mup", "model.mup_base_head_dim=24"], "model.mup_base_head_dim=24 does not divide"),
         (["model.parametrization=mup", "model.mup_base_width=0"], "model.mup_base_width=0 must be a whole number > 0"),
         (["model.parametrization=mup", "model.mup_base_width=100000"], "outside [1/64, 1024]"),
-        (["model.parametrization=mup", "model.init=xavier"], "model.parametrization=mup needs model.init=gpt2"),
+        (["model.mup_base_width=64", "model.mup_base_head_dim=16", "model.init=xavier"], "needs model.init=gpt2 off"),
         (["model.mup_output_mult=0"], "model.mup_output_mult=0 must be a number > 0"),
     ],
 )
@@ -168,7 +168,7 @@ def test_doctor_row_passes_mup_fails_the_broken_variant_and_shows_sp_growing():
     assert ok.status == OK and ok.evidence.startswith("mup flat in width") and "widths 64/128/256" in ok.evidence
     bad = check_coords(cfg, batch, groups=no_lr_scaling)[0]
     assert bad.status == FAIL and "mup is not width-independent" in bad.evidence and "model/mup.py" in bad.fix
-    sp = check_coords(compose(["model.vocab_size=320"]), batch)[0]
+    sp = check_coords(compose(["model.vocab_size=320", "model.parametrization=sp"]), batch)[0]
     assert sp.status == OK and sp.evidence.startswith("sp (grows with width")
 
 
@@ -262,3 +262,13 @@ def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_p
     summarize_sweep(tmp_path / "sp")
     text = (tmp_path / "sp" / "summary.md").read_text()
     assert "**Best LR: 0.004**" in text and "Under sp it holds at this width only" in text and "model=small" not in text
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "llama_1b"])
+def test_mup_is_every_presets_default_and_muon_is_accepted_with_it(preset):
+    cfg = compose([f"model={preset}", "optim=muon"])
+    validate_config(cfg)  # mup + Muon: no longer refused
+    base = (None, None) if preset == "tiny" else (128, 32)  # tiny: based at itself; the rest at tiny's shape
+    assert (cfg.model.parametrization, cfg.model.mup_base_width, cfg.model.mup_base_head_dim) == ("mup", *base)
+    sp = compose(["experiment=gpt2_124m"]).model
+    assert sp.parametrization == "sp"  # the nanoGPT / llm.c reproduction keeps their parametrisation and LR

@@ -139,15 +139,6 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         )
     elif o.get("name") == "muon":
         rules += _muon_rules(o.muon, t)
-        mup = cfg.model.get("parametrization", "sp")
-        rules.append(
-            (
-                "model.parametrization",
-                mup,
-                mup == "sp",
-                "sp under optim=muon (muP's LR rules are AdamW's; or use optim=adamw)",
-            )
-        )
     return rules
 
 

@@ -78,7 +78,11 @@ def finish_job(
             "val_loss": metrics.get("val/loss"),
             "train_loss": metrics.get("train/loss"),
             "overrides": overrides,
-            "model": {k: cfg.model.get(k) for k in TRANSFER_KEYS},
+            "model": {
+                **{k: cfg.model.get(k) for k in TRANSFER_KEYS},  # a null mup base is the model's own shape:
+                "mup_base_width": cfg.model.get("mup_base_width") or cfg.model.d_model,
+                "mup_base_head_dim": cfg.model.get("mup_base_head_dim") or cfg.model.d_model // cfg.model.n_head,
+            },
         }
         run_dir.mkdir(parents=True, exist_ok=True)
         # json writes NaN/Infinity tokens, which json.loads reads back.

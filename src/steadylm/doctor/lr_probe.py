@@ -2,18 +2,29 @@
 
 Wortsman et al. (2023) show that the instabilities of a high LR (attention-logit growth, output-logit
 divergence) appear in small models within tens of steps. So the probe trains the real `GPT` with the real
-objective and optimizer groups (`LMModule`) on real batches for `steps` steps at x1, x3 and x10 the
+objective and optimizer groups (`LMModule`) on real batches for `steps` steps at x1/3, x1, x3 and x10 the
 configured peak LR (warmup compressed in proportion to the run's), and records per step the loss, the
-largest attention logit, the mean log Z of the output softmax and the update/param ratio. An LR is
-*unstable* when the loss goes non-finite, when the attention logits pass `tau` (where the default QK-clip
-would start acting), or when the loss ends above where it started. When x1 is unstable it walks down
-(x1/3, x1/10, x1/30) to the largest stable LR; upwards it stops at the first unstable multiple. A run
-stops as soon as its LR shows itself unstable, so unstable LRs cost a few steps. It reruns the first unstable LR with each stabiliser the
-config lacks (QK-norm, z-loss 1e-4, warmup) to say which one widens the stable region.
+largest attention logit, the mean log Z of the output softmax and the update/param ratio.
 
-A model too big for the machine is probed on a proxy: at most `max_layers` blocks and `max_width` channels
-with the head size kept, context at most `max_context`. Under standard parametrisation a narrower proxy
-tolerates a somewhat larger LR than the full model, so a pass on a proxy is a lower bound on the risk.
+An LR is *unstable* when the loss goes non-finite, when the attention logits pass `tau` (where the default
+QK-clip would start acting), or by what its loss does, judged against the start and the next lower
+multiple rather than against its own first steps (which a far too high LR has already spoiled): it ends
+above the untrained model's loss, gives back more than half of what it had gained, or ends higher than the
+LR one multiple (3x) lower did on the same batches. The last rule says the LR is past the best LR of a
+run this short, and a short run's best LR lies above a long run's; it catches what the logits cannot show,
+e.g. with QK-norm, where logits stay bounded while the loss climbs. When x1 is unstable it
+walks down (x1/3, x1/10, x1/30) to the largest stable LR; upwards it stops at the first unstable multiple.
+A run stops as soon as its LR shows itself unstable, so unstable LRs cost a few steps. It reruns the first
+unstable LR with each stabiliser the config lacks (QK-norm, z-loss 1e-4, warmup) to say which one widens
+the stable region.
+
+A model wider, deeper, longer or with a larger vocabulary than the probe's limits is probed on a proxy
+(`proxy_model`) that keeps what sets the LR: the head size, the grouping of key/value heads, the family
+switches, and the width rule. Under mup the proxy keeps the base shape, so the narrower proxy's best LR is
+the model's (muP's point). Under sp (or mup based at the model's own width) the proxy becomes a mup model whose base is the full model:
+mup at the base is sp, so the proxy behaves like the full-width sp model scaled down (an sp proxy taken
+narrower would tolerate a larger LR and pass an LR too high for the model). The vocabulary is cut to the
+token ids the probe batches use, which is what the output layer costs on a CPU and not what sets the LR.
 It never writes anything and never touches the data or a checkpoint.
 """
 
@@ -32,7 +43,10 @@ from steadylm.module import LMModule
 from steadylm.schedule import Schedule, set_lr
 
 MULTIPLES = (1.0, 3.0, 10.0)
-DOWN = (1 / 3, 1 / 10, 1 / 30)
+DOWN = (1 / 3, 1 / 9, 1 / 27, 1 / 81)  # walked while the loss keeps improving: to the best LR of a probe this short
+# An LR whose loss ends further above the best lower LR's than this share of that LR's progress is too high.
+EXCESS = 0.2
+FLAT = 0.02  # nats: a lower LR ending within this of the one above is on the same plateau, so the walk goes on
 
 
 @dataclass
@@ -54,8 +68,13 @@ class Probe:
             return float("inf")
         return (half[-1] / half[0]) ** (10 / (len(half) - 1))
 
-    def unstable(self, tau: float) -> str | None:
-        """Why this LR is unstable, or None."""
+    def end(self) -> float:
+        """The mean loss of the last eighth of the steps run."""
+        k = max(1, len(self.losses) // 8)
+        return sum(self.losses[-k:]) / k
+
+    def unstable(self, tau: float, best_lower: Probe | None = None) -> str | None:
+        """Why this LR is unstable, or None; `best_lower` is the lower LR probed that ended lowest."""
         if not self.finite:
             return f"loss non-finite at step {next(i for i, v in enumerate(self.losses) if not math.isfinite(v))}"
         peak = max(self.max_logit)
@@ -63,22 +82,29 @@ class Probe:
             step = next(i for i, v in enumerate(self.max_logit) if v > tau)
             return f"max attention logit {peak:.0f} > {tau:g} from step {step}"
         k = max(1, len(self.losses) // 8)
-        start, end = sum(self.losses[:k]) / k, sum(self.losses[-k:]) / k
+        best = min(sum(self.losses[i : i + k]) / k for i in range(len(self.losses) - k + 1))  # a smoothed minimum
+        start, end = self.losses[0], self.end()
         if end >= start:
-            return f"loss did not fall ({start:.2f} -> {end:.2f})"
+            return f"loss ended above its start ({start:.2f} -> {end:.2f}, peak {max(self.losses):.2f})"
+        if end - best > 0.5 * (start - best):
+            return f"loss gave back more than half its progress ({start:.2f} -> {best:.2f} -> {end:.2f})"
+        if best_lower is not None and end - best_lower.end() > EXCESS * (start - best_lower.end()):
+            return (
+                f"loss ended {end - best_lower.end():.2f} above lr {best_lower.lr:.3g}'s "
+                f"({start:.2f} -> {end:.2f} against -> {best_lower.end():.2f})"
+            )
         return None
 
     def summary(self) -> str:
-        k = max(1, len(self.losses) // 8)
-        end = sum(self.losses[-k:]) / k
         return (
-            f"lr {self.lr:.3g}: loss {self.losses[0]:.2f}->{end:.2f}, max logit {max(self.max_logit):.3g} "
+            f"lr {self.lr:.3g}: loss {self.losses[0]:.2f}->{self.end():.2f}, max logit {max(self.max_logit):.3g} "
             f"(x{self.growth():.2g}/10 steps), log Z {self.log_z[-1]:.2g}, update/param {max(self.update_ratio):.2g}"
         )
 
 
 def proxy_model(model: dict, max_layers: int, max_width: int, max_context: int) -> tuple[dict, str]:
-    """The model itself when small enough, else a width/depth/context-reduced copy with the same head size."""
+    """The model itself when small enough, else a width/depth/context-reduced copy with the same head size,
+    grouping and LR semantics (the module docstring says how)."""
     m = dict(model)
     head_dim = m["d_model"] // m["n_head"]
     kv_ratio = m["n_head"] // (m.get("n_kv_head") or m["n_head"])
@@ -92,6 +118,10 @@ def proxy_model(model: dict, max_layers: int, max_width: int, max_context: int) 
     }
     if m.get("mlp_hidden"):
         reduced["mlp_hidden"] = max(1, m["mlp_hidden"] * reduced["d_model"] // m["d_model"])
+    base = m.get("mup_base_width") if m.get("parametrization") == "mup" else None
+    if reduced["d_model"] != m["d_model"] and base is None and m.get("init", "gpt2") == "gpt2":
+        # mup whose base is the full model (sp, or mup based at itself): muP carries its LR down to the proxy.
+        reduced.update(parametrization="mup", mup_base_width=m["d_model"], mup_base_head_dim=head_dim)
     original = {**m, "n_kv_head": m.get("n_kv_head") or m["n_head"]}
     changed = {k: v for k, v in reduced.items() if original.get(k) != v}
     m.update(reduced)
@@ -99,10 +129,31 @@ def proxy_model(model: dict, max_layers: int, max_width: int, max_context: int) 
     return m, f"proxy ({what})" if changed else "the model itself"
 
 
+def probe_vocab(model: dict, batches) -> tuple[dict, str]:
+    """The model with its vocabulary cut to the probe batches' token ids (padded to 64), and what changed."""
+    used = max(int(max(x.max(), y.max())) for x, y in batches) + 1
+    vocab = min(model["vocab_size"], -(-used // 64) * 64)
+    if vocab == model["vocab_size"]:
+        return model, ""
+    return {**model, "vocab_size": vocab}, f"vocab_size={vocab}"
+
+
+def anneal(step: int, steps: int, floor: float) -> float:
+    """The probe's LR factor: 1 for the first three quarters, then linear down to `floor` (the run's min_lr / lr).
+
+    A run at a constant LR ends on its noise floor, which favours the lower LR of any two; annealed, it ends on
+    what it learned, so an LR that ends above one 3x lower is past the best LR for this many steps, and a
+    longer run's best LR lies lower still. The peak quarters show the logit growth, as before."""
+    start = (3 * steps) // 4
+    return 1.0 if step < start else 1.0 - (1.0 - floor) * (step - start + 1) / (steps - start)
+
+
 def run_probe(
     model: dict, optim: dict, batches, lr: float, steps: int, warmup: int, clip: float | None, tau: float
 ) -> Probe:
-    """Train a fresh model (seed 0) for `steps` steps at peak `lr`; stops early once the LR shows itself unstable."""
+    """Train a fresh model (seed 0) for `steps` steps at peak `lr`, annealed at the end (`anneal`); stops early
+    once the LR shows itself unstable."""
+    floor = float(optim["min_lr"]) / float(optim["lr"]) if optim["lr"] else 1.0
     torch.manual_seed(0)
     module = LMModule(model=model, optim={**optim, "lr": lr, "fused": False})
     opt = module.configure_optimizers()
@@ -113,7 +164,7 @@ def run_probe(
     module.train()
     for step in range(steps):
         x, y = batches[step % len(batches)]
-        set_lr(opt, schedule(step))
+        set_lr(opt, schedule(step) * anneal(step, steps, floor))
         for a in attns:
             a.track_max_logit = True
         logits = module(x)
@@ -147,10 +198,26 @@ def probe_batches(cfg: DictConfig, context: int, n: int, batch_size: int) -> lis
     return batches
 
 
-def check_lr_probe(cfg: DictConfig) -> list[Check]:
-    """FAIL when the configured LR is unstable (with the largest stable LR found and the stabilisers that help),
-    WARN when x3 already is (little margin), else OK; the evidence lists every probed LR and the cost."""
-    name = "lr probe: stability at x1, x3, x10"
+@dataclass
+class ProbeSweep:
+    """What `probe_lrs` ran: every probed multiple of `lr` with its verdict, and the stabilisers that helped."""
+
+    lr: float
+    results: dict[float, Probe]
+    verdicts: dict[float, str | None]
+    first_bad: float | None
+    widen: list[str]
+    what: str  # the shape, tokens, steps and LRs probed, and the cost
+
+    @property
+    def best(self) -> float | None:
+        """The largest stable LR probed."""
+        return max((self.lr * m for m, why in self.verdicts.items() if not why), default=None)
+
+
+def probe_lrs(cfg: DictConfig) -> ProbeSweep:
+    """x1/3 first (the yardstick x1 is judged against), then x1, x3, x10 until the first unstable LR; below x1
+    when x1 is unstable; then the first unstable LR with each stabiliser the config lacks."""
     p = cfg.probe
     started = time.perf_counter()
     model, where = proxy_model(
@@ -160,28 +227,36 @@ def check_lr_probe(cfg: DictConfig) -> list[Check]:
     steps = int(p.steps)
     warmup = math.ceil(steps * int(optim["warmup_steps"]) / max(1, int(cfg.trainer.max_steps)))
     clip = cfg.trainer.get("gradient_clip_val") or None
-    batches = probe_batches(
-        cfg, model["context_length"], int(p.batches), min(int(cfg.data.batch_size), int(p.batch_size))
-    )
+    batch_size = min(int(cfg.data.batch_size), int(p.batch_size))
+    batches = probe_batches(cfg, model["context_length"], int(p.batches), batch_size)
+    model, cut = probe_vocab(model, batches)
+    if cut:
+        where = where[:-1] + f", {cut})" if where.startswith("proxy") else f"proxy ({cut})"
     tau = float(p.tau)
     lr = float(optim["lr"])
 
     def probe(mult: float, model=model, optim=optim, warmup=warmup) -> Probe:
         return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau)
 
-    results, first_bad = {}, None
-    for m in MULTIPLES:  # upwards until the first unstable LR: every larger one is unstable too
+    results, prev = {1.0: probe(1.0)}, 1.0
+    for m in DOWN:  # the yardstick: down while a lower LR ends no higher, or the one above is plainly unstable
         results[m] = probe(m)
-        if results[m].unstable(tau):
+        if not results[prev].unstable(tau) and results[m].finite and results[m].end() > results[prev].end() + FLAT:
+            break
+        prev = m
+
+    def verdict(m: float) -> str | None:
+        lower = [results[k] for k in results if k < m and results[k].finite]
+        return results[m].unstable(tau, min(lower, key=Probe.end, default=None))
+
+    verdicts = {m: verdict(m) for m in results}
+    first_bad = 1.0 if verdicts[1.0] else None
+    for m in MULTIPLES[1:] if first_bad is None else ():  # upwards until the first unstable LR
+        results[m] = probe(m)
+        verdicts[m] = verdict(m)
+        if verdicts[m]:
             first_bad = m
             break
-    if first_bad == 1.0:
-        for m in DOWN:
-            results[m] = probe(m)
-            if not results[m].unstable(tau):
-                break
-    stable = [m for m in results if not results[m].unstable(tau)]
-    best = max(stable, default=None)
     widen = []
     if first_bad is not None:
         tries = []
@@ -191,22 +266,37 @@ def check_lr_probe(cfg: DictConfig) -> list[Check]:
             tries.append(("optim.z_loss=1e-4", model, {**optim, "z_loss": 1e-4}, warmup))
         if not optim["warmup_steps"]:
             tries.append((f"optim.warmup_steps={max(1, cfg.trainer.max_steps // 20)}", model, optim, steps // 4))
+        lower = min((results[k] for k in results if k < first_bad and results[k].finite), key=Probe.end, default=None)
         for key, m, o, w in tries:
-            if not probe(first_bad, model=m, optim=o, warmup=w).unstable(tau):
+            if not probe(first_bad, model=m, optim=o, warmup=w).unstable(tau, lower):
                 widen.append(key)
-    seconds = time.perf_counter() - started
-    lines = "; ".join(
-        f"x{m:.3g} {r.summary()}" + (f" UNSTABLE: {why}" if (why := r.unstable(tau)) else "")
-        for m, r in sorted(results.items())
+    shape = f"{model['n_layer']} layers x d {model['d_model']}, {model.get('parametrization', 'sp')}"
+    what = (
+        f"{steps} steps of {batch_size}x{model['context_length']} tokens on {where} ({shape}), "
+        f"lrs {', '.join(f'{lr * m:.3g}' for m in sorted(results))}, {time.perf_counter() - started:.1f} s"
     )
-    evidence = f"{steps} steps on {where}, {seconds:.1f} s: {lines}"
+    return ProbeSweep(lr, results, verdicts, first_bad, widen, what)
+
+
+def check_lr_probe(cfg: DictConfig) -> list[Check]:
+    """FAIL when the configured LR is unstable (with the largest stable LR found and the stabilisers that help),
+    WARN when x3 already is (little margin), else OK; the evidence says what was probed (shape, tokens, steps,
+    every LR) and what it cost."""
+    name = "lr probe: stability at x1, x3, x10"
+    sweep = probe_lrs(cfg)
+    lr, first_bad, widen = sweep.lr, sweep.first_bad, sweep.widen
+    lines = "; ".join(
+        f"x{m:.3g} {r.summary()}" + (f" UNSTABLE: {why}" if (why := sweep.verdicts[m]) else "")
+        for m, r in sorted(sweep.results.items())
+    )
+    evidence = f"{sweep.what}: {lines}"
     helps = (
         f"{' or '.join(widen)} makes lr {lr * first_bad:.3g} stable (probed)"
         if widen
         else "no single stabiliser (QK-norm, z-loss, warmup) made the first unstable LR stable"
     )
     if first_bad == 1.0:
-        fix = (f"use optim.lr<={lr * best:.3g} (the largest stable LR found)" if best else "lower optim.lr") + (
+        fix = (f"use optim.lr<={sweep.best:.3g} (the largest stable LR found)" if sweep.best else "lower optim.lr") + (
             f", or {helps}"
         )
         return [Check(name, FAIL, f"optim.lr={lr:g} is in the unstable region; {evidence}", fix)]

@@ -102,10 +102,11 @@ class GPTConfig:
             )
         if self.parametrization != "mup":
             return
-        if self.init != "gpt2":
+        if self.init != "gpt2" and self.d_model != self.mup_base_width:
             raise ConfigError(
-                f"model.parametrization=mup needs model.init=gpt2, got {self.init!r}: muP's hidden init is gpt2's "
-                "N(0, 0.02) shrunk by sqrt(width ratio), while xavier and torch_default pick their own width scaling"
+                f"model.parametrization=mup needs model.init=gpt2 off its base width, got {self.init!r} at d_model="
+                f"{self.d_model}: muP's hidden init is gpt2's N(0, 0.02) shrunk by sqrt(width ratio), while xavier and "
+                "torch_default pick their own width scaling; use model.init=gpt2 or model.parametrization=sp"
             )
         if self.mup_base_width % self.mup_base_head_dim:
             raise ConfigError(

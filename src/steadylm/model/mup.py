@@ -22,6 +22,11 @@ hence the 1/m on the logits; attention scores do the same over d_head, hence 1/d
 1/sqrt(d_head). Torch's AdamW decays by lr * wd per step, so the 1/m on the LR alone would weaken the
 hidden decay at width; scaling wd by m keeps it (microsoft/mup's MuAdamW rule for AdamW).
 
+Under `optim=muon` these groups are AdamW's (embeddings, vectors); the Muon groups keep `optim.lr` with no
+width factor. Muon's `match_rms_adamw` step already sets each matrix's update size from its shape, and measured
+(`benchmarks/lr_transfer.py --optim muon --widths 32,256`) its best LR moved -0.5 octaves from 1x to 8x with
+no factor, +1.0 with width_mult^-0.5 (the spectral rule), so none is applied.
+
 This module must stay free of optimizer objects and training state: it returns numbers and param groups.
 """
 
