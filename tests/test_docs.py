@@ -98,7 +98,8 @@ def config_values() -> dict[str, object]:
     values: dict[str, object] = {}
     sources = [compose(o, config_name=n) for n, o in [("train", []), ("train", ["optim=muon", "logger=many"])]]
     sources += [compose([], config_name=n) for n in ("doctor", "prepare")]
-    sources += [OmegaConf.load(ROOT / "conf" / f"{n}.yaml") for n in ("generate", "export", "diagnose", "window")]
+    own = ("generate", "export", "diagnose", "window", "eval", "eval_fetch")
+    sources += [OmegaConf.load(ROOT / "conf" / f"{n}.yaml") for n in own]
     for source in sources:
         values.update({k: v for k, v in _values(source).items() if k not in values})
     # The SLURM launcher's keys from its file: composing it needs the optional submitit plugin.

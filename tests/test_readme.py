@@ -24,6 +24,7 @@ COMMANDS = {
     "generate": "generate",
     "export": "export",
     "data.prepare": "prepare",
+    "eval": "eval",
 }
 
 
