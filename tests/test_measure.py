@@ -179,5 +179,5 @@ def test_one_stability_callback_owns_every_check_tunable_and_removable_from_the_
     owner = owners[0]
     assert owner.spike.sigma == 5.0 and owner.loss_scale is None
     assert owner.guard is not None and owner.stats is not None and owner.recovery.every_n_steps == 4
-    assert set(owner.state_dict()) == {"guard", "spike", "qk_clip", "recovery", "measure"}
+    assert set(owner.state_dict()) == {"guard", "spike", "qk_clip", "signals", "recovery", "measure"}
     assert not [k for k in vars(objs["trainer"]) if "steadylm" in k or "stability" in k]  # nothing hung on it

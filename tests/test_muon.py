@@ -297,7 +297,7 @@ def test_export_generate_doctor_and_diagnose_work_on_a_muon_run(make_cfg, tmp_pa
 
 
 def test_fsdp_with_muon_is_refused_in_one_line(tmp_path):
-    out = run_cli("optim=muon", "trainer=fsdp", cwd=tmp_path)
+    out = run_cli("optim=muon", "trainer=fsdp", "model.vocab_size=320", cwd=tmp_path)  # no shards needed
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].count("FSDP") >= 1 and "optim=adamw" in out.stderr
 

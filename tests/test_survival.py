@@ -70,8 +70,12 @@ def test_each_fault_injected_once_into_a_default_run_ends_within_5_percent_of_th
 
 def test_a_broken_run_under_log_only_ends_diverged_with_the_last_good_state_beside_the_broken_one(make_cfg, tmp_path):
     out = tmp_path / "run"
-    # Nothing else may act either: QK-clip's rewind would repair these weights (its own test is in test_qk_clip).
-    log_only = ["callbacks.stability.spike.action=log", "callbacks.stability.qk_clip=null"]
+    # Nothing else may act either: a QK-clip or precursor-signal rewind would repair these weights.
+    log_only = [
+        "callbacks.stability.spike.action=log",
+        "callbacks.stability.qk_clip=null",
+        "callbacks.stability.signals=null",
+    ]
     objs = fit(make_cfg(*LONG, *log_only, faults(FAULTS["lr_spike"])))
     stop = [e for e in read_events(out) if e["action"] == "stop"]
     assert [e["detail"]["kind"] for e in stop] == ["final_loss"]
