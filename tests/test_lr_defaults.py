@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from steadylm.config import compose
+from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL
 from steadylm.doctor.config_checks import config_checks
 from steadylm.doctor.lr_probe import check_lr_probe
@@ -15,10 +16,12 @@ TINY_PROBE = ["probe.max_layers=2", "probe.max_width=64", "probe.max_context=32"
 
 
 def doctor_cfg(shards_dir, preset: str, optim: str, *extra: str):
-    return compose(
+    cfg = compose(
         [f"model={preset}", f"optim={optim}", "trainer=cpu", f"data.dir={shards_dir}", *TINY_PROBE, *extra],
         config_name="doctor",
     )
+    fill_derived(cfg)  # as doctor does: the null vocabulary from the shards, the warmup from the run length
+    return cfg
 
 
 @pytest.mark.slow

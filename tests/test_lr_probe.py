@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from steadylm.config import compose
+from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL
 from steadylm.doctor.lr_probe import EXCESS, Probe, check_lr_probe, probe_vocab, proxy_model
 
@@ -61,6 +62,7 @@ def test_probe_fails_the_unstable_lrs_of_the_tiny_model_and_passes_the_default(l
         ["model=tiny", "model.qk_norm=false", f"optim.lr={lr}", "trainer=cpu", f"data.dir={shards_dir}"],
         config_name="doctor",
     )
+    fill_derived(cfg)  # as doctor does: the vocabulary from the shards, the warmup from the run length
     (row,) = check_lr_probe(cfg)
     if lr == 3e-3:
         assert row.status != FAIL, row
@@ -80,6 +82,7 @@ def test_with_qk_norm_the_probe_fails_an_lr_whose_loss_shows_it_though_the_logit
         ["model=tiny", "model.qk_norm=true", "optim.lr=0.3", "trainer=cpu", f"data.dir={shards_dir}"],
         config_name="doctor",
     )
+    fill_derived(cfg)  # as doctor does: the vocabulary from the shards, the warmup from the run length
     (row,) = check_lr_probe(cfg)
     assert row.status == FAIL, row
     x1 = row.evidence.split("x1 lr")[1].split("; x")[0]

@@ -28,7 +28,7 @@ class Finding:
     cause: str  # short name, e.g. "non-finite forward"
     summary: str  # what happened, with numbers
     fix: str
-    rank: int = 0  # 0: first-hand event, 1: inferred from the curves, 2: a symptom alarm
+    rank: int = 0  # 0: first-hand event, 1: inferred from the curves, 2: a symptom alarm, 3: a forecast alone
 
 
 @dataclass
@@ -407,19 +407,26 @@ def _precursor(log: RunLog, events: list[dict]) -> Finding | None:
         d = backoffs[-1]["detail"]
         parts.append(f"the suite lowered the LR {len(backoffs)} time(s) to x{d['lr_scale']:g}")
         fix = f"set optim.lr x{d['lr_scale']:g} from the start, or lower; python -m steadylm.doctor runs the LR probe"
-    return Finding(first["step"], SIGNAL_NAMES.get(signal, signal), f"{signal}: " + "; ".join(parts), fix)
+    # The suite acting on it is first-hand; an alarm alone is a symptom the curves and settings explain.
+    rank = 0 if backoffs else 2 if alarm is not None else 3
+    return Finding(first["step"], SIGNAL_NAMES.get(signal, signal), f"{signal}: " + "; ".join(parts), fix, rank)
 
 
 def analyse(log: RunLog) -> Diagnosis:
     events = log.events
-    found = (_nonfinite(events), _fp16(events), _spike(log, events), _lone_update(log, events), _precursor(log, events))
+    precursor = _precursor(log, events)
+    acted = precursor if precursor is not None and precursor.rank == 0 else None
+    found = (_nonfinite(events), _fp16(events), _spike(log, events), _lone_update(log, events), acted)
     firsthand = sorted((f for f in found if f), key=lambda f: f.onset)
-    alarms = _alarms(events)
+    symptom = [precursor] if precursor is not None and precursor.rank == 2 else []
+    alarms = sorted(_alarms(events) + symptom, key=lambda f: f.onset)
     curve = _curves(log, [a for a in alarms if not firsthand or a.onset < firsthand[0].onset - EVENT_SLACK])
     if curve and (not firsthand or curve.onset < firsthand[0].onset - EVENT_SLACK):
         ordered = [curve, *firsthand]
     else:
         ordered = firsthand + ([curve] if curve else [])
+    if precursor is not None and precursor.rank == 3:  # a forecast that no alarm followed: shown, never the cause
+        ordered.append(precursor)
     return Diagnosis(findings=ordered, facts=_facts(log))
 
 
