@@ -22,6 +22,7 @@ from lr_transfer import batch, best_log2_lr, held_out_loss, walk, windows
 from omegaconf import OmegaConf
 
 from steadylm.config import compose
+from steadylm.derived import fill_derived
 from steadylm.doctor.lr_probe import probe_lrs
 
 PRESETS = "tiny,llama_tiny,small,medium,large,llama_small,llama_1b"
@@ -64,15 +65,17 @@ def measured_best(args, preset: str, optim_name: str, data) -> tuple[float, floa
 def probe_verdict(preset: str, optim_name: str) -> tuple[float, float | None, str]:
     """(default LR, the largest stable LR doctor's probe found, its verdict and what it probed)."""
     cfg = compose([f"model={preset}", f"optim={optim_name}", "trainer=cpu"], config_name="doctor")
-    cpu = time.process_time()
+    fill_derived(cfg)  # as doctor does: the null vocabulary from the shards, the warmup from the run length
+    cpu, wall = time.process_time(), time.perf_counter()
     sweep = probe_lrs(cfg)
     verdict = {None: "OK", 3.0: "WARN", 1.0: "FAIL"}.get(sweep.first_bad, "OK")
-    return sweep.lr, sweep.best, f"doctor probe {verdict}: {sweep.what} ({time.process_time() - cpu:.0f} s of CPU)"
+    cost = f"{time.perf_counter() - wall:.0f} s, {time.process_time() - cpu:.0f} s of CPU"
+    return sweep.lr, sweep.best, f"doctor probe {verdict}: {sweep.what} ({cost})"
 
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()  # the probe runs as doctor runs it; the sweeps one thread each
     sweep = set(args.sweep.split(","))
     data = None
     if sweep & set(args.presets.split(",")):
@@ -82,6 +85,7 @@ def main() -> None:
     rows, t0 = [], time.time()
     for preset in args.presets.split(","):
         for optim_name in args.optims.split(","):
+            torch.set_num_threads(1 if preset in sweep else threads)
             if preset in sweep:
                 default, best, how = measured_best(args, preset, optim_name, data)
                 label = "best measured"
@@ -94,7 +98,7 @@ def main() -> None:
     print("\n| preset | optim | default optim.lr | best | default / best | how |")
     print("| --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
-    print(f"\n{time.time() - t0:.0f}s in all, 1 thread")
+    print(f"\n{time.time() - t0:.0f}s in all; sweeps 1 thread, probes {threads} threads")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ Every run is a real `python train.py` of a small model on the embedded corpus (`
 Healthy, natural and injected runs observe only (`signals.action=log`, no QK-clip, spikes logged), so the loss
 shows what the LR does. Per signal, its level is replayed over the logged values through `Precursors` itself:
 a hit is an alarm in a natural or injected run, a false alarm one in a healthy run. The forecast's lead time is
-replayed the same way (the default levels and forecast rule, as the runs' own `forecast` events) against the step where the loss shows the trouble (its 3-point
-running median 10 % above its best so far, or non-finite). The mitigated group runs the default suite with
+replayed the same way (the default levels and forecast rule, as the runs' own `forecast` events) against the
+alarm and against the step where the loss shows the trouble: its 3-point running median non-finite, 10 % above
+its best so far, or 10 % above the same shape's healthy run (`TWIN`), since a too-high LR stalls the loss more
+often than it spikes it. The mitigated group runs the default suite with
 QK-norm at the issue's LRs and compares its final val loss with the stable LR's.
 
 Usage: python benchmarks/signals_bench.py [--steps 150] [--jobs 2] [--json out.json]
@@ -72,6 +74,15 @@ INJECTED = {
         f"factor: {factor}}}]}}",
     ]
     for factor in (100, 1000)
+}
+# The healthy run each natural run's loss is compared with (same shape, default LR): a too-high LR seldom spikes
+# the loss, it stalls it, and the stall shows only against a run that goes on learning.
+TWIN = {
+    "QK-norm, lr 0.1": "small adamw qk seed 1",
+    "QK-norm, lr 0.3": "small adamw qk seed 1",
+    "no QK-norm, lr 0.1": "small adamw noqk seed 1",
+    "no warmup, lr 0.03": "small adamw noqk seed 1",
+    "Muon, lr 0.1": "small muon qk seed 1",
 }
 MITIGATED = {f"QK-norm, lr {lr}": [*SMALL, QK, f"optim.lr={lr}", "seed=5"] for lr in ("3e-3", "0.1", "0.3")}
 
@@ -136,19 +147,24 @@ def forecast_replay(series: dict[int, dict[str, float]], warmup: int) -> tuple[i
     return None
 
 
-def loss_onset(run_dir: Path) -> int | None:
-    """Where the loss shows the trouble: its 3-point running median 10 % above its best so far, or non-finite."""
+def running_median(run_dir: Path) -> dict[int, float]:
     steps, loss = load_run(run_dir).series("train/loss")
+    return {int(steps[i]): statistics.median(loss[max(0, i - 2) : i + 1]) for i in range(len(steps))}
+
+
+def loss_onset(run_dir: Path, twin: Path | None = None) -> int | None:
+    """Where the loss shows the trouble: non-finite, its 3-point running median 10 % above its best so far, or
+    (given the healthy `twin`) 10 % above the twin's at the same step."""
+    med = running_median(run_dir)
+    ref = running_median(twin) if twin else {}
     best = math.inf
-    for i in range(len(steps)):
-        if not math.isfinite(loss[i]):
-            return int(steps[i])
-        if i < 2:
-            continue
-        med = statistics.median(loss[i - 2 : i + 1])
-        if med > best * 1.10:
-            return int(steps[i])
-        best = min(best, med)
+    for i, (step, m) in enumerate(med.items()):
+        if not math.isfinite(m):
+            return step
+        if i >= 2 and (m > best * 1.10 or (step in ref and m > ref[step] * 1.10)):
+            return step
+        if i >= 2:
+            best = min(best, m)
     return None
 
 
@@ -169,6 +185,7 @@ def main() -> None:
             for i, (g, name, o) in enumerate(jobs)
         }
     print(f"runs in {work}")
+    twins = {n: futures[("healthy", t)][1].result() for n, t in TWIN.items()}
     rows = {}
     for (g, name), (o, fut) in futures.items():
         d = fut.result()
@@ -184,7 +201,7 @@ def main() -> None:
             },
             "forecast": forecast[0] if forecast else None,
             "forecast_signal": forecast[1] if forecast else None,
-            "onset": loss_onset(d),
+            "onset": loss_onset(d, twins.get(name)),
             "status": result["status"],
             "val_loss": result.get("val_loss"),
             "events": sorted({e["kind"] for e in events}),
@@ -209,7 +226,7 @@ def report(rows: dict) -> None:
         "| group | run | first alarm per signal | forecast (signal) | loss shows it | forecast lead on alarm | warning lead on loss |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    leads, alarm_leads = [], []
+    leads, alarm_leads, forecast_leads = [], [], []
     for (g, name), r in rows.items():
         if g == "mitigated":
             continue
@@ -220,6 +237,8 @@ def report(rows: dict) -> None:
         if r["forecast"] is not None and alarm is not None:
             ahead = alarm - r["forecast"]
             alarm_leads.append(ahead)
+        if r["forecast"] is not None and r["onset"] is not None:
+            forecast_leads.append(r["onset"] - r["forecast"])
         warnings = [s for s in (r["forecast"], alarm) if s is not None]
         lead = "-"
         if warnings and r["onset"] is not None:
@@ -230,7 +249,11 @@ def report(rows: dict) -> None:
     forecast_hits = sum(r["forecast"] is not None for r in bad)
     forecast_false = sum(r["forecast"] is not None for r in good)
     print(f"\nforecasts: {forecast_hits}/{len(bad)} unstable runs, {forecast_false}/{len(good)} healthy runs")
-    for what, xs in (("forecast ahead of the alarm", alarm_leads), ("first warning ahead of the loss", leads)):
+    for what, xs in (
+        ("forecast ahead of the alarm", alarm_leads),
+        ("forecast ahead of the loss", forecast_leads),
+        ("first warning ahead of the loss", leads),
+    ):
         if xs:
             print(f"{what}, steps: median {statistics.median(xs):g}, worst {min(xs)} ({len(xs)} runs)")
     print(

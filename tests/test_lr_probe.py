@@ -20,6 +20,8 @@ def test_a_big_model_is_probed_on_a_proxy_with_its_head_size_and_grouping():
     assert proxy["n_head"] // proxy["n_kv_head"] == 4  # 32 query / 8 key-value heads: groups of 4 kept
     assert proxy["mlp_hidden"] == 8192 * 256 // 2048
     assert where.startswith("proxy (n_layer=4, n_head=4, n_kv_head=1, d_model=256")
+    narrow, where = proxy_model(llama, max_layers=4, max_width=128, max_context=128)
+    assert (narrow["d_model"], narrow["n_head"], narrow["n_kv_head"]) == (128, 2, 1)  # no room for a group of 4
     tiny = dict(compose(["model=tiny"]).model)
     assert proxy_model(tiny, 4, 256, 256) == ({**tiny, "n_kv_head": 4}, "the model itself")
 

@@ -19,8 +19,9 @@ unstable LR with each stabiliser the config lacks (QK-norm, z-loss 1e-4, warmup)
 the stable region.
 
 A model wider, deeper, longer or with a larger vocabulary than the probe's limits is probed on a proxy
-(`proxy_model`) that keeps what sets the LR: the head size, the grouping of key/value heads, the family
-switches, and the width rule. Under mup the proxy keeps the base shape, so the narrower proxy's best LR is
+(`proxy_model`) that keeps what sets the LR: the head size, the family switches, the width rule, and the
+grouping of key/value heads where `max_width` leaves room for a whole group (else one key/value head, so the
+probe's cost does not grow with the group size). Under mup the proxy keeps the base shape, so the narrower proxy's best LR is
 the model's (muP's point). Under sp (or mup based at the model's own width) the proxy becomes a mup model whose base is the full model:
 mup at the base is sp, so the proxy behaves like the full-width sp model scaled down (an sp proxy taken
 narrower would tolerate a larger LR and pass an LR too high for the model). The vocabulary is cut to the
@@ -108,11 +109,13 @@ def proxy_model(model: dict, max_layers: int, max_width: int, max_context: int) 
     m = dict(model)
     head_dim = m["d_model"] // m["n_head"]
     kv_ratio = m["n_head"] // (m.get("n_kv_head") or m["n_head"])
-    n_head = max(kv_ratio, min(m["n_head"], max_width // head_dim) // kv_ratio * kv_ratio)
+    n_head = max(1, min(m["n_head"], max_width // head_dim))
+    if n_head >= kv_ratio:
+        n_head = n_head // kv_ratio * kv_ratio
     reduced = {
         "n_layer": min(m["n_layer"], max_layers),
         "n_head": n_head,
-        "n_kv_head": n_head // kv_ratio,
+        "n_kv_head": max(1, n_head // kv_ratio),  # the grouping where the width allows, else one k/v head
         "d_model": n_head * head_dim,
         "context_length": min(m["context_length"], max_context),
     }

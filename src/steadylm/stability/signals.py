@@ -61,7 +61,7 @@ class Precursors:
         attn_logit: float | None = 100.0,
         persist: int = 3,
         action: str = "backoff",
-        trend_points: int = 4,
+        trend_points: int = 3,
         horizon: int = 200,
         forecast_from: float = 0.25,
         lr_backoff: float | None = 0.1,
