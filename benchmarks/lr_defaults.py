@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
 def measured_best(args, preset: str, optim_name: str, data) -> tuple[float, float, str]:
     """(default LR, best LR, how) from a walk over optim.lr in octaves of the default, at the preset's shape."""
     cfg = compose([f"model={preset}", f"optim={optim_name}"])
+    fill_derived(cfg)  # the null vocabulary from the default shards (the embedded corpus's bytes, as `windows`)
     model = {**OmegaConf.to_container(cfg.model, resolve=True), "context_length": args.context}
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     default = float(optim["lr"])

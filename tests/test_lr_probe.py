@@ -58,7 +58,7 @@ def test_an_lr_is_judged_by_its_loss_against_the_start_and_the_best_lower_lr_not
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lr", [3e-3, 0.03, 0.1])
+@pytest.mark.parametrize("lr", [2e-3, 0.03, 0.1])
 def test_probe_fails_the_unstable_lrs_of_the_tiny_model_and_passes_the_default(lr, shards_dir):
     cfg = compose(
         ["model=tiny", "model.qk_norm=false", f"optim.lr={lr}", "trainer=cpu", f"data.dir={shards_dir}"],
@@ -66,22 +66,24 @@ def test_probe_fails_the_unstable_lrs_of_the_tiny_model_and_passes_the_default(l
     )
     fill_derived(cfg)  # as doctor does: the vocabulary from the shards, the warmup from the run length
     (row,) = check_lr_probe(cfg)
-    if lr == 3e-3:
+    if lr == 2e-3:  # the default
         assert row.status != FAIL, row
-        assert "x1 lr 0.003: loss" in row.evidence and "UNSTABLE" not in row.evidence.split("x1 lr")[1].split(";")[0]
+        assert "x1 lr 0.002: loss" in row.evidence and "UNSTABLE" not in row.evidence.split("x1 lr")[1].split(";")[0]
         return
     assert row.status == FAIL, row
     assert f"optim.lr={lr:g} is in the unstable region" in row.evidence
     assert "max attention logit" in row.evidence and " s: " in row.evidence  # the cause, and the cost
     largest = float(row.fix.split("optim.lr<=")[1].split(" ")[0])
     assert largest < lr
-    assert f"model.qk_norm=true makes lr {lr:.3g} stable (probed)" in row.fix
+    if lr == 0.03:  # QK-norm bounds the logits that made it unstable; at 0.1 the loss fails it even with QK-norm
+        assert f"model.qk_norm=true makes lr {lr:.3g} stable (probed)" in row.fix
 
 
 @pytest.mark.slow
-def test_with_qk_norm_the_probe_fails_an_lr_whose_loss_shows_it_though_the_logits_stay_bounded(shards_dir):
+@pytest.mark.parametrize("lr", [0.1, 0.3])
+def test_with_qk_norm_the_probe_fails_an_lr_whose_loss_shows_it_though_the_logits_stay_bounded(lr, shards_dir):
     cfg = compose(
-        ["model=tiny", "model.qk_norm=true", "optim.lr=0.3", "trainer=cpu", f"data.dir={shards_dir}"],
+        ["model=tiny", "model.qk_norm=true", f"optim.lr={lr}", "trainer=cpu", f"data.dir={shards_dir}"],
         config_name="doctor",
     )
     fill_derived(cfg)  # as doctor does: the vocabulary from the shards, the warmup from the run length

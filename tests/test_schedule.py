@@ -155,6 +155,6 @@ def test_doctor_plots_and_describes_the_wsd_phases(make_cfg, tmp_path):
     png = tmp_path / "lr.png"
     row = check_schedule(make_cfg("optim.schedule=wsd", "optim.decay_fraction=0.2"), png)[0]
     assert row.status == OK and row.evidence.startswith(
-        "wsd: warmup 5, flat 0.003 to step 24, 1-sqrt decay to 0.0003 at step 30; peak 0.003 at step 4"
+        "wsd: warmup 5, flat 0.002 to step 24, 1-sqrt decay to 0.0002 at step 30; peak 0.002 at step 4"
     )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -46,7 +46,7 @@ from steadylm.schedule import Schedule, set_lr
 MULTIPLES = (1.0, 3.0, 10.0)
 DOWN = (1 / 3, 1 / 9, 1 / 27, 1 / 81)  # walked while the loss keeps improving: to the best LR of a probe this short
 # An LR whose loss ends further above the best lower LR's than this share of that LR's progress is too high.
-EXCESS = 0.2
+EXCESS = 0.15
 FLAT = 0.02  # nats: a lower LR ending within this of the one above is on the same plateau, so the walk goes on
 
 
