@@ -148,8 +148,13 @@ def forecast_replay(series: dict[int, dict[str, float]], warmup: int) -> tuple[i
 
 
 def running_median(run_dir: Path) -> dict[int, float]:
+    """The 3-point running median of the training loss by step; inf from a non-finite loss on."""
     steps, loss = load_run(run_dir).series("train/loss")
-    return {int(steps[i]): statistics.median(loss[max(0, i - 2) : i + 1]) for i in range(len(steps))}
+    out, bad = {}, False
+    for i in range(len(steps)):
+        bad = bad or not math.isfinite(loss[i])
+        out[int(steps[i])] = math.inf if bad else statistics.median(loss[max(0, i - 2) : i + 1])
+    return out
 
 
 def loss_onset(run_dir: Path, twin: Path | None = None) -> int | None:
