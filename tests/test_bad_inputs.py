@@ -247,7 +247,7 @@ VALUE_CASES = {
     "lr_negative": (["optim.lr=-0.1"], r"optim\.lr=-0\.1 is not allowed"),
     "min_lr_above_lr": (
         ["optim.min_lr=1.0"],
-        r"optim\.min_lr=1\.0 is not allowed; it must be between 0 and optim\.lr=0\.003",
+        r"optim\.min_lr=1\.0 is not allowed; it must be between 0 and optim\.lr=0\.002",
     ),
     "warmup_not_below_max_steps": (
         ["optim.warmup_steps=2"],
@@ -331,8 +331,8 @@ def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
         (
             good,
             ["optim.warmup_steps=2"],
-            r"last\.ckpt has 2 applied steps under cosine: warmup 1, .* would have given step 0 LR 0\.0015, not "
-            r"0\.003; resume with the checkpoint's optim\.schedule=cosine optim\.lr=0\.003 optim\.warmup_steps=1$",
+            r"last\.ckpt has 2 applied steps under cosine: warmup 1, .* would have given step 0 LR 0\.001, not "
+            r"0\.002; resume with the checkpoint's optim\.schedule=cosine optim\.lr=0\.002 optim\.warmup_steps=1$",
         ),
     ]
     before = snapshot(tmp_path)

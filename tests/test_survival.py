@@ -152,6 +152,7 @@ def test_at_each_spike_a_poisoned_window_is_ranked_first_and_its_text_can_be_pri
             *LONG,
             "trainer.max_steps=200",
             "data.batch_size=4",
+            "optim.lr=3e-3",  # the loss this test's spike bar was set against
             "callbacks.stability.spike.sigma=3",
             "callbacks.stability.spike.warmup=12",
             out=out,
