@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from steadylm.compat import attached_trainer
+from steadylm.compat import attached_trainer, per_tensor_norms
 from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.errors import ConfigError
 from steadylm.head_loss import chunked_head_loss, chunked_token_losses
@@ -80,13 +80,14 @@ class LMModule(L.LightningModule):
         self.run_config = run_config
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
-        # Optimizer steps whose update never reached the weights (skipped or rolled back by the stability callback):
-        # the LR counts only applied steps. `lr_scale` multiplies the schedule (a repeated rollback lowers it).
+        # The LR state. Only this class writes it; the stability suite asks through `skip_step`, `scale_lr` and
+        # `continue_from`. Optimizer steps whose update never reached the weights (skipped or rolled back) do not
+        # count: the LR follows the applied steps. `lr_scale` multiplies the schedule (a backoff lowers it).
         self.skipped_steps = 0
         self.lr_scale = 1.0
-        # After a QK-clip rewind the LR warms up again from the restored step: (applied step it began, its length).
+        # After a rewind the LR warms up again from the restored step: (applied step it began, its length).
         self.rewarm: tuple[int, int] = (0, 0)
-        # This step's total grad norm, when the stability measurement has already computed it (before clipping).
+        # This step's total grad norm, when `grad_norms` has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -187,8 +188,36 @@ class LMModule(L.LightningModule):
         return Schedule.from_optim(self.optim_cfg)
 
     def lr_now(self) -> float:
-        applied = self.trainer.global_step - self.skipped_steps
-        return self.schedule.lr_of(applied, scale=self.lr_scale, rewarm=self.rewarm)
+        return self.schedule.lr_of(self.applied_steps(), scale=self.lr_scale, rewarm=self.rewarm)
+
+    def applied_steps(self, step: int | None = None) -> int:
+        """Updates in the weights at optimizer step `step` (default: now): the steps the LR schedule has taken."""
+        return (self.trainer.global_step if step is None else step) - self.skipped_steps
+
+    def skip_step(self) -> None:
+        """The update under way does not count: the LR does not advance on it."""
+        self.skipped_steps += 1
+
+    def scale_lr(self, factor: float) -> float:
+        """Every later update's LR times `factor` (an LR backoff); returns the new scale."""
+        self.lr_scale *= float(factor)
+        return self.lr_scale
+
+    def continue_from(self, applied: int, step: int, rewarm_steps: int = 0) -> None:
+        """Weights restored from a state `applied` updates in, at optimizer step `step`: the schedule resumes where
+        those weights left off, warming up again over `rewarm_steps` from there (0: at once)."""
+        self.skipped_steps = step - applied
+        if rewarm_steps:
+            self.rewarm = (applied, rewarm_steps)
+
+    def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
+        """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order, as clipping sums
+        them; the total is kept for this step's clipping, so the gradients are walked once."""
+        params = [p for opt in self.trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        with_grad = [p for p in params or self.parameters() if p.grad is not None]
+        norms = per_tensor_norms([p.grad for p in with_grad]) if with_grad else None
+        self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
+        return norms, with_grad
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self._muon() if self.optim_cfg.get("name", "adamw") == "muon" else self._adamw()

@@ -93,11 +93,11 @@ class FaultInjector(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         for f in self._due(trainer, "lr_spike"):  # the module sets the LR from the scale after every callback
-            pl_module.lr_scale *= float(f.get("factor", 1000.0))
+            pl_module.scale_lr(float(f.get("factor", 1000.0)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         for f in self._due_before_step(trainer, "lr_spike"):
-            pl_module.lr_scale /= float(f.get("factor", 1000.0))
+            pl_module.scale_lr(1 / float(f.get("factor", 1000.0)))
         if self._handle is not None and not self._due(trainer, "nan_loss"):
             self._handle.remove()
             self._handle = None

@@ -12,13 +12,16 @@ lowers the scale; `LossScaleMonitor` counts and alarms); the guard acts on a non
 from __future__ import annotations
 
 from steadylm.errors import ConfigError
+from steadylm.stability.check import Check, StepView
 from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
 ACTIONS = ("rollback", "stop")
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(Check):
+    name = "guard"
+
     def __init__(self, max_consecutive: int = 3, action: str = "rollback") -> None:
         if action not in ACTIONS:
             raise ConfigError(f"callbacks.stability.guard.action={action!r} is not one of {', '.join(ACTIONS)}")
@@ -29,8 +32,8 @@ class NonFiniteGuard:
         self.consecutive = 0
         self.streak_start = -1
 
-    def check(self, m: Measurement, scaler: bool = False) -> Verdict:
-        if not m.nonfinite or (scaler and not m.loss_nonfinite):
+    def verdict(self, m: Measurement, view: StepView) -> Verdict:
+        if not m.nonfinite or (view.loss_scale is not None and not m.loss_nonfinite):
             self.consecutive = 0
             return OK
         if self.consecutive == 0:

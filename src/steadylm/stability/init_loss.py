@@ -14,18 +14,21 @@ from __future__ import annotations
 import math
 
 from steadylm.errors import ConfigError
+from steadylm.stability.check import Check, StepView
 from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
 
-class InitLoss:
+class InitLoss(Check):
+    name = "init_loss"
+
     def __init__(self, tolerance: float = 1.0) -> None:
         if not tolerance > 0:
             raise ConfigError(f"callbacks.stability.init_loss.tolerance={tolerance} must be > 0 (nats)")
         self.tolerance = float(tolerance)
 
-    def check(self, m: Measurement, model_cfg) -> Verdict:
-        """`model_cfg`: the model's `GPTConfig` (its vocab_size and init), None for a model without one."""
+    def verdict(self, m: Measurement, view: StepView) -> Verdict:
+        model_cfg = view.model_cfg  # its vocab_size and init
         vocab_size = getattr(model_cfg, "vocab_size", None)
         if m.step != 0 or not vocab_size or m.nonfinite:
             return OK

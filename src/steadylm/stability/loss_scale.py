@@ -8,17 +8,23 @@ an `fp16_skip_streak` event. Does nothing without a scaler: bf16 and fp32 do not
 
 from __future__ import annotations
 
-from steadylm.stability.measure import Measurement
+from steadylm.stability.check import Check, StepView
+from steadylm.stability.measure import Measurement, loss_scaler
 from steadylm.stability.verdict import OK, Verdict
 
 
-class LossScaleMonitor:
+class LossScaleMonitor(Check):
+    name = "loss_scale"
+
     def __init__(self, streak: int = 5) -> None:
         self.streak = int(streak)
         self.consecutive = 0
 
-    def check(self, m: Measurement, scale: float | None) -> Verdict:
-        """`scale`: the scaler's current loss scale (None: no scaler)."""
+    def applies(self, trainer) -> bool:
+        return loss_scaler(trainer) is not None
+
+    def verdict(self, m: Measurement, view: StepView) -> Verdict:
+        scale = view.loss_scale
         if scale is None:
             return OK
         if not m.grad_nonfinite:

@@ -1,7 +1,8 @@
 """The one per-optimizer-step measurement: loss and pre-clip grad norm, and whether each is finite.
 
 Taken after backward and every accumulated micro-batch (after the fp16 unscale, before clipping and the
-update), packed into ONE 2-number tensor, all-reduced ONCE across ranks and copied to the host ONCE. Every
+update), packed with every check's own values (`Check.measure`) into ONE tensor per reduction (mean, max),
+all-reduced ONCE per reduction across ranks and copied to the host ONCE. Every
 check of the step reads this same reduced value, so every rank takes the same decision and none waits
 alone in a collective. It must never do per-tensor `.item()` calls or a second collective per step.
 
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
-from steadylm.compat import clear_found_inf, per_tensor_norms, set_found_inf
+from steadylm.compat import clear_found_inf, set_found_inf
+from steadylm.errors import ConfigError
+from steadylm.stability.check import OPS
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Measurement:
     loss_nonfinite: bool  # on any rank, in any micro-batch
     grad_nonfinite: bool
     batch_idx: tuple[int, ...] = ()  # the step's micro-batches, as the epoch's batch indices
+    values: dict = field(default_factory=dict)  # {check name: {key: reduced value}}: what the checks measured
     batches: list = field(default_factory=list, compare=False, repr=False)  # references, for the forensic re-run
     bad_params: tuple[str, ...] = field(default=(), compare=False)  # parameters with a non-finite grad (this rank)
 
@@ -49,11 +53,12 @@ class Measurement:
             "loss_nonfinite": self.loss_nonfinite,
             "grad_nonfinite": self.grad_nonfinite,
             "batch_idx": list(self.batch_idx),
+            "values": self.values,
         }
 
     @classmethod
     def from_state(cls, state: dict) -> Measurement:
-        return cls(**{**state, "batch_idx": tuple(state["batch_idx"])})
+        return cls(**{**state, "batch_idx": tuple(state["batch_idx"]), "values": state.get("values", {})})
 
 
 def loss_scaler(trainer: Any) -> Any:
@@ -66,37 +71,82 @@ def can_defer(trainer) -> bool:
     return all(opt.defaults.get("fused") for opt in trainer.optimizers) and loss_scaler(trainer) is None
 
 
-class InFlight:
-    """One step's reduced [loss, norm] on its way to the host, and the per-parameter norms (kept on the device)."""
+class Packed:
+    """One rank's share of a step's collective: [loss, grad norm, every check's "mean" value] summed over ranks,
+    and every "max" value maxed; `unpack` turns the reduced host numbers back into named values."""
 
-    def __init__(
-        self, step: int, packed: torch.Tensor, norms, params: list, net, world: int, batches, batch_idx, sharded=False
-    ) -> None:
-        self.step, self.norms, self.params, self.net, self.world = step, norms, params, net, world
-        self.sharded = sharded  # packed holds the summed squares of each rank's shard norm
+    def __init__(self, loss: torch.Tensor, norm: torch.Tensor, values: dict[str, dict], sharded: bool) -> None:
+        self.sharded = sharded  # the norm travels as its square: the global norm of slices is the root of the sum
+        self.keys: dict[str, list[tuple[str, str, int]]] = {op: [] for op in OPS}  # (check, key, numel)
+        core = torch.stack([loss.float(), (norm.square() if sharded else norm).float()])
+        parts: dict[str, list[torch.Tensor]] = {"mean": [core], "max": []}
+        for name, measured in values.items():
+            for key, (op, t) in measured.items():
+                if op not in OPS:
+                    raise ConfigError(f"check {name!r} measured {key!r} with op {op!r}; use one of {', '.join(OPS)}")
+                t = t.detach().float().reshape(-1)
+                self.keys[op].append((name, key, t.numel()))
+                parts[op].append(t)
+        self.sums = torch.cat(parts["mean"]) if len(parts["mean"]) > 1 else core
+        self.maxes = torch.cat(parts["max"]) if parts["max"] else None
+
+    def all_reduce(self) -> None:
+        # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
+        # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
+        torch.distributed.all_reduce(self.sums)
+        if self.maxes is not None:
+            torch.distributed.all_reduce(self.maxes, op=torch.distributed.ReduceOp.MAX)
+
+    def nonfinite(self) -> torch.Tensor:
+        """1 on the device when the loss or the grad norm is not finite on any rank (no host read)."""
+        return (~self.sums[:2].isfinite().all()).float()
+
+    def flat(self) -> torch.Tensor:
+        return self.sums if self.maxes is None else torch.cat([self.sums, self.maxes])
+
+    def unpack(self, host: list[float], world: int) -> tuple[float, float, dict]:
+        """(mean loss, global grad norm, {check: {key: value}}) from the reduced numbers, `flat`'s order."""
+        loss, norm = host[0] / world, host[1]
+        norm = math.sqrt(norm) if self.sharded else norm / world  # replicated: every rank held the same norm
+        values: dict[str, dict] = {}
+        at = 2
+        for op in OPS:
+            for name, key, n in self.keys[op]:
+                got = [v / world if op == "mean" else v for v in host[at : at + n]]
+                values.setdefault(name, {})[key] = got[0] if n == 1 else got
+                at += n
+        return loss, norm, values
+
+
+class InFlight:
+    """One step's reduced values on their way to the host, and the per-parameter norms (kept on the device)."""
+
+    def __init__(self, step: int, packed: Packed, norms, params: list, net, world: int, batches, batch_idx) -> None:
+        self.step, self.packed, self.norms, self.params, self.net, self.world = step, packed, norms, params, net, world
         self.batches, self.batch_idx = batches, tuple(batch_idx)
         self.event = None
-        if packed.device.type == "cuda":
-            self.host = packed.to("cpu", non_blocking=True)  # pinned, asynchronous; the event marks its arrival
+        flat = packed.flat()
+        if flat.device.type == "cuda":
+            self.host = flat.to("cpu", non_blocking=True)  # pinned, asynchronous; the event marks its arrival
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = packed.cpu()
+            self.host = flat.cpu()
         self._read: Measurement | None = None
 
     def read(self) -> Measurement:
         if self._read is None:
             if self.event is not None:
                 self.event.synchronize()
-            loss, norm = self.host.tolist()
-            norm = math.sqrt(norm) if self.sharded else norm / self.world
+            loss, norm, values = self.packed.unpack(self.host.tolist(), self.world)
             self._read = Measurement(
                 step=self.step,
-                loss=loss / self.world,
+                loss=loss,
                 grad_norm=norm,
                 loss_nonfinite=not math.isfinite(loss),
                 grad_nonfinite=not math.isfinite(norm),
                 batch_idx=self.batch_idx,
+                values=values,
                 batches=self.batches,
                 bad_params=self._bad() if not math.isfinite(norm) else (),
             )
@@ -139,13 +189,14 @@ class StepMeasure:
     def add_loss(self, loss: torch.Tensor) -> None:
         self.losses.append(loss)
 
-    def take(self, trainer, pl_module) -> Measurement | None:
-        """Measure the step under way; return the measurement to act on now: this step's, or (deferred) the
-        previous step's, or None when there is none yet."""
+    def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
+        """Measure the step under way (`checks`: those that measure, each `measure(view)` joining the one
+        collective); return the measurement to act on now: this step's, or (deferred) the previous step's, or
+        None when there is none yet."""
         if self.deferred is None:
             self.deferred = self.allow_defer and can_defer(trainer)
         self._taken = True
-        self.current = self._launch(trainer, pl_module, trainer.global_step)
+        self.current = self._launch(trainer, pl_module, view, checks)
         if not self.deferred:
             return self.current.read()
         due, self.pending = self.pending, self.current
@@ -155,7 +206,7 @@ class StepMeasure:
         """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
         return self.current.read() if self.current is not None else None
 
-    def _launch(self, trainer, pl_module, step: int) -> InFlight:
+    def _launch(self, trainer, pl_module, view, checks) -> InFlight:
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
         loss = (
@@ -167,29 +218,21 @@ class StepMeasure:
         scaler = loss_scaler(trainer)
         if scaler is not None and scaler.is_enabled():
             loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
-        # In the optimizer's parameter order, as clipping sums them.
-        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]] or list(
-            pl_module.parameters()
-        )
-        with_grad = [p for p in params if p.grad is not None]
-        norms = per_tensor_norms([p.grad for p in with_grad]) if with_grad else None
+        norms, with_grad = pl_module.grad_norms()  # clipping reuses them instead of walking every gradient again
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
-        pl_module.pre_clip_grad_norm = norm  # clipping reuses it instead of walking every gradient again
         world = trainer.world_size
         # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
         # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
         sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
-        packed = torch.stack([loss, norm.square() if sharded else norm])
+        packed = Packed(loss, norm, {c.name: c.measure(view) for c in checks}, sharded)
         if world > 1 and torch.distributed.is_initialized():
-            # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
-            # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
-            torch.distributed.all_reduce(packed)
+            packed.all_reduce()
         if self.deferred:
-            found_inf = (~packed.isfinite().all()).float()
+            found_inf = packed.nonfinite()
             for opt in trainer.optimizers:
                 set_found_inf(opt, found_inf)  # the optimizer skips the whole update on the device when it is 1
         net = getattr(pl_module, "net", pl_module)
-        return InFlight(step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx, sharded)
+        return InFlight(view.step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx)
 
     def abandon(self) -> None:
         """The step under way reaches neither the weights nor a later check (rollback, stop)."""

@@ -27,6 +27,7 @@ import statistics
 from collections import deque
 
 from steadylm.errors import ConfigError
+from steadylm.stability.check import Check, StepView
 from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
@@ -53,7 +54,9 @@ class RobustWindow:
         return med, MAD_TO_STD * statistics.median([abs(v - med) for v in self.values])
 
 
-class SpikeDetector:
+class SpikeDetector(Check):
+    name = "spike"
+
     def __init__(
         self,
         sigma: float = 6.0,
@@ -106,11 +109,11 @@ class SpikeDetector:
         self.stats = {s: RobustWindow(self.window, state.get(s, ())) for s in self.signals}
 
     # -- each measurement -------------------------------------------------------------------------------------
-    def check(self, m: Measurement, world_size: int = 1) -> Verdict:
+    def verdict(self, m: Measurement, view: StepView) -> Verdict:
         if m.nonfinite:
             return OK
         if m.batches:
-            self.sequences = max(1, sum(int(b[0].shape[0]) for b in m.batches) * world_size)
+            self.sequences = max(1, sum(int(b[0].shape[0]) for b in m.batches) * view.world_size)
         loss_bar = self.bar("loss") if "loss" in self.stats else None
         high = loss_bar is not None and m.loss > loss_bar
         verdict = OK

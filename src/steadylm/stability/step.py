@@ -23,6 +23,7 @@ import inspect
 import lightning as L
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,6 +31,7 @@ from steadylm.checkpointing import STABILITY_STATE_KEY
 from steadylm.compat import every_n_train_steps
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import will_log, write_metrics
+from steadylm.stability.check import StepView, measures
 from steadylm.stability.events import KINDS, emit
 from steadylm.stability.forensics import name_culprit, write_bundle
 from steadylm.stability.guard import NonFiniteGuard
@@ -43,7 +45,7 @@ from steadylm.stability.signals import Precursors, signal_values
 from steadylm.stability.spike import SpikeDetector
 from steadylm.stability.stats import GradParamStats
 from steadylm.stability.suspects import batch_window_ids, spike_suspects
-from steadylm.stability.verdict import OK, Verdict
+from steadylm.stability.verdict import Verdict
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 
@@ -66,6 +68,30 @@ def _part(name: str, cls, settings):
     return cls(**settings)
 
 
+BUILT_IN = ("guard", "spike", "stats", "loss_scale", "qk_clip", "init_loss", "recovery", "signals", "measure")
+
+
+def _checks_from_config(nodes) -> list:
+    """The checks named under `callbacks.stability.checks` (`<name>: {_target_: ...}`), each called `<name>`."""
+    out = []
+    for name, node in (nodes or {}).items():
+        if node is None:
+            continue  # removed from the command line (`callbacks.stability.checks.<name>=null`)
+        where = f"callbacks.stability.checks.{name}"
+        if name in BUILT_IN:
+            raise ConfigError(f"{where}: {name!r} is a built-in part's name; call the check something else")
+        check = node  # Hydra has built it already when the Trainer's callbacks were instantiated
+        if isinstance(node, (dict, DictConfig)):
+            if "_target_" not in node:
+                raise ConfigError(f"{where} has no _target_ (the check's class, e.g. my_package.checks.MyCheck)")
+            check = instantiate(node)
+        if not callable(getattr(check, "verdict", None)):
+            raise ConfigError(f"{where}: {type(check).__name__} has no verdict(m, view) method (see Check)")
+        check.name = name
+        out.append(check)
+    return out
+
+
 class Stability(L.Callback):
     """`callbacks.stability`: each part is tunable (`callbacks.stability.spike.sigma=5`) or removable
     (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
@@ -80,6 +106,7 @@ class Stability(L.Callback):
         init_loss=None,
         recovery=None,
         signals=None,
+        checks=None,
         defer: bool = True,
     ):
         if not isinstance(defer, bool):
@@ -92,7 +119,12 @@ class Stability(L.Callback):
         self.init_loss = _part("init_loss", InitLoss, init_loss)
         self.signals = _part("signals", Precursors, signals)
         self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
-        self.measure = StepMeasure(defer=defer and not (self.spike and self.spike.acts_before_update))
+        # Judged in this order, the built-in checks first, then `callbacks.stability.checks` in config order.
+        self.checks = [c for c in (self.guard, self.spike, self.loss_scale, self.init_loss) if c is not None]
+        self.checks += _checks_from_config(checks)
+        self._judged, self._measuring = self.checks, []  # settled at the fit's start (`setup`)
+        # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
+        self.measure = StepMeasure(defer=defer and not any(getattr(c, "acts_before_update", False) for c in self.checks))
         self.stopped = False
         self.in_step = False  # inside `step`: the step under way has not reached the weights
         self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
@@ -106,6 +138,21 @@ class Stability(L.Callback):
         return STABILITY_STATE_KEY
 
     # -- Lightning's hooks ------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._judged = [c for c in self.checks if c.applies(trainer)]
+        self._measuring = [c for c in self._judged if measures(c)]
+
+    def _view(self, trainer, pl_module) -> StepView:
+        scaler = loss_scaler(trainer)
+        return StepView(
+            step=trainer.global_step,
+            world_size=trainer.world_size,
+            loss_scale=scaler.get_scale() if scaler is not None else None,
+            model_cfg=getattr(getattr(pl_module, "net", None), "cfg", None),
+            trainer=trainer,
+            module=pl_module,
+        )
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.measure.add_batch(batch, batch_idx)
         if self.stats is not None:
@@ -133,11 +180,13 @@ class Stability(L.Callback):
         """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
         step = trainer.global_step
         self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
-        m = self.measure.take(trainer, pl_module)  # 1. the one measurement (deferred: the previous step's)
+        view = self._view(trainer, pl_module)
+        m = self.measure.take(trainer, pl_module, view, self._measuring)  # 1. the one measurement (deferred: the
+        # previous step's), every check's own values in the same collective
         if self.recovery.in_skip_window(step):  # the data window skipped after a repeated rollback
             self.skip(trainer, pl_module, step)
         if m is not None:
-            self.judge(trainer, pl_module, optimizer, m)  # 2-6. the checks' verdicts, applied
+            self.judge(trainer, pl_module, optimizer, m, view)  # 2-6. the checks' verdicts, applied
         if self.stopped:
             return
         if self.stats is not None:  # 7. stats: the grads and weights this update starts from (after any rollback)
@@ -145,18 +194,13 @@ class Stability(L.Callback):
         if will_log(trainer):
             self._log = self._optimizer_metrics(trainer, pl_module)
 
-    def judge(self, trainer, pl_module, optimizer, m: Measurement) -> None:
-        """Every check's verdict on `m`, in a fixed order; then the snapshot of `m.step` is confirmed or dropped,
-        and the verdicts are applied in the same order (a rollback or a stop ends the list: it acted on `m`)."""
-        scaler = loss_scaler(trainer)
-        verdicts = [
-            self.guard.check(m, scaler=scaler is not None) if self.guard else OK,  # 2. non-finite: skip; a streak
-            self.spike.check(m, trainer.world_size) if self.spike else OK,  # 3. loss spike: persisting -> rollback
-            self.loss_scale.check(m, scaler.get_scale() if scaler else None) if self.loss_scale else OK,  # 4. fp16
-            self.init_loss.check(m, getattr(getattr(pl_module, "net", None), "cfg", None))
-            if self.init_loss
-            else OK,  # step 0 vs ln(V)
-        ]
+    def judge(self, trainer, pl_module, optimizer, m: Measurement, view: StepView | None = None) -> None:
+        """Every check's verdict on `m`, in order (2. guard: non-finite, skip, a streak -> rollback; 3. spike:
+        persisting -> rollback; 4. fp16 loss scale; step 0's loss against ln(V); then the checks named in config);
+        the snapshot of `m.step` is confirmed or dropped (5), and the verdicts are applied in the same order (6; a
+        rollback or a stop ends the list: it acted on `m`)."""
+        view = view or self._view(trainer, pl_module)
+        verdicts = [c.verdict(m, view) for c in self._judged]
         self.recovery.confirm(m, suspect=any(v.suspect for v in verdicts))  # 5. known-good snapshot, or dropped
         for v in verdicts:  # 6. act
             if v.action != "ok" and self.apply(trainer, pl_module, optimizer, m, v):
@@ -198,7 +242,7 @@ class Stability(L.Callback):
         if step == self._skipped_at:
             return
         self._skipped_at = step
-        pl_module.skipped_steps += 1
+        pl_module.skip_step()
         if self.in_step and step == trainer.global_step:
             self._drop_grads(pl_module)
 
@@ -212,8 +256,7 @@ class Stability(L.Callback):
             self.measure.abandon()
         self._continue_from(trainer, pl_module, restored)
         if "lr_backoff" in restored:
-            pl_module.lr_scale *= restored["lr_backoff"]
-            restored["lr_scale"] = pl_module.lr_scale
+            restored["lr_scale"] = pl_module.scale_lr(restored["lr_backoff"])
         episode = v.context.get("episode")
         if episode is not None:  # a persisting spike: re-run its onset batch on the restored weights
             evidence = spike_suspects(trainer, pl_module, episode, None, restored["to_step"])
@@ -236,7 +279,7 @@ class Stability(L.Callback):
         extra = {}
         if v.kind in NONFINITE and m is not None:
             extra = self._forensics(trainer, pl_module, m, v, detail)
-        if v.kind in KINDS:
+        if v.kind in KINDS or v.kind in {c.name for c in self.checks}:
             emit(trainer, v.onset if v.kind == "loss_spike" else step, v.kind, "stop", detail)
         saved = self._save_last_good(trainer, pl_module)
         emit(trainer, step, "stop", "stop", {**v.detail, **extra, "kind": v.kind, "reason": reason, **saved})
@@ -276,7 +319,7 @@ class Stability(L.Callback):
             if snap is not None:
                 restore_weights_and_optimizer(trainer, pl_module, snap)
                 # The LR of a resume from it continues where those weights left off.
-                pl_module.skipped_steps = trainer.global_step - snap.applied
+                pl_module.continue_from(snap.applied, trainer.global_step)
                 trainer.save_checkpoint(folder / "last_good.ckpt")
                 out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
         except Exception as err:  # the stop itself must happen even when the disk is full
@@ -418,21 +461,20 @@ class Stability(L.Callback):
         """Apply a backoff a check's `Backoff` granted (`detail`: its evidence): the LR scale times the factor,
         a rewind to the good snapshot from before `rewind_before` (and a re-warmup), the `lr_backoff` event and
         the rollback's. Every rank reaches it from the same reduced values. True when it rewound."""
-        pl_module.lr_scale *= detail["lr_backoff"]
+        pl_module.scale_lr(detail["lr_backoff"])
         keys = ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
         target = {k: detail.pop(k) for k in keys if k in detail}  # QK-clip's rewind_target, else before the onset
         detail = {**detail, "cause": cause, "reason": why}
         restored = None
         if "rewind_before" in target:
             target = {"rewind_latest": target["rewind_before"], "rewind_first": True, **target}
-            restored = self._rewind(trainer, pl_module, target)
+            # the LR ramps up again from the restored weights over `rewarm_steps`, as at the start
+            restored = self._rewind(trainer, pl_module, target, backoff.rewarm_steps)
         if restored is not None:
             detail["rewound_to"] = restored["to_step"]
             if "growth_from" in target:
                 detail["growth_from"] = target["growth_from"]  # the last step the logits were below the floor
-            if backoff.rewarm_steps:  # the LR ramps up again from the restored weights, as at the start
-                applied = trainer.global_step - pl_module.skipped_steps
-                pl_module.rewarm = (applied, backoff.rewarm_steps)
+            if backoff.rewarm_steps:
                 detail["rewarm_steps"] = backoff.rewarm_steps
         emit(trainer, step, "lr_backoff", "backoff", detail)
         if restored is not None:
@@ -456,7 +498,7 @@ class Stability(L.Callback):
         elif not hold and self.recovery.hold_first:
             self.recovery.release_first()
 
-    def _rewind(self, trainer, pl_module, target: dict) -> dict | None:
+    def _rewind(self, trainer, pl_module, target: dict, rewarm_steps: int) -> dict | None:
         """Back to the snapshot QK-clip's `rewind_target` names (the weights grown since are the damage the clip
         cannot undo); the LR schedule resumes where those weights left off."""
         restored = self.recovery.rewind(
@@ -465,14 +507,14 @@ class Stability(L.Callback):
         if restored is None:
             return None
         self.measure.abandon()  # the step just done measured the abandoned weights
-        self._continue_from(trainer, pl_module, restored)
+        self._continue_from(trainer, pl_module, restored, rewarm_steps)
         return restored
 
-    def _continue_from(self, trainer, pl_module, restored: dict) -> None:
+    def _continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
         """After a restore: the LR schedule resumes at the restored weights' applied steps, the checks' windows
         at theirs. Pops `applied` and `detectors` from `restored` (the rest is the event's)."""
         self._disarm_clip(trainer, pl_module)  # logits measured on the abandoned weights never clip the restored
-        pl_module.skipped_steps = trainer.global_step + self.in_step - restored.pop("applied")
+        pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
         windows = restored.pop("detectors")
         if self.spike is not None and "spike" in windows:
             self.spike.load_window_state(windows["spike"])
@@ -530,21 +572,17 @@ class Stability(L.Callback):
             p.grad = None
 
     # -- resume -----------------------------------------------------------------------------------------------
+    def _parts(self) -> dict:
+        """Everything with state a checkpoint keeps, by name (a check's is its config key)."""
+        parts = {c.name: c for c in self.checks}
+        parts.update(qk_clip=self.qk_clip, signals=self.signals, recovery=self.recovery, measure=self.measure)
+        return {name: part for name, part in parts.items() if part is not None}
+
     def state_dict(self) -> dict:
-        parts = {
-            "guard": self.guard,
-            "spike": self.spike,
-            "loss_scale": self.loss_scale,
-            "qk_clip": self.qk_clip,
-            "signals": self.signals,
-            "recovery": self.recovery,
-        }
-        state = {name: part.state_dict() for name, part in parts.items() if part is not None}
-        return {**state, "measure": self.measure.state_dict()}
+        return {name: part.state_dict() for name, part in self._parts().items()}
 
     def load_state_dict(self, state: dict) -> None:
         self.measure.load_state_dict(state.get("measure"))
-        for name in ("guard", "spike", "loss_scale", "qk_clip", "signals", "recovery"):
-            part = getattr(self, name)
-            if part is not None and name in state:
+        for name, part in self._parts().items():
+            if name != "measure" and name in state:
                 part.load_state_dict(state[name])
