@@ -70,7 +70,9 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
     x = torch.randint(0, V, (batch, T), device=device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     trainer = SimpleNamespace(optimizers=[opt], global_step=0)
-    pl_module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, skipped_steps=0)
+    pl_module = SimpleNamespace(
+        parameters=net.parameters, buffers=net.buffers, applied_steps=lambda: trainer.global_step
+    )
 
     def step() -> None:
         with autocast:

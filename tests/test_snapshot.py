@@ -199,7 +199,7 @@ def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_
     net(torch.randn(8, 1024, device="cuda")).sum().backward()
     opt.step()
     trainer = SimpleNamespace(optimizers=[opt], global_step=1)
-    module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, skipped_steps=0)
+    module = SimpleNamespace(parameters=net.parameters, buffers=net.buffers, applied_steps=lambda: 1)
     before = [p.detach().cpu().clone() for p in net.parameters()]
     snap = capture(trainer, module)
     assert snap.store.event is not None and all(t.is_pinned() for t in snap.store.buffers)

@@ -108,10 +108,9 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
     optim = [_map_leaves(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
     target = reuse.store if reuse is not None else (store if store is not None else HostBuffers())
     target.write(tensors)
-    skipped = int(getattr(pl_module, "skipped_steps", 0))
     return Snapshot(
         step=trainer.global_step,
-        applied=trainer.global_step - skipped,
+        applied=pl_module.applied_steps(),
         store=target,
         n_weights=len(live),
         optim=optim,
@@ -179,8 +178,9 @@ class Recovery:
         self.restored: dict | None = None  # the last restore: step, to_step, the best it threw away
 
     # -- snapshots ---------------------------------------------------------------------------------------------
-    def maybe_snapshot(self, trainer, pl_module, detectors: dict) -> None:
-        """At the start of a step: copy the state to its store every `every_n_steps` steps."""
+    def maybe_snapshot(self, trainer, pl_module, detectors) -> None:
+        """At the start of a step: copy the state to its store every `every_n_steps` steps. `detectors()`: the
+        checks' windows to keep with it (asked only when a snapshot is taken)."""
         step = trainer.global_step
         if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
             return
@@ -196,12 +196,12 @@ class Recovery:
         self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:
             store = None if reuse is not None else self._new_store(trainer, pl_module)
-            self.candidate = capture(trainer, pl_module, reuse, detectors, store)
+            self.candidate = capture(trainer, pl_module, reuse, detectors(), store)
         except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
             self._to_memory(f"a snapshot file failed ({err})")
             if reuse is not None:
                 reuse.store.close()
-            self.candidate = capture(trainer, pl_module, None, detectors, HostBuffers())
+            self.candidate = capture(trainer, pl_module, None, detectors(), HostBuffers())
 
     def written(self) -> None:
         """The snapshot under way has read the live tensors (a file's write runs beside forward and backward).

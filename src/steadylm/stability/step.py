@@ -124,7 +124,9 @@ class Stability(L.Callback):
         self.checks += _checks_from_config(checks)
         self._judged, self._measuring = self.checks, []  # settled at the fit's start (`setup`)
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
-        self.measure = StepMeasure(defer=defer and not any(getattr(c, "acts_before_update", False) for c in self.checks))
+        self.measure = StepMeasure(
+            defer=defer and not any(getattr(c, "acts_before_update", False) for c in self.checks)
+        )
         self.stopped = False
         self.in_step = False  # inside `step`: the step under way has not reached the weights
         self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
@@ -141,6 +143,10 @@ class Stability(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._judged = [c for c in self.checks if c.applies(trainer)]
         self._measuring = [c for c in self._judged if measures(c)]
+
+    def _windows_to_keep(self) -> dict:
+        """What a snapshot keeps of the checks beside the weights: the spike detector's window."""
+        return {"spike": self.spike.window_state()} if self.spike is not None else {}
 
     def _view(self, trainer, pl_module) -> StepView:
         scaler = loss_scaler(trainer)
@@ -163,8 +169,7 @@ class Stability(L.Callback):
             self._clip_armed = trainer.global_step
         if any(b.rewind for b in self._backoffs()):
             self._hold_first_through_warmup(trainer, pl_module)
-        spike_window = {"spike": self.spike.window_state()} if self.spike is not None else {}
-        self.recovery.maybe_snapshot(trainer, pl_module, spike_window)
+        self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.measure.add_loss(loss)
@@ -448,7 +453,7 @@ class Stability(L.Callback):
     @staticmethod
     def _in_warmup(pl_module, step: int) -> bool:
         """The LR is still ramping up at optimizer step `step` (the first warmup, or a re-warmup after a rewind)."""
-        applied = step - pl_module.skipped_steps
+        applied = pl_module.applied_steps(step)
         warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
         start, length = getattr(pl_module, "rewarm", (0, 0))
         return applied < warmup or (length > 0 and applied < start + length)
@@ -492,7 +497,7 @@ class Stability(L.Callback):
         after = [(self.qk_clip.backoff_after or 0) * self.qk_clip.every_n_steps] if self.qk_clip else []
         if self.signals is not None and self.stats is not None:
             after.append(self.signals.persist * self.stats.every_n_steps)
-        hold = trainer.global_step - pl_module.skipped_steps <= warmup + max(after, default=0)
+        hold = pl_module.applied_steps() <= warmup + max(after, default=0)
         if hold and not self.recovery.hold_first:
             self.recovery.hold_first = True
         elif not hold and self.recovery.hold_first:
