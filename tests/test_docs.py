@@ -31,7 +31,7 @@ What is checked, and the convention that decides what counts as what:
   reserved ids; not every error Mermaid could raise, and it is stricter than Mermaid in places (no `;` in an
   unquoted label, every node labelled).
 - **Mistakes shown on purpose** (`MISTAKES`, e.g. `model=huge`) and file names (`model.safetensors`) are not keys.
-- **Sizes and tone**: README ≤ 120 lines, docs/ ≤ 800 in all and ≤ 200 a page, decisions ≤ 150; no run history.
+- **Sizes and tone**: README ≤ 150 lines, each docs/ page ≤ 250, decisions ≤ 150; no run history.
 """
 
 from __future__ import annotations
@@ -465,8 +465,8 @@ def test_the_checks_reject_what_does_not_exist():
 
 def test_sizes_and_no_run_history():
     lines = {rel(p): len(p.read_text().splitlines()) for p in PAGES}
-    assert lines.pop("README.md") <= 120
-    assert sum(lines.values()) <= 800 and max(lines.values()) <= 200, lines
+    assert lines.pop("README.md") <= 150
+    assert max(lines.values()) <= 250, lines
     assert lines["docs/decisions.md"] <= 150
     history = re.compile(
         r"session \d|this session|kept for the history|this machine|(before|after) the change|DESIGN\.md", re.I

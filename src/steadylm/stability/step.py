@@ -123,6 +123,8 @@ class Stability(L.Callback):
         self.checks = [c for c in (self.guard, self.spike, self.loss_scale, self.init_loss) if c is not None]
         self.checks += _checks_from_config(checks)
         self._judged, self._measuring = self.checks, []  # settled at the fit's start (`setup`)
+        self._attns: list = []  # the attention layers QK-clip acts on (`setup`)
+        self._rewinds = any(p is not None and p.backoff.rewind for p in (self.qk_clip, self.signals))
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
         self.measure = StepMeasure(
             defer=defer and not any(getattr(c, "acts_before_update", False) for c in self.checks)
@@ -143,6 +145,7 @@ class Stability(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._judged = [c for c in self.checks if c.applies(trainer)]
         self._measuring = [c for c in self._judged if measures(c)]
+        self._attns = self._clip_targets(trainer, pl_module) if self.qk_clip is not None else []
 
     def _windows_to_keep(self) -> dict:
         """What a snapshot keeps of the checks beside the weights: the spike detector's window."""
@@ -164,10 +167,10 @@ class Stability(L.Callback):
         if self.stats is not None:
             self.stats.arm(trainer.global_step, pl_module)
         if self.qk_clip is not None and self.qk_clip.due(trainer.global_step):
-            for attn in self._clip_targets(trainer, pl_module):
+            for attn in self._attns:
                 attn.track_max_logit = True
             self._clip_armed = trainer.global_step
-        if any(b.rewind for b in self._backoffs()):
+        if self._rewinds:
             self._hold_first_through_warmup(trainer, pl_module)
         self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
 
@@ -370,7 +373,7 @@ class Stability(L.Callback):
         if self._clip_armed < 0 or trainer.global_step <= self._clip_armed:
             return  # not measured, or still accumulating micro-batches of the measured step
         step, self._clip_armed = self._clip_armed, -1
-        attns = self._clip_targets(trainer, pl_module)
+        attns = self._attns
         if not attns or any(a.head_max_logit is None for a in attns):
             return
         head_max = torch.stack([a.head_max_logit.float() for a in attns])
@@ -391,7 +394,7 @@ class Stability(L.Callback):
     def _disarm_clip(self, trainer, pl_module) -> None:
         """Forget a max-logit measurement in flight (every rank rolls back at the same step, so all forget it)."""
         self._clip_armed = -1
-        for a in self._clip_targets(trainer, pl_module):
+        for a in self._attns:
             a.head_max_logit, a.track_max_logit = None, False
 
     def _account_clip(self, trainer, pl_module) -> bool:
@@ -432,7 +435,7 @@ class Stability(L.Callback):
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
             values = dict(zip(values, packed.tolist()))
         step = trainer.global_step - 1  # the update just measured
-        clip_acts = self.qk_clip is not None and bool(self._clip_targets(trainer, pl_module))
+        clip_acts = bool(self._attns)
         in_warmup = self._in_warmup(pl_module, trainer.global_step)
         verdicts = self.signals.observe(step, values, in_warmup, may_back_off=not clip_acts)
         for v in verdicts:
@@ -459,9 +462,6 @@ class Stability(L.Callback):
         return applied < warmup or (length > 0 and applied < start + length)
 
     # -- the one LR backoff: QK-clip's and the precursor signals' ------------------------------------------------
-    def _backoffs(self) -> list:
-        return [p.backoff for p in (self.qk_clip, self.signals) if p is not None]
-
     def back_off(self, trainer, pl_module, step: int, cause: str, backoff, detail: dict, why: str) -> bool:
         """Apply a backoff a check's `Backoff` granted (`detail`: its evidence): the LR scale times the factor,
         a rewind to the good snapshot from before `rewind_before` (and a re-warmup), the `lr_backoff` event and
