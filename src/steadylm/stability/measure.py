@@ -77,16 +77,15 @@ class Packed:
 
     def __init__(self, loss: torch.Tensor, norm: torch.Tensor, values: dict[str, dict], sharded: bool) -> None:
         self.sharded = sharded  # the norm travels as its square: the global norm of slices is the root of the sum
-        self.keys: dict[str, list[tuple[str, str, int]]] = {op: [] for op in OPS}  # (check, key, numel)
+        self.keys: dict[str, list[tuple[str, str, tuple]]] = {op: [] for op in OPS}  # (check, key, shape)
         core = torch.stack([loss.float(), (norm.square() if sharded else norm).float()])
         parts: dict[str, list[torch.Tensor]] = {"mean": [core], "max": []}
         for name, measured in values.items():
             for key, (op, t) in measured.items():
                 if op not in OPS:
                     raise ConfigError(f"check {name!r} measured {key!r} with op {op!r}; use one of {', '.join(OPS)}")
-                t = t.detach().float().reshape(-1)
-                self.keys[op].append((name, key, t.numel()))
-                parts[op].append(t)
+                self.keys[op].append((name, key, tuple(t.shape)))
+                parts[op].append(t.detach().float().reshape(-1))
         self.sums = torch.cat(parts["mean"]) if len(parts["mean"]) > 1 else core
         self.maxes = torch.cat(parts["max"]) if parts["max"] else None
 
@@ -105,17 +104,40 @@ class Packed:
         return self.sums if self.maxes is None else torch.cat([self.sums, self.maxes])
 
     def unpack(self, host: list[float], world: int) -> tuple[float, float, dict]:
-        """(mean loss, global grad norm, {check: {key: value}}) from the reduced numbers, `flat`'s order."""
+        """(mean loss, global grad norm, {check: {key: value}}) from the reduced numbers, `flat`'s order; a value
+        keeps its shape as nested lists (a 0-d tensor becomes a float)."""
         loss, norm = host[0] / world, host[1]
         norm = math.sqrt(norm) if self.sharded else norm / world  # replicated: every rank held the same norm
         values: dict[str, dict] = {}
         at = 2
         for op in OPS:
-            for name, key, n in self.keys[op]:
-                got = [v / world if op == "mean" else v for v in host[at : at + n]]
-                values.setdefault(name, {})[key] = got[0] if n == 1 else got
+            for name, key, shape in self.keys[op]:
+                n = math.prod(shape)
+                got = [v / world for v in host[at : at + n]] if op == "mean" else host[at : at + n]
+                values.setdefault(name, {})[key] = _shaped(got, shape)
                 at += n
         return loss, norm, values
+
+    def maxed(self, name: str, key: str) -> torch.Tensor | None:
+        """Check `name`'s "max" value `key`, reduced over ranks and still on the device (for an action there)."""
+        at = 0
+        for n, k, shape in self.keys["max"]:
+            if (n, k) == (name, key):
+                return self.maxes[at : at + math.prod(shape)].view(shape)
+            at += math.prod(shape)
+        return None
+
+
+def _shaped(values: list[float], shape: tuple):
+    """A flat list back into `shape` as nested lists (a float for a 0-d value), without a tensor."""
+    if not shape:
+        return values[0]
+    inner = math.prod(shape[1:])
+    return (
+        values
+        if len(shape) == 1
+        else [_shaped(values[i * inner : (i + 1) * inner], shape[1:]) for i in range(shape[0])]
+    )
 
 
 class InFlight:
@@ -189,24 +211,28 @@ class StepMeasure:
     def add_loss(self, loss: torch.Tensor) -> None:
         self.losses.append(loss)
 
-    def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
+    def take(self, trainer, pl_module, view, checks=(), extra=None) -> Measurement | None:
         """Measure the step under way (`checks`: those that measure, each `measure(view)` joining the one
-        collective); return the measurement to act on now: this step's, or (deferred) the previous step's, or
+        collective, with `extra`: the owner's own values, keyed as theirs); return the measurement to act on now: this step's, or (deferred) the previous step's, or
         None when there is none yet."""
         if self.deferred is None:
             self.deferred = self.allow_defer and can_defer(trainer)
         self._taken = True
-        self.current = self._launch(trainer, pl_module, view, checks)
+        self.current = self._launch(trainer, pl_module, view, checks, extra or {})
         if not self.deferred:
             return self.current.read()
         due, self.pending = self.pending, self.current
         return due.read() if due is not None else None
 
+    def maxed(self, name: str, key: str) -> torch.Tensor | None:
+        """The step under way's reduced "max" value `key` of `name`, on the device (None: not measured)."""
+        return self.current.packed.maxed(name, key) if self.current is not None else None
+
     def now(self) -> Measurement | None:
         """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
         return self.current.read() if self.current is not None else None
 
-    def _launch(self, trainer, pl_module, view, checks) -> InFlight:
+    def _launch(self, trainer, pl_module, view, checks, extra: dict) -> InFlight:
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
         loss = (
@@ -224,7 +250,7 @@ class StepMeasure:
         # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
         # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
         sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
-        packed = Packed(loss, norm, {c.name: c.measure(view) for c in checks}, sharded)
+        packed = Packed(loss, norm, {**{c.name: c.measure(view) for c in checks}, **extra}, sharded)
         if world > 1 and torch.distributed.is_initialized():
             packed.all_reduce()
         if self.deferred:

@@ -135,7 +135,6 @@ class Stability(L.Callback):
         self._culprit: tuple[str | None, str] = (None, "")  # the module named at the start of a non-finite streak
         self._log: dict[str, float] | None = None  # this logging step's optimizer metrics, written at batch end
         self._clip_armed = -1  # the step whose logits QK-clip measures
-        self._clipped: tuple | None = None  # (step, host copy of its per-head max logits, CUDA event): read a step late
 
     @property
     def state_key(self) -> str:
@@ -189,7 +188,8 @@ class Stability(L.Callback):
         step = trainer.global_step
         self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
         view = self._view(trainer, pl_module)
-        m = self.measure.take(trainer, pl_module, view, self._measuring)  # 1. the one measurement (deferred: the
+        extra = self._measured_logits(step)
+        m = self.measure.take(trainer, pl_module, view, self._measuring, extra)  # 1. the one measurement (deferred: the
         # previous step's), every check's own values in the same collective
         if self.recovery.in_skip_window(step):  # the data window skipped after a repeated rollback
             self.skip(trainer, pl_module, step)
@@ -212,7 +212,10 @@ class Stability(L.Callback):
         self.recovery.confirm(m, suspect=any(v.suspect for v in verdicts))  # 5. known-good snapshot, or dropped
         for v in verdicts:  # 6. act
             if v.action != "ok" and self.apply(trainer, pl_module, optimizer, m, v):
-                break
+                return  # rolled back or stopped: the logits of `m` belong to the abandoned weights
+        head_max = m.values.get("qk_clip", {}).get("head_max")
+        if head_max is not None:  # 7. QK-clip's record of the clip of `m.step`: counts, events, a backoff
+            self._account_clip(trainer, pl_module, m.step, head_max)
 
     # -- applying verdicts ------------------------------------------------------------------------------------
     def apply(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict) -> bool:
@@ -354,8 +357,6 @@ class Stability(L.Callback):
         # good file, which a save of NaN weights would replace. On save steps only: a host read each.
         if self.measure.deferred and checkpoint_due(trainer):
             self.settle(trainer, pl_module, trainer.optimizers[0])
-        if self._clipped is not None and checkpoint_due(trainer):
-            self._account_clip(trainer, pl_module)
 
     # -- QK-clip: after the update, so the next step starts from bounded logits ----------------------------------
     @staticmethod
@@ -367,29 +368,23 @@ class Stability(L.Callback):
             return []
         return [b.attn for b in net.blocks]
 
+    def _measured_logits(self, step: int) -> dict:
+        """This step's per-head max logits (layers x heads), for the step's one collective (MAX over ranks)."""
+        if self._clip_armed != step or any(a.head_max_logit is None for a in self._attns) or not self._attns:
+            return {}
+        return {"qk_clip": {"head_max": ("max", torch.stack([a.head_max_logit.float() for a in self._attns]))}}
+
     def clip_logits(self, trainer, pl_module) -> None:
-        """Clip on the device the heads the measured step saw over tau (every rank the same factors: the maxima are
-        all-reduced with MAX), and account for the previous clip from its host copy, which has arrived by now."""
+        """Clip on the device the heads the measured step saw over tau: the maxima reduced in the step's collective,
+        so every rank applies the same factors. The host's record of it comes with the step's measurement."""
         if self._clip_armed < 0 or trainer.global_step <= self._clip_armed:
             return  # not measured, or still accumulating micro-batches of the measured step
-        step, self._clip_armed = self._clip_armed, -1
-        attns = self._attns
-        if not attns or any(a.head_max_logit is None for a in attns):
-            return
-        head_max = torch.stack([a.head_max_logit.float() for a in attns])
-        for a in attns:
+        self._clip_armed = -1
+        for a in self._attns:
             a.head_max_logit, a.track_max_logit = None, False
-        if trainer.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(head_max, op=dist.ReduceOp.MAX)
-        self.qk_clip.clip(head_max, attns)
-        if self._clipped is not None and self._account_clip(trainer, pl_module):
-            return  # rewound: this step's logits belong to the abandoned weights
-        event = None
-        host = head_max.to("cpu", non_blocking=True)
-        if head_max.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._clipped = (step, host, event)
+        head_max = self.measure.maxed("qk_clip", "head_max")
+        if head_max is not None:
+            self.qk_clip.clip(head_max, self._attns)
 
     def _disarm_clip(self, trainer, pl_module) -> None:
         """Forget a max-logit measurement in flight (every rank rolls back at the same step, so all forget it)."""
@@ -397,13 +392,10 @@ class Stability(L.Callback):
         for a in self._attns:
             a.head_max_logit, a.track_max_logit = None, False
 
-    def _account_clip(self, trainer, pl_module) -> bool:
-        """The events of the clip in flight; an LR backoff it asks for, and its rewind. True when it rewound."""
-        step, host, event = self._clipped
-        self._clipped = None
-        if event is not None:
-            event.synchronize()
-        evidence = self.qk_clip.account(step, list(host))
+    def _account_clip(self, trainer, pl_module, step: int, head_max: list) -> bool:
+        """The events of step `step`'s clip (its reduced logits, on the host); an LR backoff it asks for, and its
+        rewind. True when it rewound."""
+        evidence = self.qk_clip.account(step, torch.tensor(head_max))
         if evidence is None:
             return False
         emit(trainer, step, "qk_clip", "clip", evidence)
@@ -511,6 +503,8 @@ class Stability(L.Callback):
         )
         if restored is None:
             return None
+        if self.in_step:  # the step under way was computed on the abandoned weights
+            self._drop_grads(pl_module)
         self.measure.abandon()  # the step just done measured the abandoned weights
         self._continue_from(trainer, pl_module, restored, rewarm_steps)
         return restored
@@ -540,8 +534,6 @@ class Stability(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.settle(trainer, pl_module)
-        if self._clipped is not None:
-            self._account_clip(trainer, pl_module)
         if self.spike is not None and not self.stopped:
             v = self.spike.finish()  # ended inside a spike episode: report it
             if v.kind is not None:
