@@ -25,9 +25,10 @@ is done before the logits cross tau, and clipping cannot undo it. How far back i
 (default) reads the measured max logits and goes back to the last step at which they still stood at or
 below `growth_floor * tau`, so a rewind throws away only the steps the logits grew in; `onset`, to just
 before the streak (the shallowest); `first`, to the fit's first snapshot. It is a plain
-class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, all-reduces
-the logits with MAX, clips on the device at once (`clip`: no host read) and accounts for the clip a step
-later from a host copy (`account`), applies the LR factor and writes the events.
+class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, the logits
+reduced with MAX in the step's one collective, clips on the device after the update (`clip`: no host read)
+and accounts for the clip from the step's measurement on the host (`account`, a step later when deferred),
+applies the LR factor and writes the events.
 """
 
 from __future__ import annotations
