@@ -147,3 +147,18 @@ def test_no_lazy_import_hides_a_cycle():
                 f"{imp.source} line {imp.line} imports {imp.target} lazily: {' -> '.join([imp.source, *back])}"
             )
     assert not hiding, "lazy imports that hide a cycle:\n" + "\n".join(hiding)
+
+
+def test_the_training_path_never_imports_the_tools():
+    """`python train.py` loads the training code only: doctor, diagnose, export, generate and the offline eval
+    runner are tools that import the training path, never the other way round."""
+    import subprocess
+    import sys
+
+    code = "import sys, steadylm.train; print(' '.join(m for m in sys.modules if m.startswith('steadylm')))"
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    modules = loaded.stdout.split()
+    assert "steadylm.stability.step" in modules  # the probe saw the training path
+    tools = ("steadylm.doctor", "steadylm.diagnose", "steadylm.export", "steadylm.generate", "steadylm.eval.harness")
+    assert not [m for m in modules if m.startswith(tools)], modules

@@ -19,6 +19,7 @@ from steadylm.doctor.config_checks import precision_of
 from steadylm.doctor.coord_check import check_coords
 from steadylm.memory import plan
 from steadylm.module import LMModule
+from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix
 
 LEAK_TOL = 1e-4  # fp32 logits of the past may move by rounding only
 INIT_LOSS_TOL = 1.0  # nats away from ln(vocab)
@@ -35,17 +36,6 @@ def grad_norm_ceiling(d_model: int, n_layer: int) -> float:
     with the model: GPT-2 124M measures ~53, under its ceiling of ~141; a fixed band would fail it.
     """
     return math.sqrt(2 * d_model * (n_layer + 1))
-
-
-INIT_OTHERWISE = (
-    "model.init is gpt2 already: look for weights changed after init (a loaded checkpoint, a custom init), "
-    "or set optim.z_loss=1e-4"
-)
-
-
-def init_fix(init: str, otherwise: str) -> str:
-    """Advice that never recommends the setting already in use."""
-    return "use model.init=gpt2 (N(0, 0.02), residual projections scaled by depth)" if init != "gpt2" else otherwise
 
 
 ACT_RMS_MAX, ACT_RMS_GROWTH = 100.0, 20.0

@@ -18,6 +18,16 @@ from steadylm.stability.check import Check, StepView
 from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
+INIT_OTHERWISE = (
+    "model.init is gpt2 already: look for weights changed after init (a loaded checkpoint, a custom init), "
+    "or set optim.z_loss=1e-4"
+)
+
+
+def init_fix(init: str, otherwise: str) -> str:
+    """Advice that never recommends the setting already in use."""
+    return "use model.init=gpt2 (N(0, 0.02), residual projections scaled by depth)" if init != "gpt2" else otherwise
+
 
 class InitLoss(Check):
     name = "init_loss"

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from steadylm.doctor.model_checks import INIT_OTHERWISE, init_fix
 from steadylm.stability.events import read_events
+from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix
 
 MATERIAL_CLIPS = 10
 PERSISTENT_ALARMS = 5
