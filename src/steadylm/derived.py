@@ -18,6 +18,8 @@ scaled. An explicit value that contradicts the data is refused by the DataModule
 from __future__ import annotations
 
 import math
+from typing import Any
+
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -43,7 +45,7 @@ def val_every_steps(max_steps: int) -> int:
     return max(1, min(MAX_VAL_EVERY, math.ceil(int(max_steps) / MIN_VALIDATIONS)))
 
 
-def data_source(cfg: DictConfig):
+def data_source(cfg: DictConfig) -> Any:
     """The DataModule `cfg.data` names, set up: a source's refusal (`SteadyError`) as its own one line."""
     try:
         dm = instantiate(cfg.data)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import lightning as L
 import torch
@@ -23,7 +24,7 @@ from steadylm.data.tokenizer import get_tokenizer
 from steadylm.errors import ConfigError, DataError
 
 
-def open_stream(name: str, config: str | None, split: str, data_files=None):
+def open_stream(name: str, config: str | None, split: str, data_files=None) -> Any:
     """The streaming `datasets` split, or one line naming what is missing (dataset, config or split)."""
     try:
         import datasets
@@ -57,7 +58,9 @@ class PackedWindows(IterableDataset):
             text = row.get(self.field) if isinstance(row, dict) else None
             if not isinstance(text, str):
                 fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise DataError(f"row {i} has no string field {self.field!r} (data.text_field); its fields are {fields}")
+                raise DataError(
+                    f"row {i} has no string field {self.field!r} (data.text_field); its fields are {fields}"
+                )
             yield text
 
     def windows(self) -> Iterator[list[int]]:
@@ -149,15 +152,16 @@ class StreamDataModule(L.LightningDataModule):
         return (0, 1) if trainer is None else (int(trainer.global_rank), int(trainer.world_size))
 
     def _loader(self, ds: PackedWindows, skip: int) -> DataLoader:
-        self.setup("fit")
         ds.rank, ds.world = self._world()
         ds.skip = skip
         return DataLoader(ds, batch_size=self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
         return self._loader(self.train_set, self.batches_done * self.batch_size * self._world()[1])
 
     def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
         return self._loader(self.val_set, 0)
 
     # --- the DataSource members ---------------------------------------------------------------

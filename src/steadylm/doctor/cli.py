@@ -28,7 +28,10 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
         fill_derived(cfg)  # null vocab, tokenizer and warmup as training fills them, before any row reads them
     except SteadyError as err:  # no data to take the vocabulary from: nothing else can be built
         fix = "prepare the data (python -m steadylm.data.prepare data.dir=...) or fix the data.* keys, or set model.vocab_size"
-        return [Check("data: vocabulary from the data", FAIL, one_line(err), fix), *guarded("data: shards", lambda: check_shards(cfg, deep))]
+        return [
+            Check("data: vocabulary from the data", FAIL, one_line(err), fix),
+            *guarded("data: shards", lambda: check_shards(cfg, deep)),
+        ]
     rows = config_checks(cfg)
     data_rows, batch = data_checks(cfg, deep)
     rows += data_rows

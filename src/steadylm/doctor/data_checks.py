@@ -29,11 +29,8 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
     DataModule row already refuses a shard vocabulary larger than model.vocab_size).
     """
     if cfg.data.get("dir") is None:
-        return []  # a source without shards (e.g. data=hf_stream)
-    source = data_source(cfg)
-    if not isinstance(source, ShardDataModule):
-        return []  # another source's own checks run in its setup (the DataModule row)
-    folder = source.dir
+        return []  # a source without shards (e.g. data=hf_stream): its own checks run in its setup
+    folder = Path(cfg.data.dir).expanduser()
     paths = sorted(p for split in SPLITS for p in folder.glob(f"{split}-*.h5"))
     if not paths:
         return []  # the DataModule row names the missing folder or split and how to prepare it
