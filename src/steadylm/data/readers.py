@@ -207,17 +207,14 @@ def hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 
 def _hub_documents(spec: str, text_field: str) -> Iterator[tuple[str, bool]]:
-    from steadylm.data.stream import open_stream  # the one place that opens a `datasets` stream
+    from steadylm.data.stream import open_stream, texts_of  # the one place that opens and reads a `datasets` stream
 
-    ds = open_stream(*hub_spec(spec))
-    for i, row in enumerate(ds):
-        text = row.get(text_field) if isinstance(row, dict) else None
-        if not isinstance(text, str):
-            raise DataError(
-                f"hf:{spec}: row {i} has no string field {text_field!r} (data.text_field); "
-                f"its fields are {', '.join(row) if isinstance(row, dict) else type(row).__name__}"
-            )
-        yield text, True
+    rows = open_stream(*hub_spec(spec), where=f"hf:{spec}")
+    try:
+        for text in texts_of(rows, text_field):
+            yield text, True
+    except DataError as err:
+        raise DataError(f"hf:{spec}: {err}") from None
 
 
 # --- reading one unit ------------------------------------------------------------------------------------

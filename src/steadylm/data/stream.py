@@ -24,25 +24,40 @@ from steadylm.data.tokenizer import get_tokenizer
 from steadylm.errors import ConfigError, DataError
 
 
-def open_stream(name: str, config: str | None, split: str, data_files=None) -> Any:
-    """The streaming `datasets` split, or one line naming what is missing (dataset, config or split)."""
+def open_stream(name: str, config: str | None, split: str, data_files=None, where: str | None = None) -> Any:
+    """The streaming `datasets` split, or one line naming what is missing (dataset, config or split).
+
+    `where` names the input in the message (prepare: `hf:SPEC`); by default the `data=hf_stream` keys."""
     try:
         import datasets
     except ImportError:
-        raise DataError("data=hf_stream needs the datasets extra: pip install 'steadylm[datasets]'") from None
-    where = f"data.name={name}" + (f" data.config={config}" if config else "")
+        raise DataError(
+            f"{where or 'data=hf_stream'}: needs the datasets extra: pip install 'steadylm[datasets]'"
+        ) from None
+    keys = where is None
+    where = where or f"data.name={name}" + (f" data.config={config}" if config else "")
     try:
         return datasets.load_dataset(name, config, split=split, data_files=data_files, streaming=True)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         lower = first.lower()
         if "split" in lower:
-            what = f"no split {split!r} (data.split)"
+            what = f"no split {split!r}" + (" (data.split)" if keys else "")
         elif config and "config" in lower:
-            what = f"no config {config!r} (data.config)"
+            what = f"no config {config!r}" + (" (data.config)" if keys else "")
         else:
-            what = "no such dataset (data.name)"
+            what = "no such dataset" + (" (data.name)" if keys else "; check the name (and the network for the hub)")
         raise DataError(f"{where}: {what}: {type(e).__name__}: {first}") from None
+
+
+def texts_of(rows, field: str) -> Iterator[str]:
+    """Each row's `field`; a row without a string there is one `DataError` naming the row and its fields."""
+    for i, row in enumerate(rows):
+        text = row.get(field) if isinstance(row, dict) else None
+        if not isinstance(text, str):
+            fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise DataError(f"row {i} has no string field {field!r} (data.text_field); its fields are {fields}")
+        yield text
 
 
 class PackedWindows(IterableDataset):
@@ -53,20 +68,10 @@ class PackedWindows(IterableDataset):
         self.start, self.stop, self.batch_size = start, stop, batch_size
         self.rank, self.world, self.skip = 0, 1, 0  # set by the DataModule before each iteration
 
-    def texts(self) -> Iterator[str]:
-        for i, row in enumerate(self.source):
-            text = row.get(self.field) if isinstance(row, dict) else None
-            if not isinstance(text, str):
-                fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise DataError(
-                    f"row {i} has no string field {self.field!r} (data.text_field); its fields are {fields}"
-                )
-            yield text
-
     def windows(self) -> Iterator[list[int]]:
         """All windows of one pass over the stream, in order."""
         buf: list[int] = []
-        for text in self.texts():
+        for text in texts_of(self.source, self.field):
             buf.extend(self.tok.encode(text))
             buf.append(self.tok.eos_id)
             while len(buf) >= self.T + 1:
