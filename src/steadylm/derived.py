@@ -24,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from steadylm.config import set_key
+from steadylm.config import set_key, validate_values
 from steadylm.errors import ConfigError, SteadyError, one_line
 
 VOCAB_MULTIPLE = 64
@@ -47,6 +47,7 @@ def val_every_steps(max_steps: int) -> int:
 
 def data_source(cfg: DictConfig) -> Any:
     """The DataModule `cfg.data` names, set up: a source's refusal (`SteadyError`) as its own one line."""
+    validate_values(cfg, "data.")
     try:
         dm = instantiate(cfg.data)
     except InstantiationException as err:
