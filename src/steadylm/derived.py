@@ -25,6 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.config import set_key, validate_values
+from steadylm.data.source import missing_members
 from steadylm.errors import ConfigError, SteadyError, one_line
 
 VOCAB_MULTIPLE = 64
@@ -58,6 +59,12 @@ def data_source(cfg: DictConfig) -> Any:
             f"data: cannot build {cfg.data.get('_target_')} ({type(cause).__name__}: {one_line(cause)}); "
             "check the data.* keys"
         ) from None
+    missing = missing_members(dm)
+    if missing:
+        raise ConfigError(
+            f"data._target_={cfg.data.get('_target_')} lacks {', '.join(missing)}: a data source needs the members "
+            "of steadylm.data.source.DataSource (src/steadylm/data/source.py)"
+        )
     dm.setup("fit")  # the source's own checks, before anything else is built
     return dm
 

@@ -13,7 +13,8 @@ outside the DataModule reads its config keys (no `cfg.data.dir`), so a new sourc
 | `window_location(window)` | suspects: `{shard, shard_path, start, end}` of a window | `{}` |
 | `state_dict()` / `load_state_dict()` | exact resume (Lightning saves it in every checkpoint) | - (required) |
 
-`setup("fit")` runs before anything else is built, so a bad source refuses with one line up front.
+`setup("fit")` runs before anything else is built, so a bad source refuses with one line up front; a DataModule
+that lacks a member is refused at startup naming it (`missing_members`), rather than losing resume or suspects.
 """
 
 from __future__ import annotations
@@ -44,3 +45,11 @@ class DataSource(Protocol):
     def load_state_dict(self, state_dict: dict) -> None: ...
 
     def setup(self, stage: str | None = None) -> None: ...
+
+
+MEMBERS = tuple(name for name in vars(DataSource) if not name.startswith("_"))
+
+
+def missing_members(datamodule) -> list[str]:
+    """The `DataSource` members `datamodule`'s class lacks (looked up on the class: no property is evaluated)."""
+    return [name for name in MEMBERS if not hasattr(type(datamodule), name)]
