@@ -72,8 +72,7 @@ def data_source(cfg: DictConfig) -> Any:
 def _freeze_interpolations(cfg: DictConfig, key: str) -> None:
     """Data keys that interpolate `key` keep the value they had while it was null (the default data.dir's
     name follows data.tokenizer: filling the tokenizer must not move the folder just read)."""
-    for name in list(cfg.data.keys()):
-        raw = OmegaConf.to_container(cfg.data, resolve=False).get(name)
+    for name, raw in OmegaConf.to_container(cfg.data, resolve=False).items():
         if isinstance(raw, str) and f"{{{key}}}" in raw:
             set_key(cfg, f"data.{name}", cfg.data[name])
 
