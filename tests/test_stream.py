@@ -128,6 +128,11 @@ def test_missing_config_is_one_data_error(corpus, tmp_path):
         data_source(compose(["data=hf_stream", f"data.name={folder}", "data.config=big"]))
 
 
+def test_a_missing_name_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"^data\.name is required by this data config: set data\.name=\.\.\.$"):
+        data_source(compose(["data=hf_stream"]))
+
+
 def test_workers_are_refused_in_one_line(corpus):
     with pytest.raises(ConfigError, match=r"data\.num_workers=2: data=hf_stream reads in the training process"):
         data_source(compose(["data=hf_stream", "data.name=json", f"data.data_files=[{corpus}]", "data.num_workers=2"]))

@@ -22,7 +22,7 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from steadylm.config import set_key, validate_values
 from steadylm.data.source import missing_members
@@ -51,6 +51,8 @@ def data_source(cfg: DictConfig) -> Any:
     validate_values(cfg, "data.")
     try:
         dm = instantiate(cfg.data)
+    except MissingMandatoryValue as err:  # a `???` key of the data config (data=hf_stream's data.name)
+        raise ConfigError(f"{err.full_key} is required by this data config: set {err.full_key}=...") from None
     except InstantiationException as err:
         if isinstance(err.__cause__, SteadyError):
             raise err.__cause__ from None

@@ -114,7 +114,6 @@ class StreamDataModule(L.LightningDataModule):
         model_vocab_size: int | None = None,
         global_batch_tokens: int | None = None,
         num_workers: int = 0,
-        seed: int = 0,
     ):
         super().__init__()
         if num_workers:
@@ -125,7 +124,7 @@ class StreamDataModule(L.LightningDataModule):
         self.val_windows, self.batch_size = int(val_windows), int(batch_size)
         self.context_length = int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
-        self.global_batch_tokens, self.seed = global_batch_tokens, seed  # read by startup (global_batch.py)
+        self.global_batch_tokens = global_batch_tokens  # startup reads it from the config (global_batch.py)
         self.train_set: PackedWindows | None = None
         self.val_set: PackedWindows | None = None
         self.batches_done = 0  # restored by load_state_dict: the windows a resume skips
