@@ -58,7 +58,7 @@ def make_cfg(shards_dir, tmp_path):
             base = [o for o in base if not o.startswith("callbacks.")]
         cfg = compose([*base, f"data.dir={shards_dir}", f"paths.output_dir={out}", *overrides])
         try:
-            fill_derived(cfg)  # as startup does: the null vocabulary from the shards, warmup from the run length
+            fill_derived(cfg)  # as startup does: the null vocabulary from the DataModule, warmup from the run length
         except DataError:
             pass  # shards broken on purpose: the code under test reports it
         return cfg

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+from omegaconf import OmegaConf, open_dict
 
 from steadylm.config import compose
 from steadylm.derived import fill_derived, fill_val_interval, padded_vocab, val_every_steps, warmup_steps
-from steadylm.errors import DataError
+from steadylm.errors import ConfigError, DataError
 from steadylm.train import build
 
 
@@ -57,3 +58,23 @@ def test_a_run_validates_at_its_end_whatever_the_interval(make_cfg):
     objects["trainer"].callbacks.append(seen)
     objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
     assert seen.steps == [5, 7] and "val/loss" in objects["trainer"].callback_metrics
+
+
+class Bare(L.LightningDataModule):
+    """A DataModule without the DataSource members (data/source.py)."""
+
+    def __init__(self, batch_size: int = 8, num_workers: int = 0):
+        super().__init__()
+
+
+def test_a_data_module_without_the_source_members_is_refused_naming_them():
+    cfg = compose(["trainer.max_steps=50"])
+    with open_dict(cfg):
+        cfg.data = OmegaConf.create({"_target_": f"{__name__}.Bare", "batch_size": 8, "num_workers": 0})
+    with pytest.raises(ConfigError, match=r"Bare lacks vocab_size, tokenizer_name, bytes_per_token, .*: a data source"):
+        fill_derived(cfg)
+
+
+def test_a_bad_data_value_is_its_rule_before_the_data_module_is_built(shards_dir):
+    with pytest.raises(ConfigError, match=r"data\.batch_size='abc' is not allowed"):
+        fill_derived(compose([f"data.dir={shards_dir}", "data.batch_size=abc"]))

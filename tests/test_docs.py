@@ -9,7 +9,7 @@ What is checked, and the convention that decides what counts as what:
   Nothing is run: `tests/test_readme.py` composes the README's commands in full.
 - **Config keys**: an inline-code token `a.b...` (or the key of an `a.b...=value` override) whose first segment is
   a config group (`model`, `data`, `optim`, `trainer`, `callbacks`, `logger`, `paths`, `hydra`, `probe`) must be a
-  key, leaf or node, of one of the composed configs: train.py's (default, `optim=muon`, `logger=many`), doctor's
+  key, leaf or node, of one of the composed configs: train.py's (default, `optim=muon`, `logger=many`, `data=hf_stream`), doctor's
   and prepare's, the other commands' files, and `conf/hydra/launcher/slurm.yaml` under `hydra.launcher`. A group
   choice `group=value` (`model=small`, `experiment=divergence/lr_spike`) must name a file under `conf/`. Tokens
   with a `+` (an addition), `*` or `<...>` (a pattern) are not keys. Keys that are not dotted (`seed`, `resume`)
@@ -96,7 +96,8 @@ def _values(node, prefix: str = "") -> dict[str, object]:
 def config_values() -> dict[str, object]:
     """Every key of the configs a user's overrides reach -> its default (train.py's default config first)."""
     values: dict[str, object] = {}
-    sources = [compose(o, config_name=n) for n, o in [("train", []), ("train", ["optim=muon", "logger=many"])]]
+    overrides = [[], ["optim=muon", "logger=many"], ["data=hf_stream"]]
+    sources = [compose(o, config_name="train") for o in overrides]
     sources += [compose([], config_name=n) for n in ("doctor", "prepare")]
     own = ("generate", "export", "diagnose", "window", "eval", "eval_fetch")
     sources += [OmegaConf.load(ROOT / "conf" / f"{n}.yaml") for n in own]

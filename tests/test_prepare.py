@@ -292,6 +292,41 @@ def test_datasets_save_to_disk_folder(tmp_path):
     assert _all_docs(tmp_path / "o2") == docs[:20]
 
 
+def dataset_with_configs(folder, docs: dict) -> str:
+    """A local `datasets` folder whose README names configs and splits, as hub datasets do: no network."""
+    card = ["---", "configs:"]
+    for config, splits in docs.items():
+        card += [f"- config_name: {config}", "  data_files:"]
+        for split, texts in splits.items():
+            path = folder / config / f"{split}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+            card += [f"  - split: {split}", f"    path: {config}/{split}.jsonl"]
+    (folder / "README.md").write_text("\n".join([*card, "---", ""]))
+    return str(folder)
+
+
+def test_hf_input_names_a_config_and_a_split(tmp_path, capsys):
+    pytest.importorskip("datasets")
+    docs = {"en": {"train": _texts(30), "validation": _texts(20, seed=1)}, "de": {"train": _texts(25, seed=2)}}
+    ds = dataset_with_configs(tmp_path / "ds", docs)
+    prepare(input=f"hf:{ds}:en@validation", out_dir=tmp_path / "o1", val_fraction=0.25, progress=False)
+    assert _all_docs(tmp_path / "o1") == docs["en"]["validation"]
+    prepare(input=f"hf:{ds}:de", out_dir=tmp_path / "o2", val_fraction=0.25, progress=False)  # split train
+    assert _all_docs(tmp_path / "o2") == docs["de"]["train"]
+    for spec, message in [
+        (f"{ds}:fr", "no config 'fr'"),
+        (f"{ds}:de@validation", "no split 'validation'"),
+        (f"{tmp_path / 'nowhere'}", "no such dataset"),
+    ]:
+        capsys.readouterr()
+        assert run_main([f"data.dir={tmp_path / 'o3'}", f"data.input=hf:{spec}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    with pytest.raises(DataError, match=r"hf:.*:en: row 0 has no string field 'body' \(data\.text_field\)"):
+        prepare(input=f"hf:{ds}:en", out_dir=tmp_path / "o4", text_field="body", progress=False)
+
+
 def test_on_bad_record_skip_counts(tmp_path, capsys):
     d = tmp_path / "in"
     d.mkdir()

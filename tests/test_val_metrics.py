@@ -9,7 +9,6 @@ import torch
 
 from steadylm.data.datamodule import ShardDataModule
 from steadylm.module import LMModule
-from steadylm.train import val_bytes_per_token
 
 MODEL = dict(n_layer=1, n_head=2, d_model=32, context_length=64, vocab_size=320)
 OPTIM = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1, total_steps=10)
@@ -35,7 +34,7 @@ def test_val_loss_is_the_exact_token_mean(shards_dir, tmp_path, devices, batch_s
     n = len(dm.val_set)
     assert n % (batch_size * devices), "the case must end on a padded batch"
     torch.manual_seed(0)
-    module = LMModule(model=MODEL, optim=OPTIM, val_bytes_per_token=val_bytes_per_token(dm))
+    module = LMModule(model=MODEL, optim=OPTIM, val_bytes_per_token=dm.bytes_per_token)
     expected = brute_force(module, dm.val_set)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -177,6 +177,14 @@ def _num(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
 
 
+def validate_values(cfg: DictConfig, prefix: str = "") -> None:
+    """The value rules of the keys under `prefix` (all: ""); startup checks `data.` alone before it builds the
+    DataModule that fills the vocabulary, so a bad data value is its rule's line, not the DataModule's."""
+    for key, value, ok, allowed in _value_rules(cfg):
+        if key.startswith(prefix) and not ok:
+            raise ConfigError(f"{key}={value!r} is not allowed; it must be {allowed}")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError for a config that would train wrongly; one sentence naming the key, the value, what is allowed."""
     ctx = cfg.model.context_length
@@ -190,9 +198,7 @@ def validate_config(cfg: DictConfig) -> None:
     from steadylm.model import GPTConfig  # the model's own rules: sizes > 0, heads divide the width, switches
 
     GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-    for key, value, ok, allowed in _value_rules(cfg):
-        if not ok:
-            raise ConfigError(f"{key}={value!r} is not allowed; it must be {allowed}")
+    validate_values(cfg)
     from steadylm.schedule import Schedule  # the schedule's own rules: its name, wsd's decay after the warmup
 
     Schedule.from_optim(cfg.optim)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, plain_config, validate_config
 from steadylm.console import copy_console, quiet
-from steadylm.derived import fill_derived, fill_val_interval
+from steadylm.derived import data_source, fill_derived, fill_val_interval
 from steadylm.devices import devices_of
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
@@ -64,30 +64,23 @@ def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
         raise
 
 
-def val_bytes_per_token(datamodule) -> float | None:
-    """UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say."""
-    n_bytes, n_tokens = getattr(datamodule, "val_n_bytes", None), getattr(datamodule, "val_n_tokens", 0)
-    return n_bytes / n_tokens if n_bytes and n_tokens else None
-
-
 def build(cfg: DictConfig) -> dict[str, Any]:
     quiet()
-    fill_derived(cfg)  # null vocab, tokenizer and warmup from the shards and the run length (derived.py)
+    fill_derived(cfg)  # null vocab, tokenizer and warmup from the DataModule and the run length (derived.py)
     validate_config(cfg)
     apply_global_batch(cfg, devices_of(cfg).world_size)  # data.global_batch_tokens -> accumulate_grad_batches
     fill_val_interval(cfg)
     check_environment(cfg)
     enable_fast_matmul()
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
-    datamodule.setup("fit")  # shard checks run here, before any process group or logger exists
+    datamodule = data_source(cfg)  # the data's checks run here, before any process group or logger exists
     module = LMModule(
         model=cfg.model,
         optim=cfg.optim,
         compile=cfg.compile,
         run_config=plain_config(cfg),
         tokenizer=datamodule.tokenizer_name,
-        val_bytes_per_token=val_bytes_per_token(datamodule),
+        val_bytes_per_token=datamodule.bytes_per_token,
     )
     return {"cfg": cfg, "datamodule": datamodule, "module": module, "trainer": build_trainer(cfg)}
 

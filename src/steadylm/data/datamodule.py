@@ -32,6 +32,8 @@ def _same_tokenizer(recorded: str, configured) -> bool:
 
 
 class ShardDataModule(L.LightningDataModule):
+    """The shard `DataSource` (data/source.py): every member answered from the shards' attributes."""
+
     def __init__(
         self,
         dir,
@@ -221,6 +223,26 @@ class ShardDataModule(L.LightningDataModule):
         self.setup(None)
         sizes = [i.n_bytes for i in self.infos["val"]]
         return None if any(b is None for b in sizes) else int(sum(sizes))
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say."""
+        n_bytes, n_tokens = self.val_n_bytes, self.val_n_tokens
+        return n_bytes / n_tokens if n_bytes and n_tokens else None
+
+    def window_location(self, window: int) -> dict:
+        """{shard, shard_path, start, end} of a train window id; {} for padding (-1)."""
+        if window < 0:
+            return {}
+        self.setup(None)
+        shard_no, offset = self.train_set.locate(window)
+        path = self.train_set.paths[shard_no]
+        return {
+            "shard": Path(path).name,
+            "shard_path": str(path),
+            "start": int(offset),
+            "end": int(offset) + self.context_length + 1,
+        }
 
     def window_ids(self, batch_idx: int) -> list[int]:
         """This rank's window ids at `batch_idx` of the current epoch, one per row (-1: padding)."""

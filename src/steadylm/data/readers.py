@@ -3,7 +3,8 @@
 Inputs are files, folders and globs mixing `.txt` (one document per file), `.jsonl`, `.jsonl.gz`,
 `.jsonl.zst` (one document per line, field `data.text_field`), `.parquet` (column `data.text_field`,
 read one row group at a time with `pyarrow`), a Hugging Face `save_to_disk` folder (its Arrow files read
-batch by batch with `pyarrow`), and `hf:NAME` (a hub dataset streamed through `datasets`, needs network).
+batch by batch with `pyarrow`), and `hf:NAME[:CONFIG][@SPLIT]` (a dataset streamed through `datasets`: a hub
+name, needing network, or a local dataset folder; e.g. `hf:allenai/c4:en`, split `train` unless named).
 
 A work unit is a piece of input one process reads alone (a group of small files, a byte range of a
 `.jsonl`, a parquet row group, an Arrow file, a batch of documents read elsewhere). Units depend only on
@@ -73,7 +74,7 @@ def _arrow_files(folder: Path, probe: bool = False) -> list[Path]:
 
 
 def resolve_inputs(input) -> list[tuple[str, Path | str]]:
-    """A path, glob, folder, `hf:NAME`, or a list of them -> [(kind, path)] in a stable order."""
+    """A path, glob, folder, `hf:NAME[:CONFIG][@SPLIT]`, or a list of them -> [(kind, path)] in a stable order."""
     items = [input] if isinstance(input, (str, os.PathLike)) else list(input)
     out: list[tuple[str, Path | str]] = []
     for item in items:
@@ -198,28 +199,22 @@ def _parquet(path):
         ) from None
 
 
-def _hub_documents(name: str, text_field: str) -> Iterator[tuple[str, bool]]:
+def hub_spec(spec: str) -> tuple[str, str | None, str]:
+    """`NAME[:CONFIG][@SPLIT]` (what follows `hf:`) -> (name, config or None, split, `train` by default)."""
+    rest, _, split = spec.partition("@")
+    name, _, config = rest.partition(":")
+    return name, config or None, split or "train"
+
+
+def _hub_documents(spec: str, text_field: str) -> Iterator[tuple[str, bool]]:
+    from steadylm.data.stream import open_stream, texts_of  # the one place that opens and reads a `datasets` stream
+
+    rows = open_stream(*hub_spec(spec), where=f"hf:{spec}")
     try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            f"hf:{name}: reading a hub dataset needs the datasets extra: pip install 'steadylm[datasets]'"
-        ) from None
-    try:
-        ds = datasets.load_dataset(name, split="train", streaming=True)
-    except Exception as e:
-        raise DataError(
-            f"hf:{name}: could not open the hub dataset ({type(e).__name__}: {str(e).splitlines()[0]}); "
-            "check the name and the network"
-        ) from None
-    for i, row in enumerate(ds):
-        text = row.get(text_field) if isinstance(row, dict) else None
-        if not isinstance(text, str):
-            raise DataError(
-                f"hf:{name}: row {i} has no string field {text_field!r} (data.text_field); "
-                f"its fields are {', '.join(row) if isinstance(row, dict) else type(row).__name__}"
-            )
-        yield text, True
+        for text in texts_of(rows, text_field):
+            yield text, True
+    except DataError as err:
+        raise DataError(f"hf:{spec}: {err}") from None
 
 
 # --- reading one unit ------------------------------------------------------------------------------------

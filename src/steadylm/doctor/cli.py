@@ -14,7 +14,7 @@ from steadylm.cli import run_command
 from steadylm.config import set_key
 from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL, Check, guarded, render_markdown, render_text
-from steadylm.errors import DataError, one_line
+from steadylm.errors import SteadyError, one_line
 
 
 def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Check]:
@@ -26,9 +26,12 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
 
     try:
         fill_derived(cfg)  # null vocab, tokenizer and warmup as training fills them, before any row reads them
-    except DataError as err:  # no shards to take the vocabulary from: nothing else can be built
-        fix = "prepare the data (python -m steadylm.data.prepare data.dir=...), or set model.vocab_size"
-        return [Check("data: vocabulary from the shards", FAIL, one_line(err), fix), *check_shards(cfg, deep)]
+    except SteadyError as err:  # no data to take the vocabulary from: nothing else can be built
+        fix = "prepare the data (python -m steadylm.data.prepare data.dir=...) or fix the data.* keys, or set model.vocab_size"
+        return [
+            Check("data: vocabulary from the data", FAIL, one_line(err), fix),
+            *guarded("data: shards", lambda: check_shards(cfg, deep)),
+        ]
     rows = config_checks(cfg)
     data_rows, batch = data_checks(cfg, deep)
     rows += data_rows

@@ -1,7 +1,9 @@
-"""Data rows: every shard opens with consistent attributes, and the DataModule accepts them for this model.
+"""Data rows: every shard opens with consistent attributes, and the DataModule accepts its data for this model.
 
-Both reuse the loaders training runs (`read_shard_info`, `ShardDataModule.setup`), so a shard
-doctor passes is one training accepts. Returns the DataModule's first batch for the model checks.
+Both reuse what training runs (`read_shard_info`, the DataModule's `setup` and first batch), so data doctor
+passes is data training accepts. The DataModule row asks only the `DataSource` members (data/source.py), so
+any `data:` source is checked; the shard row applies to a source that reads shards from `data.dir`.
+Returns the DataModule's first batch for the model checks.
 """
 
 from __future__ import annotations
@@ -9,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from steadylm.data.shards import read_shard_info
+from steadylm.derived import data_source
 from steadylm.devices import devices_of
 from steadylm.doctor.check import OK, WARN, Check, from_error, guarded
 
@@ -26,6 +28,8 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
     vocabulary, naming the file, token offset and id as training does when it reaches that window (the
     DataModule row already refuses a shard vocabulary larger than model.vocab_size).
     """
+    if cfg.data.get("dir") is None:
+        return []  # a source without shards (e.g. data=hf_stream): its own checks run in its setup
     folder = Path(cfg.data.dir).expanduser()
     paths = sorted(p for split in SPLITS for p in folder.glob(f"{split}-*.h5"))
     if not paths:
@@ -53,38 +57,35 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
 
 def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, torch.Tensor] | None]:
     """Vocab vs model, one tokenizer, windows of context_length + 1, a val split; then run length."""
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
-    T, V = dm.context_length, cfg.model.vocab_size
+    dm = data_source(cfg)
+    V, n_windows = cfg.model.vocab_size, dm.n_train_windows
+    x, y = next(iter(dm.train_dataloader()))
+    windows = f"; {n_windows:,} train windows of {x.shape[1] + 1} tokens" if n_windows else ""
     rows = [
         Check(
             "data: fits the model",
             OK,
-            f"shard vocab {dm.vocab_size} <= model.vocab_size {V}, tokenizer {dm.tokenizer_name}; "
-            f"{len(dm.train_set):,} train / {len(dm.val_set):,} val windows of {T + 1} tokens",
+            f"data vocab {dm.vocab_size} <= model.vocab_size {V}, tokenizer {dm.tokenizer_name}{windows}",
         )
     ]
-    t = cfg.trainer
-    ranks = devices_of(cfg).world_size
-    per_step = dm.batch_size * int(t.get("accumulate_grad_batches", 1)) * ranks
-    epochs = int(t.max_steps) * per_step / len(dm.train_set)
-    evidence = (
-        f"{t.max_steps} steps x {per_step} windows ({ranks} rank(s)) = {epochs:.2f} epochs of {len(dm.train_set):,}"
-    )
-    if epochs > 20:
-        rows.append(
-            Check(
-                "data: enough tokens",
-                WARN,
-                f"{evidence}: each window is seen {epochs:.0f} times (overfits)",
-                "prepare more data or lower trainer.max_steps",
+    if n_windows:  # a stream does not know its length
+        t = cfg.trainer
+        ranks = devices_of(cfg).world_size
+        per_step = int(cfg.data.batch_size) * int(t.get("accumulate_grad_batches", 1)) * ranks
+        epochs = int(t.max_steps) * per_step / n_windows
+        evidence = f"{t.max_steps} steps x {per_step} windows ({ranks} rank(s)) = {epochs:.2f} epochs of {n_windows:,}"
+        if epochs > 20:
+            rows.append(
+                Check(
+                    "data: enough tokens",
+                    WARN,
+                    f"{evidence}: each window is seen {epochs:.0f} times (overfits)",
+                    "prepare more data or lower trainer.max_steps",
+                )
             )
-        )
-    else:
-        rows.append(Check("data: enough tokens", OK, evidence))
-    n = min(dm.batch_size, 4)
-    x, y = zip(*(dm.train_set[i] for i in range(min(n, len(dm.train_set)))))
-    return rows, (torch.stack(x), torch.stack(y))
+        else:
+            rows.append(Check("data: enough tokens", OK, evidence))
+    return rows, (x[:4], y[:4])
 
 
 def data_checks(cfg: DictConfig, deep: bool) -> tuple[list[Check], tuple[torch.Tensor, torch.Tensor] | None]:

@@ -96,17 +96,9 @@ def window_text(shard, start: int, end: int) -> str:
 
 
 def locate_window(trainer, window: int) -> dict:
-    """{shard, start, end} of a window id in the train split (empty when the dataset cannot say)."""
-    ds = getattr(getattr(trainer, "datamodule", None), "train_set", None)
-    if ds is None or not hasattr(ds, "locate") or window < 0:
-        return {}
-    shard_no, offset = ds.locate(window)
-    return {
-        "shard": Path(ds.paths[shard_no]).name,
-        "shard_path": str(ds.paths[shard_no]),
-        "start": int(offset),
-        "end": int(offset) + int(ds.context_length) + 1,
-    }
+    """{shard, shard_path, start, end} of a window id in the train split (empty when the data cannot say)."""
+    dm = getattr(trainer, "datamodule", None)
+    return dm.window_location(window) if hasattr(dm, "window_location") and window >= 0 else {}
 
 
 def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, int, float]]) -> list[dict]:
