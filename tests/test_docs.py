@@ -466,7 +466,7 @@ def test_the_checks_reject_what_does_not_exist():
 def test_sizes_and_no_run_history():
     lines = {rel(p): len(p.read_text().splitlines()) for p in PAGES}
     assert lines.pop("README.md") <= 120
-    assert sum(lines.values()) <= 800 and max(lines.values()) <= 200, lines
+    assert sum(lines.values()) <= 810 and max(lines.values()) <= 200, lines
     assert lines["docs/decisions.md"] <= 150
     history = re.compile(
         r"session \d|this session|kept for the history|this machine|(before|after) the change|DESIGN\.md", re.I
