@@ -1,7 +1,7 @@
 """Does the best LR found at the base shape hold at 8x the width, or 4x the depth? sp against mup, AdamW or Muon.
 
-`python benchmarks/lr_transfer.py [--widths 32,64,128,256] [--layers 2 | --layers 2,4,8] [--optim adamw|muon]
-[--muon-width-exp E] [--lrs -12:-4] [--steps 150] [--seeds 0,1,2] [--plot FILE]`
+`python benchmarks/lr_transfer.py [--widths 32,64,128,256] [--base 128] [--layers 2 | --layers 2,4,8]
+[--optim adamw|muon] [--muon-width-exp E] [--lrs -12:-4] [--steps 150] [--seeds 0,1,2] [--plot FILE]`
 
 For each parametrisation and shape: the same init seed, the same batches, the same warmup + cosine
 schedule and weight decay, short runs at LRs on a grid of octaves (within 2^-12 .. 2^-3), through
@@ -14,7 +14,8 @@ LR), and its move from the base shape is printed in octaves. A comma list in `--
 the first width instead of width. muP's hyperparameters are tuned at the base width only, as its recipe
 says: the LR and `model.mup_output_mult` (alpha_output, --output-mults); the wider mup models reuse the
 base's alpha. muP's base is the narrowest width (with alpha_output = 1 there, sp and mup are the same
-model). `--muon-width-exp E` tries a width rule for the Muon groups under mup: their LR x width_mult^-E
+model), or `--base`: 128 is tiny's, where every preset is based, so `--widths 64,512 --base 128` is tiny
+narrowed and widened as a shape override does it. `--muon-width-exp E` tries a width rule for the Muon groups under mup: their LR x width_mult^-E
 (weight decay x width_mult^E); without it they get the module's own groups. The plot (loss vs LR, one line
 per shape, sp | mup) goes to --plot (docs/lr_transfer.png; "" for none).
 """
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--base", type=int, default=None, help="mup: the base width (default: the narrowest width)")
     ap.add_argument("--layers", default="2", help="one depth, or a comma list: a depth sweep at the first width")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
@@ -216,7 +218,7 @@ def plot(results: dict, shapes: list[tuple[int, int]], path: Path) -> None:
 def paired(args, results, alphas, shapes, seeds, train, val_batches) -> None:
     """mup - sp at the last shape, seed by seed, each at its best grid LR: the difference and its standard
     error (the seeds' spread is larger than the gap between the means)."""
-    last, base = shapes[-1], shapes[0][0]
+    last, base = shapes[-1], mup_base(args, shapes)
     best = {p: min(results[p][last], key=results[p][last].__getitem__) for p in ("sp", "mup")}
     diffs = []
     for s in seeds:
@@ -237,11 +239,16 @@ def sweep_shapes(args) -> list[tuple[int, int]]:
     return [(w, layers[0]) for w in widths]
 
 
+def mup_base(args, shapes: list[tuple[int, int]]) -> int:
+    """The width muP measures from: `--base`, else the first shape's (where sp and mup coincide)."""
+    return args.base or shapes[0][0]
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     shapes = sweep_shapes(args)
-    base = shapes[0][0]
+    base = mup_base(args, shapes)
     lo, hi = (int(v) for v in args.lrs.split(":"))
     train, val = windows(args.context)
     val_idx = list(range(0, min(len(val), args.val_windows)))
@@ -267,7 +274,7 @@ def main() -> None:
             print(f"{param:4} {label(s)} alpha {alphas[param]:g}: {show(results[param][s])}  ({time.time() - t0:.0f}s)")
     print(
         f"\n{args.family}, optim={args.optim}, {args.steps} steps x {args.batch} x {args.context} tokens, "
-        f"seeds {args.seeds}; base {label(shapes[0])}"
+        f"seeds {args.seeds}; mup base width {base}, LR walk from {label(shapes[0])}"
     )
     print("alpha_output tuned at the base: " + ", ".join(f"{p} {a:g}" for p, a in alphas.items()))
     print("param  shape       best log2(lr)  moved (octaves)  best loss")

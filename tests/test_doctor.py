@@ -267,3 +267,23 @@ def test_cli_hydra_mistake_is_one_line_and_exit_2(override, message, tmp_path):
     proc = run_doctor(override, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == message
+
+
+@pytest.mark.slow
+def test_a_failed_verdict_does_not_hide_the_lr_probe(shards_dir, tmp_path, monkeypatch):
+    """The memory row FAILs (a 1 MiB host) on a model that trains: the probe still runs and reports beside it."""
+    monkeypatch.setattr("steadylm.memory.ram_available", lambda: 2**20)
+    cfg = compose(
+        [
+            "trainer=cpu",
+            f"data.dir={shards_dir}",
+            f"paths.output_dir={tmp_path}",
+            "probe.steps=8",
+            "probe.max_width=64",
+        ],
+        config_name="doctor",
+    )
+    rows = run_checks(cfg, out_dir=tmp_path / "doctor")
+    assert set(failing(rows)) == {"model: size and memory"}, failing(rows)
+    (probe,) = [r for r in rows if r.name.startswith("lr probe")]
+    assert "x1 lr" in probe.evidence, probe

@@ -17,7 +17,7 @@ from steadylm.doctor.check import FAIL, OK
 from steadylm.doctor.coord_check import FLAT, check_coords, coord_check
 from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
-from steadylm.model.mup import param_groups, sp_state_dict
+from steadylm.model.mup import attn_scale, logit_mult, param_groups, sp_state_dict, width_mult
 from steadylm.module import LMModule
 from steadylm.schedule import Schedule, set_lr
 from steadylm.sweep import divergence, finish_job, summarize_sweep
@@ -265,12 +265,23 @@ def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_p
     assert "**Best LR: 0.004**" in text and "Under sp it holds at this width only" in text and "model=small" not in text
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "llama_1b"])
+@pytest.mark.parametrize("preset", ["tiny", "llama_tiny", "small", "llama_1b"])
 def test_mup_is_every_presets_default_and_muon_is_accepted_with_it(preset):
-    vocab = ["model.vocab_size=320"] if preset == "tiny" else []  # tiny takes its vocabulary from the shards
+    vocab = ["model.vocab_size=320"] if preset in ("tiny", "llama_tiny") else []  # from the shards otherwise
     cfg = compose([f"model={preset}", "optim=muon", "optim.warmup_steps=100", *vocab])
     validate_config(cfg)  # mup + Muon: no longer refused
-    base = (None, None) if preset == "tiny" else (128, 32)  # tiny: based at itself; the rest at tiny's shape
-    assert (cfg.model.parametrization, cfg.model.mup_base_width, cfg.model.mup_base_head_dim) == ("mup", *base)
+    # Every preset is based at tiny's shape, where optim.lr was tuned.
+    assert (cfg.model.parametrization, cfg.model.mup_base_width, cfg.model.mup_base_head_dim) == ("mup", 128, 32)
+
+
+@pytest.mark.parametrize("override", ["model.d_model=512", "model.n_head=8", "model.n_layer=4"])
+def test_a_shape_override_keeps_tinys_base(override):
+    """Widening tiny keeps muP based at 128/32, so its LR carries; at tiny's own shape every multiplier is 1."""
+    model = lambda *o: GPTConfig(**OmegaConf.to_container(compose(["model.vocab_size=320", *o]).model))  # noqa: E731
+    cfg = model(override)
+    assert (cfg.mup_base_width, cfg.mup_base_head_dim) == (128, 32)
+    assert width_mult(cfg) == (4.0 if override == "model.d_model=512" else 1.0)
+    at_base = model()
+    assert (width_mult(at_base), logit_mult(at_base), attn_scale(at_base)) == (1.0, 1.0, 1 / math.sqrt(32))
     sp = compose(["experiment=gpt2_124m"]).model
     assert sp.parametrization == "sp"  # the nanoGPT / llm.c reproduction keeps their parametrisation and LR

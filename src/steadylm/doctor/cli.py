@@ -16,6 +16,11 @@ from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL, Check, guarded, render_markdown, render_text
 from steadylm.errors import SteadyError, one_line
 
+# The rows whose FAIL leaves the probe nothing sound to train: a config train.py would refuse, data it cannot
+# read, a model that does not build or run. Any other FAIL (the coordinate check, memory, the schedule's plot)
+# is a verdict on a model that trains, and the probe's evidence belongs beside it.
+PROBE_NEEDS = ("config:", "data:", "model: build", "model: finite forward/backward")
+
 
 def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Check]:
     # Imported here so a mistyped override is reported before torch and Lightning load.
@@ -37,7 +42,7 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
     rows += data_rows
     rows += guarded("model: build", lambda: model_checks(cfg, batch))
     rows += guarded("schedule: LR curve", lambda: check_schedule(cfg, out_dir / "lr_schedule.png"))
-    if cfg.get("lr_probe", False) and not any(r.failed for r in rows):  # it trains: needs a config that works
+    if cfg.get("lr_probe", False) and not any(r.failed for r in rows if r.name.startswith(PROBE_NEEDS)):
         rows += guarded("lr probe: stability at x1, x3, x10", lambda: check_lr_probe(cfg))
     return rows
 
