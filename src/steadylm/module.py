@@ -188,7 +188,9 @@ class LMModule(L.LightningModule):
         return Schedule.from_optim(self.optim_cfg)
 
     def lr_now(self) -> float:
-        return self.schedule.lr_of(self.applied_steps(), scale=self.lr_scale, rewarm=self.rewarm)
+        # At least 0: a step the suite restored weights under (its gradients dropped) precedes the restored state's
+        # first update, so it counts -1 from a restore to step 0; its LR moves nothing.
+        return self.schedule.lr_of(max(0, self.applied_steps()), scale=self.lr_scale, rewarm=self.rewarm)
 
     def applied_steps(self, step: int | None = None) -> int:
         """Updates in the weights at optimizer step `step` (default: now): the steps the LR schedule has taken."""
