@@ -155,3 +155,12 @@ def test_doctor_checks_a_stream_without_data_dir(corpus, tmp_path):
     fits = rows["data: fits the model"]
     assert not fits.failed and "data vocab 257 <= model.vocab_size 320, tokenizer bytes" in fits.evidence
     assert "data: shards" not in rows and not rows["model: build"].failed
+
+
+def test_the_lr_probe_takes_its_batches_from_a_stream_in_order(corpus, tmp_path):
+    from steadylm.doctor.lr_probe import probe_batches
+
+    batches = probe_batches(stream_cfg(corpus, tmp_path / "run"), context=16, n=3, batch_size=2)
+    assert len(batches) == 3
+    for x, y in batches:
+        assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])  # next-token pairs

@@ -31,6 +31,7 @@ It never writes anything and never touches the data or a checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -189,14 +190,20 @@ def run_probe(
 
 
 def probe_batches(cfg: DictConfig, context: int, n: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` real training batches (fixed seed), cut to the proxy's context."""
+    """`n` real training batches, cut to the proxy's context: windows drawn with a fixed seed, or a stream's first
+    windows in order (a stream has no length to draw from)."""
     dm = instantiate(cfg.data)
     dm.setup("fit")
-    g = torch.Generator().manual_seed(0)
-    picks = torch.randint(0, len(dm.train_set), (n, batch_size), generator=g)
+    if dm.n_train_windows is None:
+        pairs = list(itertools.islice(iter(dm.train_set), n * batch_size))
+    else:
+        g = torch.Generator().manual_seed(0)
+        pairs = [
+            dm.train_set[int(i)] for i in torch.randint(0, dm.n_train_windows, (n, batch_size), generator=g).view(-1)
+        ]
     batches = []
-    for row in picks:
-        x, y = zip(*(dm.train_set[int(i)] for i in row))
+    for k in range(0, len(pairs) - batch_size + 1, batch_size):
+        x, y = zip(*pairs[k : k + batch_size])
         batches.append((torch.stack(x)[:, :context].contiguous(), torch.stack(y)[:, :context].contiguous()))
     return batches
 
