@@ -10,7 +10,7 @@ import torch
 
 from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
-from steadylm.schedule import rewarm_factor
+from steadylm.schedule import Schedule
 from steadylm.stability import read_events
 from steadylm.stability.qk_clip import QKClip
 from steadylm.train import train
@@ -80,8 +80,9 @@ def test_the_policy_is_bounded_and_its_state_round_trips():
 def test_a_rewind_warms_the_lr_up_again_from_the_restored_step():
     """After a rewind to applied step 20 with a 100-step re-warmup: 1/100 of the LR at step 20, half at 69, all of
     it from 120 on; before the rewind's step, and with no re-warmup, the schedule alone."""
-    assert [rewarm_factor(s, (20, 100)) for s in (20, 69, 119, 120, 500)] == [0.01, 0.5, 1.0, 1.0, 1.0]
-    assert rewarm_factor(19, (20, 100)) == 1.0 and rewarm_factor(20, (0, 0)) == 1.0
+    flat = Schedule(lr=1.0, min_lr=1.0, warmup_steps=1, total_steps=1000)  # LR 1 at every step after the first
+    assert [flat.lr_of(s, rewarm=(20, 100)) for s in (20, 69, 119, 120, 500)] == [0.01, 0.5, 1.0, 1.0, 1.0]
+    assert flat.lr_of(19, rewarm=(20, 100)) == 1.0 and flat.lr_of(20, rewarm=(0, 0)) == 1.0
     with pytest.raises(ConfigError, match=r"rewarm_steps=-1 must be an integer >= 0"):
         QKClip(rewarm_steps=-1)
 

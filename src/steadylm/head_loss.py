@@ -81,8 +81,9 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z):
         grad_h, grad_w = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
-        return scale(grad_h), scale(grad_w), None, None, None, None
+        grad_h = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_head_loss(

@@ -22,13 +22,9 @@ def is_logging_step(step: int, every: int) -> bool:
     return (step + 1) % max(1, every) == 0
 
 
-def will_log(trainer: L.Trainer) -> bool:
-    """Lightning's own rule, live (every `log_every_n_steps` batches that stepped, and the final step)."""
-    return compat.will_log(trainer)
-
-
-def write_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Write plain floats to every logger (rank 0 only) at the step Lightning writes this batch's logs."""
-    step = compat.logged_step(trainer)
+def write_metrics(trainer: L.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """Write plain floats to every logger (rank 0 only) at the step Lightning writes this batch's logs, or at
+    optimizer step `step` (a measurement that arrived later than its step)."""
+    step = compat.logged_step(trainer) if step is None else step
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

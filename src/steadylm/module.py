@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from steadylm.compat import attached_trainer, per_tensor_norms
+from steadylm.compat import attached_trainer, per_tensor_norms, will_log
 from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.errors import ConfigError
 from steadylm.head_loss import chunked_head_loss, chunked_token_losses
-from steadylm.logging_steps import will_log, write_metrics
+from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups
 from steadylm.muon import Muon
@@ -89,6 +89,7 @@ class LMModule(L.LightningModule):
         self.rewarm: tuple[int, int] = (0, 0)
         # This step's total grad norm, when `grad_norms` has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
+        self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)
@@ -146,7 +147,8 @@ class LMModule(L.LightningModule):
         # Only on the steps the Trainer writes: `self.log` is milliseconds of Python, a step's worth on small models.
         # As a host copy: Lightning turns the progress-bar value into a number after every step, and on a
         # device tensor that `.item()` would be one more host sync per step.
-        if will_log(self.trainer):
+        self.logs_now = will_log(self.trainer)  # Lightning's rule, read once a batch: the step's hooks reuse it
+        if self.logs_now:
             self.log("train/loss", loss.detach().cpu(), on_step=True, prog_bar=True)
             if self.z_loss:
                 self.log("train/z_loss", z, on_step=True)
@@ -178,7 +180,7 @@ class LMModule(L.LightningModule):
         already counted): a function of the applied steps and the LR scale, nothing to patch afterwards."""
         lr = self.lr_now()
         set_lr(optimizer, lr)
-        if will_log(self.trainer):
+        if self.logs_now:
             write_metrics(self.trainer, {"optim/lr": lr})
 
     @functools.cached_property
@@ -261,7 +263,7 @@ class LMModule(L.LightningModule):
             return
         if norm is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if will_log(self.trainer):  # the one writer of optim/grad_norm whenever the module clips by norm
+        if self.logs_now:  # the one writer of optim/grad_norm whenever the module clips by norm
             write_metrics(self.trainer, {"optim/grad_norm": float(norm)})
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 

@@ -19,6 +19,7 @@ makes before its second-moment estimate has settled. This module must never read
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class Schedule:
             decay_fraction=float(optim.get("decay_fraction", 0.2)),
         )
 
-    @property
+    @functools.cached_property
     def decay_start(self) -> int:
         """The first step whose LR depends on the run's length: wsd's decay, else the end of warmup."""
         if self.shape == "wsd":
@@ -94,8 +95,13 @@ class Schedule:
         return self.min_lr + (self.lr - self.min_lr) * DECAYS[self.shape](progress)
 
     def lr_of(self, step: int, scale: float = 1.0, rewarm: tuple[int, int] = (0, 0)) -> float:
-        """The LR of an update: the schedule at applied step `step` x a re-warmup after a rewind x the LR scale."""
-        return self(step) * rewarm_factor(step, rewarm) * scale
+        """The LR of an update: the schedule at applied step `step` x a re-warmup after a rewind x the LR scale.
+
+        The re-warmup, `rewarm = (start, length)`: a warmup begun again at applied step `start` over `length`
+        steps (after a rewind the restored weights take the restored LR as a fresh start would, not at once)."""
+        start, length = rewarm
+        warm = (step - start + 1) / length if length and 0 <= step - start < length else 1.0
+        return self(step) * warm * scale
 
     def describe(self) -> str:
         """One line: `wsd: warmup 100, flat 0.003 to step 800, 1-sqrt decay to 0.0003 at step 1000`."""
@@ -119,13 +125,6 @@ class Schedule:
             return None
         start = min(self.decay_start, other.decay_start) if self.head == other.head else 0
         return next((s for s in range(start, steps) if self(s) != other(s)), None)
-
-
-def rewarm_factor(step: int, rewarm: tuple[int, int]) -> float:
-    """The LR's share at applied step `step` of a warmup begun again at applied step `start` over `length` steps
-    (after a QK-clip rewind: the restored weights take the restored LR as a fresh start would, not at once)."""
-    start, length = rewarm
-    return (step - start + 1) / length if length and 0 <= step - start < length else 1.0
 
 
 def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, where: str) -> None:

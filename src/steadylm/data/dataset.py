@@ -59,10 +59,11 @@ class TokenWindows(Dataset):
         T = self.context_length
         self.n_windows = np.maximum((self.n_tokens - 1) // T, 0)
         self.cum_windows = np.cumsum(self.n_windows)  # cum[s] = windows in shards 0..s
+        self.n_total = int(self.cum_windows[-1]) if len(self.cum_windows) else 0
         self._handles: dict[tuple[int, int], object] = {}
 
     def __len__(self) -> int:
-        return int(self.cum_windows[-1]) if len(self.cum_windows) else 0
+        return self.n_total
 
     def locate(self, index: int) -> tuple[int, int]:
         """Global window index -> (shard number, token offset of the window's first token)."""
@@ -89,8 +90,8 @@ class TokenWindows(Dataset):
         T = self.context_length
         if index == PAD_INDEX:
             return torch.zeros(T, dtype=torch.int64), torch.full((T,), IGNORE_INDEX, dtype=torch.int64)
-        if not 0 <= index < len(self):
-            raise IndexError(f"window {index} out of range for {len(self)} windows (-1 is padding)")
+        if not 0 <= index < self.n_total:
+            raise IndexError(f"window {index} out of range for {self.n_total} windows (-1 is padding)")
         s, off = self.locate(index)
         raw = self._read(s, off)
         w = torch.from_numpy(raw.astype(np.int64))

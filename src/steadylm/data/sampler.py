@@ -50,18 +50,15 @@ class FeistelPermutation:
         self.mask = np.uint64((1 << self.half) - 1)
         self.keys = [np.uint64(_mix64((int(key) & _M64) ^ _mix64(r))) for r in range(self.ROUNDS)]
 
-    def _round(self, r: np.ndarray, k: np.uint64) -> np.ndarray:
-        x = (r ^ k) * np.uint64(0x9E3779B97F4A7C15)
-        x ^= x >> np.uint64(29)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(32)
-        return x & self.mask
-
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
         h = np.uint64(self.half)
         left, right = x >> h, x & self.mask
-        for k in self.keys:
-            left, right = right, left ^ self._round(right, k)
+        for k in self.keys:  # round function: multiply-xorshift of (right ^ k)
+            f = (right ^ k) * np.uint64(0x9E3779B97F4A7C15)
+            f ^= f >> np.uint64(29)
+            f *= np.uint64(0xBF58476D1CE4E5B9)
+            f ^= f >> np.uint64(32)
+            left, right = right, left ^ (f & self.mask)
         return (left << h) | right
 
     def __call__(self, positions) -> np.ndarray:
@@ -115,10 +112,8 @@ class EpochBatchSampler(Sampler[list[int]]):
         self.batches_done = 0  # batches handed out in the current epoch
         self.start_batch = 0  # batches to skip on the next iteration (resume), then reset
         self.sampler = _EpochHook(self)
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.world_size
+        self.global_batch = self.batch_size * self.world_size
+        self._orders: dict[int, FeistelPermutation] = {}  # the epoch's order, built once (its keys are hashed)
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -134,14 +129,16 @@ class EpochBatchSampler(Sampler[list[int]]):
     def _order(self, epoch: int) -> FeistelPermutation | None:
         if not self.shuffle:
             return None
-        return FeistelPermutation(self.n_windows, _mix64(self.seed) ^ int(epoch))
+        if epoch not in self._orders:
+            self._orders = {epoch: FeistelPermutation(self.n_windows, _mix64(self.seed) ^ int(epoch))}
+        return self._orders[epoch]
 
     def global_windows(self, positions, epoch: int | None = None) -> np.ndarray:
         """Window ids at epoch positions (`PAD_INDEX` past the last window); the same on every rank."""
         epoch = self.epoch if epoch is None else int(epoch)
         pos = np.asarray(positions, dtype=np.int64)
         real = pos < self.n_windows
-        order = self._order(epoch)
+        order = self._orders.get(epoch) or self._order(epoch)
         ids = pos[real] if order is None else order(pos[real])
         out = np.full(pos.shape, PAD_INDEX, dtype=np.int64)
         out[real] = ids

@@ -6,18 +6,27 @@ A check is a class with three parts, and nothing else to edit to add one:
   update. `op` is `"mean"` or `"max"` over ranks. Every check's values join the step's one collective (one
   all-reduce per op, together with the loss and the grad norm) and reach the host once; a check that measures
   nothing leaves `measure` out and costs nothing.
-- **its verdict**: `verdict(m, view) -> Verdict`, on the host, from the step's `Measurement` `m` (loss, grad
-  norm, and `m.values[self.name]`: its own keys, reduced; one step late when the read is deferred). A verdict
-  whose `kind` is None but whose action is not `ok` is written to the events log under the check's name.
+- **its verdict**: `verdict(m, view) -> Verdict | list[Verdict]`, on the host, from the step's `Measurement`
+  `m` (loss, grad norm, and `m.values[name]`: every check's keys, reduced; one step late when the read is
+  deferred). A verdict whose `kind` is None but whose action is not `ok` is written to the events log under the
+  check's name; its `metrics` go to the loggers at step `onset`.
 - **its state**: `state_dict()` / `load_state_dict()` of plain types, kept in every checkpoint under its name.
 
-A verdict may `log` (an event), `skip` the step (only with `acts_before_update = True`), `rollback` to a state
-from before `onset`, or `stop` the run. Write its events as `Verdict(action, self.name, detail, onset=step)`.
+A verdict may `log` (an event), `backoff` (lower the LR and rewind: `context["backoff"]` is the evidence its
+`Backoff` granted, `context["policy"]` that `Backoff`), `skip` the step (only with `acts_before_update = True`),
+`rollback` to a state from before `onset`, or `stop` the run. Write its events as `Verdict(action, self.name,
+detail, onset=step)`.
+
+Three optional hooks serve checks that act on the model itself (QK-clip, the stats): `arm(view)` at the step's
+first micro-batch, before its forward (switch a measurement on); `after_update(view, reduced)` once the update
+is in the weights, where `reduced(name, key)` is a "max" value of the step's collective still on the device
+(act there without a host read); `restored()` after the suite restored weights (forget what was measured on
+the abandoned ones); `restart()` after any LR backoff (a streak starts again).
 
 It is added by naming it in config, `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`;
 its events are `<name>` events. The step owner (`Stability.judge`) asks every check in order and applies the
-verdicts (skip, rollback, stop, log), so escalation and the rollback budget stay in one place. The built-in
-guard, spike, loss-scale and init-loss checks follow the same protocol.
+verdicts (skip, backoff, rollback, stop, log), so escalation and the rollback budget stay in one place. Every
+built-in check (guard, spike, loss scale, init loss, QK-clip, stats, signals) follows the same protocol.
 """
 
 from __future__ import annotations
@@ -56,11 +65,23 @@ class Check:
         """Judged in this fit at all (e.g. the loss-scale check only under fp16). Asked once, at the fit's start."""
         return True
 
+    def arm(self, view: StepView) -> None:
+        pass
+
     def measure(self, view: StepView) -> dict[str, tuple[str, torch.Tensor]]:
         return {}
 
-    def verdict(self, m, view: StepView) -> Verdict:
+    def after_update(self, view: StepView, reduced) -> None:
+        pass
+
+    def verdict(self, m, view: StepView) -> Verdict | list[Verdict]:
         return OK
+
+    def restored(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {}
@@ -69,7 +90,8 @@ class Check:
         pass
 
 
-def measures(check: Any) -> bool:
-    """The check contributes values to the step's collective (it overrides `measure`)."""
-    fn = getattr(type(check), "measure", None)
-    return fn is not None and fn is not Check.measure
+def overrides(check: Any, hook: str) -> bool:
+    """The check has its own `hook` (a plain class with the method, or a `Check` subclass overriding it): the
+    owner calls only those, so a hook a check leaves out costs nothing."""
+    fn = getattr(type(check), hook, None)
+    return fn is not None and fn is not getattr(Check, hook)

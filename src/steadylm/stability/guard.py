@@ -50,7 +50,7 @@ class NonFiniteGuard(Check):
             return Verdict("stop", kind, detail, onset=self.streak_start, reason=why, suspect=True, context=context)
         return Verdict("rollback", kind, detail, onset=self.streak_start, reason=reason, suspect=True, context=context)
 
-    def rolled_back(self) -> None:
+    def restored(self) -> None:
         self.consecutive = 0
 
     def state_dict(self) -> dict:

@@ -96,13 +96,6 @@ class Packed:
         if self.maxes is not None:
             torch.distributed.all_reduce(self.maxes, op=torch.distributed.ReduceOp.MAX)
 
-    def nonfinite(self) -> torch.Tensor:
-        """1 on the device when the loss or the grad norm is not finite on any rank (no host read)."""
-        return (~self.sums[:2].isfinite().all()).float()
-
-    def flat(self) -> torch.Tensor:
-        return self.sums if self.maxes is None else torch.cat([self.sums, self.maxes])
-
     def unpack(self, host: list[float], world: int) -> tuple[float, float, dict]:
         """(mean loss, global grad norm, {check: {key: value}}) from the reduced numbers, `flat`'s order; a value
         keeps its shape as nested lists (a 0-d tensor becomes a float)."""
@@ -147,7 +140,7 @@ class InFlight:
         self.step, self.packed, self.norms, self.params, self.net, self.world = step, packed, norms, params, net, world
         self.batches, self.batch_idx = batches, tuple(batch_idx)
         self.event = None
-        flat = packed.flat()
+        flat = packed.sums if packed.maxes is None else torch.cat([packed.sums, packed.maxes])  # reduced already
         if flat.device.type == "cuda":
             self.host = flat.to("cpu", non_blocking=True)  # pinned, asynchronous; the event marks its arrival
             self.event = torch.cuda.Event()
@@ -211,14 +204,14 @@ class StepMeasure:
     def add_loss(self, loss: torch.Tensor) -> None:
         self.losses.append(loss)
 
-    def take(self, trainer, pl_module, view, checks=(), extra=None) -> Measurement | None:
+    def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
         """Measure the step under way (`checks`: those that measure, each `measure(view)` joining the one
-        collective, with `extra`: the owner's own values, keyed as theirs); return the measurement to act on now: this step's, or (deferred) the previous step's, or
+        collective); return the measurement to act on now: this step's, or (deferred) the previous step's, or
         None when there is none yet."""
         if self.deferred is None:
             self.deferred = self.allow_defer and can_defer(trainer)
         self._taken = True
-        self.current = self._launch(trainer, pl_module, view, checks, extra or {})
+        self.current = self._launch(trainer, pl_module, view, checks)
         if not self.deferred:
             return self.current.read()
         due, self.pending = self.pending, self.current
@@ -232,29 +225,27 @@ class StepMeasure:
         """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
         return self.current.read() if self.current is not None else None
 
-    def _launch(self, trainer, pl_module, view, checks, extra: dict) -> InFlight:
+    def _launch(self, trainer, pl_module, view, checks) -> InFlight:
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
-        loss = (
-            torch.stack([loss.detach().float() for loss in self.losses]).sum()
-            if self.losses
-            else torch.zeros((), device=device)
-        )
+        loss = torch.stack(self.losses).detach().float().sum() if self.losses else torch.zeros((), device=device)
         self.losses = []  # they hold the autograd graph; every micro-batch of this step has been seen
-        scaler = loss_scaler(trainer)
-        if scaler is not None and scaler.is_enabled():
-            loss = loss / scaler.get_scale()  # the fp16 hook sees the scaled loss
+        if view.loss_scale is not None:
+            loss = loss / view.loss_scale  # the fp16 hook sees the scaled loss
         norms, with_grad = pl_module.grad_norms()  # clipping reuses them instead of walking every gradient again
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
         world = trainer.world_size
         # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
         # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
         sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
-        packed = Packed(loss, norm, {**{c.name: c.measure(view) for c in checks}, **extra}, sharded)
+        values = {}
+        for c in checks:
+            values[c.name] = c.measure(view)
+        packed = Packed(loss, norm, values, sharded)
         if world > 1 and torch.distributed.is_initialized():
             packed.all_reduce()
         if self.deferred:
-            found_inf = packed.nonfinite()
+            found_inf = (~packed.sums[:2].isfinite().all()).float()  # loss or grad norm, on any rank: no host read
             for opt in trainer.optimizers:
                 set_found_inf(opt, found_inf)  # the optimizer skips the whole update on the device when it is 1
         net = getattr(pl_module, "net", pl_module)

@@ -24,11 +24,13 @@ LR and a rewind to before the growth began: the damage of a too-high LR (a resid
 is done before the logits cross tau, and clipping cannot undo it. How far back is `rewind_to`: `growth`
 (default) reads the measured max logits and goes back to the last step at which they still stood at or
 below `growth_floor * tau`, so a rewind throws away only the steps the logits grew in; `onset`, to just
-before the streak (the shallowest); `first`, to the fit's first snapshot. It is a plain
-class: it never reads a trainer; the caller (`Stability`) measures every `every_n_steps` steps, the logits
-reduced with MAX in the step's one collective, clips on the device after the update (`clip`: no host read)
-and accounts for the clip from the step's measurement on the host (`account`, a step later when deferred),
-applies the LR factor and writes the events.
+before the streak (the shallowest); `first`, to the fit's first snapshot.
+
+As a `Check`: every `every_n_steps` steps it switches the logit tracking on (`arm`), its per-head maxima join
+the step's one collective (MAX over ranks, `measure`), it clips on the device once the update is in the weights
+(`after_update`: no host read) and accounts for the clip from the step's measurement on the host (`verdict`, a
+step later when deferred): a `clip` event, and a `backoff` verdict the owner applies. It does not apply under
+QK-norm (rescaling W_q/W_k cannot change normalised logits) or FSDP (whose sharded weights it does not slice).
 """
 
 from __future__ import annotations
@@ -36,15 +38,25 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 
 from steadylm.errors import ConfigError
 from steadylm.stability.backoff import Backoff
+from steadylm.stability.check import Check
+from steadylm.stability.verdict import OK, Verdict
 
 REWIND_TO = ("growth", "onset", "first")
 HISTORY = 4096  # measurements kept for `rewind_to: growth` (a float pair each)
 
 
-class QKClip:
+# The evidence of a backoff the owner acts on (`Backoff.ask` and `rewind_target`).
+BACKOFF_KEYS = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
+BACKOFF_KEYS += ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
+
+
+class QKClip(Check):
+    name = "qk_clip"
+
     def __init__(
         self,
         every_n_steps: int = 1,
@@ -82,6 +94,70 @@ class QKClip:
         self.streak = 0  # measurements in a row that clipped
         self.onset = -1  # the step at which the current streak began
         self.exhausted = False
+        self.attns: list = []  # the attention layers it acts on (`applies`)
+        self._armed = -1  # the step whose logits are tracked
+
+    # -- the check: arm, measure, clip after the update, account --------------------------------------------
+    def applies(self, trainer) -> bool:
+        net = getattr(trainer.lightning_module, "net", None)
+        ok = net is not None and not net.cfg.qk_norm and not isinstance(trainer.strategy, FSDPStrategy)
+        self.attns = [b.attn for b in net.blocks] if ok else []
+        return bool(self.attns)
+
+    def arm(self, view) -> None:
+        if view.step % self.every_n_steps == 0:
+            for attn in self.attns:
+                attn.track_max_logit = True
+            self._armed = view.step
+
+    def measure(self, view) -> dict:
+        """This step's per-head max logits (layers x heads), MAX over ranks in the step's collective."""
+        if self._armed != view.step:
+            return {}
+        maxima = []
+        for attn in self.attns:
+            if attn.head_max_logit is None:  # no forward tracked it (a step with no micro-batch of its own)
+                return {}
+            maxima.append(attn.head_max_logit.float())
+        return {"head_max": ("max", torch.stack(maxima))}
+
+    def after_update(self, view, reduced) -> None:
+        """Clip on the device the heads the measured step saw over tau (the reduced maxima: every rank applies the
+        same factors), so the next step starts from bounded logits."""
+        if self._armed < 0:
+            return
+        self._armed = -1
+        for attn in self.attns:
+            attn.head_max_logit, attn.track_max_logit = None, False
+        head_max = reduced(self.name, "head_max")
+        if head_max is not None:
+            self.clip(head_max, self.attns)
+
+    def restored(self) -> None:
+        """Forget a measurement in flight: logits of abandoned weights never clip the restored ones."""
+        self._armed = -1
+        for attn in self.attns:
+            attn.head_max_logit, attn.track_max_logit = None, False
+
+    def verdict(self, m, view) -> Verdict:
+        head_max = m.values.get(self.name, {}).get("head_max")
+        evidence = self.account(m.step, torch.tensor(head_max)) if head_max is not None else None
+        if evidence is None:
+            return OK
+        context = {"event_action": "clip"}
+        if "lr_backoff" not in evidence:
+            return Verdict("log", self.name, evidence, onset=m.step, context=context)
+        context.update(
+            backoff={k: evidence[k] for k in BACKOFF_KEYS if k in evidence},
+            policy=self.backoff,
+            cause=self.name,
+            why=f"QK-clip acted on {self.backoff_after} measurements in a row",
+        )
+        return Verdict("backoff", self.name, evidence, onset=m.step, context=context)
+
+    def streak_steps(self) -> int:
+        """Steps a clipping streak takes to ask for a backoff."""
+        return (self.backoff_after or 0) * self.every_n_steps
 
     def factors(self, head_max: torch.Tensor, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(query-row factor per query head, key-row factor per key head) from per-head max logits (..., n_head):
@@ -100,10 +176,6 @@ class QKClip:
             if p is not None:
                 scale = rows.to(p.device, p.dtype)
                 p[: rows.numel()].mul_(scale.view(-1, *([1] * (p.dim() - 1))))
-
-    def due(self, step: int) -> bool:
-        """Step `step` is measured (and clipped after its update)."""
-        return step % self.every_n_steps == 0
 
     @torch.no_grad()
     def clip(self, head_max: torch.Tensor, attns: list) -> None:

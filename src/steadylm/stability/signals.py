@@ -1,8 +1,9 @@
 """`Precursors`: instability that the attention logits do not show, flagged, forecast and backed off from.
 
 With QK-norm on, attention logits stay bounded whatever the LR, so QK-clip never fires; a far too high LR
-still does its damage elsewhere. These signals come from the measurements `GradParamStats` already takes on
-its steps (every `stats.every_n_steps`), reduced with MAX across ranks by the owner:
+still does its damage elsewhere. These signals come from the measurements the `stats` check already takes on
+its steps (every `stats.every_n_steps`), which reach this check's `verdict` in the step's one collective
+(activations and logits with MAX over ranks):
 
 | signal | value | why |
 | --- | --- | --- |
@@ -19,7 +20,8 @@ that, a *forecast*: the value rose at each of the last `trend_points` measuremen
 `1 / forecast_from` of the level, and the trend of log(value) over them reaches the level within `horizon` steps; the forecast names the
 signal, its doubling time and the expected step, once per episode (a new one after the value falls back or a
 backoff). The levels are absolute and far from healthy values (measured: `benchmarks/signals_bench.py`), so the
-rule does not depend on the model's width or parametrisation. It is a plain class: it never reads a trainer.
+rule does not depend on the model's width or parametrisation. `observe` is the rule on plain numbers;
+`verdict` is the check (`check.py`) that feeds it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from collections import deque
 
 from steadylm.errors import ConfigError
 from steadylm.stability.backoff import Backoff
+from steadylm.stability.check import Check
+from steadylm.stability.stats import stats_metrics
 from steadylm.stability.verdict import Verdict
 
 SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
@@ -52,7 +56,21 @@ def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
     return out
 
 
-class Precursors:
+def _in_warmup(pl_module, step: int) -> bool:
+    """The LR is still ramping up at optimizer step `step` (the first warmup, or a re-warmup after a rewind)."""
+    applied = pl_module.applied_steps(step)
+    warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
+    start, length = getattr(pl_module, "rewarm", (0, 0))
+    return applied < warmup or (length > 0 and applied < start + length)
+
+
+def _forecast_metric(detail: dict) -> dict[str, float]:
+    return {f"stability/forecast/{detail['signal']}": float(detail["expected_step"])}
+
+
+class Precursors(Check):
+    name = "signals"
+
     def __init__(
         self,
         residual_rms: float | None = 100.0,
@@ -87,6 +105,38 @@ class Precursors:
         self.onset = {s: -1 for s in SIGNALS}  # the step the current episode began (its first forecast or alarm)
         self.forecast = {s: False for s in SIGNALS}  # forecast already given in this episode
         self.alarms = 0
+        # Set by the owner at the fit's start: QK-clip acts on this model (then it owns the mitigation and the
+        # signals only log), and how often the stats measure (None: no stats, so nothing to judge).
+        self.qk_clip_acts = False
+        self.every_n_steps: int | None = None
+
+    def verdict(self, m, view) -> list[Verdict]:
+        """The stats step before `m.step`, whose values travelled with `m`: forecasts, alarms, a backoff."""
+        stats = m.values.get("stats")
+        if not stats:
+            return []
+        cfg = view.model_cfg
+        values = signal_values(stats_metrics(stats), qk_norm=bool(cfg is not None and cfg.qk_norm))
+        step = m.step - 1
+        out = []
+        for v in self.observe(step, values, _in_warmup(view.module, step), may_back_off=not self.qk_clip_acts):
+            if v.kind == "forecast":
+                v = Verdict(v.action, v.kind, v.detail, onset=v.onset, metrics=_forecast_metric(v.detail))
+            request = v.context.get("backoff")
+            if request is not None:
+                why = (
+                    f"{request['signal']} stayed above {request['threshold']:g} on {self.persist} measurements in a row"
+                )
+                keys = ("lr_backoff", "lr_scale", "backoffs", "onset", "rewind_before", "signal", "value")
+                context = {"backoff": {k: request[k] for k in keys if k in request}, "policy": self.backoff}
+                context.update(cause=request["signal"], why=why)
+                v = Verdict("backoff", v.kind, v.detail, onset=v.onset, context=context)
+            out.append(v)
+        return out
+
+    def streak_steps(self) -> int:
+        """Steps an alarm streak takes to ask for a backoff (0: never judged, no stats)."""
+        return self.persist * self.every_n_steps if self.every_n_steps else 0
 
     def trend(self, name: str) -> float | None:
         """Growth rate of log(value) per step over the recent measurements (least squares); None: too few, or

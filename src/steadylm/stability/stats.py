@@ -4,10 +4,13 @@ Every `every_n_steps` steps (chosen to coincide with the logging steps): per-blo
 update/param ratio ‖Δθ‖/‖θ‖ (params copied before the update on those steps only), max attention logit per
 layer (tracking switched on for that step only, on one sequence) and activation RMS per block (forward hooks
 on that step only) and the mean log Z of the output logits (the log of the softmax normaliser: Wortsman et al.
-2023's output-logit divergence shows as its drift). All of a measured step's tensors are stacked and copied to the host once. Alarms
-(`update_ratio`, `attn_logit`) are `log` verdicts; they never change training.
-The owner calls `arm` at the step's first micro-batch, `before_update` after backward and `after_update`
-once the update is in the weights.
+2023's output-logit divergence shows as its drift). Alarms (`update_ratio`, `attn_logit`) are `log` verdicts;
+they never change training.
+
+As a `Check`: `arm` switches the measurements on at a stats step's first micro-batch; its `measure` keeps the
+grad norms and a copy of the weights on the device; the next step's `measure`, once that update is in the
+weights, sends every number of the stats step into that step's one collective (no host read of its own). So a
+stats step's metrics arrive with the measurement of the step after it, and are logged at the stats step.
 """
 
 from __future__ import annotations
@@ -18,10 +21,34 @@ import torch
 
 from steadylm.compat import copy_tensors, per_tensor_norms, sub_tensors
 from steadylm.logging_steps import is_logging_step
-from steadylm.stability.verdict import Verdict
+from steadylm.stability.check import Check
+from steadylm.stability.verdict import OK, Verdict
 
 
-class GradParamStats:
+def stats_metrics(values: dict) -> dict[str, float]:
+    """The logged metrics of one stats step from its reduced values (`GradParamStats.measure`'s keys)."""
+    grad, param, delta, logit, act = (values[k] for k in ("grad", "param", "delta", "logit", "act"))
+    total_delta, total_param = values["total"]
+    ratio = [d / max(p, 1e-12) for d, p in zip(delta, param)]
+    metrics = {"stability/update_ratio": total_delta / max(total_param, 1e-12)}
+    if not math.isnan(values["log_z"][0]):  # NaN: no output head was measured
+        metrics["stability/log_z"] = values["log_z"][0]
+    for i in range(len(grad)):
+        metrics.update(
+            {
+                f"stability/grad_norm/block_{i}": grad[i],
+                f"stability/param_norm/block_{i}": param[i],
+                f"stability/update_ratio/block_{i}": ratio[i],
+                f"stability/max_attn_logit/block_{i}": logit[i],
+                f"stability/act_rms/block_{i}": act[i],
+            }
+        )
+    return metrics
+
+
+class GradParamStats(Check):
+    name = "stats"
+
     def __init__(
         self, every_n_steps: int = 10, update_ratio_alarm: float = 1.0, attn_logit_alarm: float = 100.0
     ) -> None:
@@ -32,25 +59,23 @@ class GradParamStats:
         self._hooks: list = []
         self._act: dict[int, torch.Tensor] = {}
         self._log_z: torch.Tensor | None = None
-        self._params: list[torch.nn.Parameter] = []  # the armed step's parameters, and a copy from before its update
-        self._before: list[torch.Tensor] = []
         self._owner: torch.Tensor | None = None  # block index of each parameter (n_blocks for the rest)
         self._owner_key: tuple = ()
-        self._grad_norms: torch.Tensor | None = None
+        self._held: dict | None = None  # the stats step's device values, waiting for its update
 
     @staticmethod
     def _blocks(pl_module) -> list[torch.nn.Module]:
-        return list(getattr(pl_module.net, "blocks", []))
+        return list(getattr(getattr(pl_module, "net", None), "blocks", []))
 
-    def arm(self, step: int, pl_module) -> None:
-        """Switch the per-block measurements on for step `step`, when it is a stats step."""
-        if not is_logging_step(step, self.every_n_steps) or self.armed_step == step:
+    def arm(self, view) -> None:
+        """Switch the per-block measurements on for this step, when it is a stats step."""
+        if not is_logging_step(view.step, self.every_n_steps):
             return
-        self.armed_step = step
-        for i, block in enumerate(self._blocks(pl_module)):
+        self.armed_step = view.step
+        for i, block in enumerate(self._blocks(view.module)):
             block.attn.track_max_logit = True
             self._hooks.append(block.register_forward_hook(self._rms_hook(i)))
-        head = getattr(pl_module.net, "lm_head", None)
+        head = getattr(view.module.net, "lm_head", None)
         if head is not None:
             self._hooks.append(head.register_forward_hook(self._log_z_hook))
 
@@ -63,96 +88,92 @@ class GradParamStats:
 
         return hook
 
-    def before_update(self, step: int, pl_module) -> None:
-        """Per-block grad norms and a copy of the weights the update will be applied to (armed steps only)."""
-        if self.armed_step != step:
-            return
+    def measure(self, view) -> dict:
+        """The last stats step's numbers, now that its update is in the weights; then, on a stats step, its grad
+        norms and a copy of the weights the update will be applied to (kept on the device for the next step)."""
+        out = self._report_held(view.module) if self._held is not None else {}
+        if self.armed_step == view.step:
+            self._hold(view.module)
+        return out
+
+    def _hold(self, pl_module) -> None:
+        self.armed_step = -1
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         blocks = self._blocks(pl_module)
-        self._params = [p for p in pl_module.parameters() if p.requires_grad]
-        key = tuple(map(id, self._params))
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        key = tuple(map(id, params))
         if self._owner is None or self._owner_key != key:  # built once: a host-to-device copy
             owner_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
-            self._owner = torch.tensor(
-                [owner_of.get(id(p), len(blocks)) for p in self._params], device=pl_module.device
-            )
+            self._owner = torch.tensor([owner_of.get(id(p), len(blocks)) for p in params], device=pl_module.device)
             self._owner_key = key
-        grads = [p.grad for p in self._params]
+        grads = [p.grad for p in params]
+        zero = torch.zeros((), device=pl_module.device)
         if all(g is not None for g in grads):
             norms = per_tensor_norms(grads)
         else:  # a parameter without a gradient this step (a skipped step) counts as 0
-            norms = torch.stack(
-                [g.norm().float() if g is not None else torch.zeros((), device=pl_module.device) for g in grads]
-            )
-        self._grad_norms = self._per_block(norms, len(blocks))
-        self._before = copy_tensors([p.detach() for p in self._params])  # one copy kernel, not one per tensor
+            norms = torch.stack([g.norm().float() if g is not None else zero for g in grads])
+        logits = [b.attn.max_logit if b.attn.max_logit is not None else zero for b in blocks]
+        for b in blocks:
+            b.attn.track_max_logit, b.attn.max_logit = False, None
+        log_z = self._log_z if self._log_z is not None else torch.tensor(float("nan"))
+        self._held = {
+            "params": params,
+            "before": copy_tensors([p.detach() for p in params]),  # one copy kernel, not one per tensor
+            "grad": self._per_block(norms, len(blocks)),
+            "logit": torch.stack([t.float().to(zero.device) for t in logits]) if blocks else zero.view(0),
+            "act": torch.stack([self._act.get(i, zero).float() for i in range(len(blocks))])
+            if blocks
+            else zero.view(0),
+            "log_z": log_z.to(zero.device).float().view(1),
+        }
+        self._act, self._log_z = {}, None
 
     def _per_block(self, norms: torch.Tensor, n: int) -> torch.Tensor:
         squares = torch.zeros(n + 1, device=norms.device).index_add_(0, self._owner, norms.square())
         return squares[:n].sqrt()
 
-    def after_update(self, step: int, pl_module) -> tuple[dict[str, float], list[Verdict]]:
-        """The armed step's metrics and alarms once its update is applied (`step`: the optimizer steps done)."""
-        if self.armed_step < 0 or step <= self.armed_step:
-            return {}, []  # not armed, or still accumulating micro-batches of the armed step
-        armed, self.armed_step = self.armed_step, -1
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        blocks = self._blocks(pl_module)
-        for b in blocks:
-            b.attn.track_max_logit = False
-        if not self._before:
-            return {}, []  # the step ended without an optimizer step
-        n = len(blocks)
-        delta = sub_tensors([p.detach() for p in self._params], self._before)
-        param, moved = per_tensor_norms(self._before), per_tensor_norms(delta)
+    def _report_held(self, pl_module) -> dict:
+        held, self._held = self._held, None
+        n = len(held["grad"])
+        before = held["before"]
+        delta = sub_tensors([p.detach() for p in held["params"]], before)
+        param, moved = per_tensor_norms(before), per_tensor_norms(delta)
         # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
-        param_norms, delta_norms = self._per_block(param, n), self._per_block(moved, n)
         totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
-        logits = [b.attn.max_logit if b.attn.max_logit is not None else torch.zeros(()) for b in blocks]
-        acts = [self._act.get(i, torch.zeros(())) for i in range(n)]
-        log_z = self._log_z if self._log_z is not None else torch.tensor(float("nan"))
-        for b in blocks:
-            b.attn.max_logit = None
-        self._params, self._before, self._act, self._log_z = [], [], {}, None
-        device = totals.device
-        rows = [
-            self._grad_norms,
-            param_norms,
-            delta_norms,
-            *(torch.stack([t.to(device).float() for t in r]).view(-1) for r in (logits, acts) if r),
-            totals,
-            log_z.to(device).float().view(1),
-        ]
-        values = torch.cat(rows).tolist()  # the one host copy of a measured step
-        return self._report(armed, values, n)
+        return {
+            "grad": ("mean", held["grad"]),
+            "param": ("mean", self._per_block(param, n)),
+            "delta": ("mean", self._per_block(moved, n)),
+            "total": ("mean", totals),
+            "log_z": ("mean", held["log_z"]),
+            "logit": ("max", held["logit"]),
+            "act": ("max", held["act"]),
+        }
 
-    def _report(self, step: int, values: list[float], n: int) -> tuple[dict[str, float], list[Verdict]]:
-        grad, param, delta, logit, act = (values[k * n : (k + 1) * n] for k in range(5))
-        total_delta, total_param, log_z = values[5 * n : 5 * n + 3]
-        ratio = [d / max(p, 1e-12) for d, p in zip(delta, param)]
-        total_ratio = total_delta / max(total_param, 1e-12)
-        metrics = {"stability/update_ratio": total_ratio}
-        if not math.isnan(log_z):  # NaN: no output head was measured
-            metrics["stability/log_z"] = log_z
-        for i in range(n):
-            metrics.update(
-                {
-                    f"stability/grad_norm/block_{i}": grad[i],
-                    f"stability/param_norm/block_{i}": param[i],
-                    f"stability/update_ratio/block_{i}": ratio[i],
-                    f"stability/max_attn_logit/block_{i}": logit[i],
-                    f"stability/act_rms/block_{i}": act[i],
-                }
-            )
-        alarms = []
-        worst = max([total_ratio, *ratio])
+    def restored(self) -> None:
+        """Weights restored: the held copy is of weights that no longer exist."""
+        self._held = None
+
+    def verdict(self, m, view) -> list[Verdict] | Verdict:
+        """The stats step before `m.step` (its numbers travelled with `m`): its metrics and alarms."""
+        values = m.values.get(self.name)
+        if not values:
+            return OK
+        step = m.step - 1
+        metrics = stats_metrics(values)
+        out = [Verdict(onset=step, metrics=metrics)]
+        ratio = [metrics[k] for k in metrics if k.startswith("stability/update_ratio/block_")]
+        worst = max([metrics["stability/update_ratio"], *ratio])
         if worst > self.update_ratio_alarm:
-            block = max(range(n), key=ratio.__getitem__) if n else None
-            detail = {"value": worst, "threshold": self.update_ratio_alarm, "global": total_ratio, "block": block}
-            alarms.append(Verdict("log", "update_ratio", detail, onset=step))
-        if n and max(logit) > self.attn_logit_alarm:
-            i = max(range(n), key=logit.__getitem__)
+            block = max(range(len(ratio)), key=ratio.__getitem__) if ratio else None
+            total = metrics["stability/update_ratio"]
+            detail = {"value": worst, "threshold": self.update_ratio_alarm, "global": total, "block": block}
+            out.append(Verdict("log", "update_ratio", detail, onset=step))
+        logit = values["logit"]
+        if logit and max(logit) > self.attn_logit_alarm:
+            i = max(range(len(logit)), key=logit.__getitem__)
             detail = {"value": logit[i], "threshold": self.attn_logit_alarm, "block": i}
-            alarms.append(Verdict("log", "attn_logit", detail, onset=step))
-        return metrics, alarms
+            out.append(Verdict("log", "attn_logit", detail, onset=step))
+        return out

@@ -2,18 +2,18 @@
 
 One optimizer step, as Lightning runs it:
 
-- `on_train_batch_start` (each micro-batch): the batch is kept for the measurement; stats arm their hooks on
-  a stats step; every N steps `Recovery` starts a snapshot;
+- `on_train_batch_start` (each micro-batch): the batch is kept for the measurement; at the step's first, the
+  checks `arm` (QK-clip's and the stats' tracking); every N steps `Recovery` starts a snapshot;
 - forward, loss, backward (`LMModule`); each micro-batch's loss reaches `on_before_backward`;
 - `on_before_optimizer_step` -> `step` (read it: the whole order is there);
 - `LMModule.on_before_optimizer_step`: every group's LR from the applied steps and the LR scale; clipping; the update;
-- `on_train_batch_end`: QK-clip bounds the attention logits the next step starts from; the stats of the update;
-  before a checkpoint, the measurement in flight is acted on.
+- `on_train_batch_end`: the checks' `after_update` (QK-clip bounds the logits the next step starts from, on the
+  device); before a checkpoint, the measurement in flight is acted on.
 
-The checks (`guard`, `spike`, `loss_scale`, `qk_clip`, `stats`, `recovery`) are plain classes with their own state; they
-return `Verdict`s and this class applies them, so escalation, the rollback budget and the stop live here.
-Every decision comes from the one all-reduced measurement, so every rank applies the same verdicts: no rank
-ever raises or stops alone.
+Every check (guard, spike, loss scale, init loss, QK-clip, stats, signals, and those named in config) follows the
+one protocol of `check.py`: it returns `Verdict`s and this class applies them, so escalation, the one LR backoff,
+the rollback budget and the stop live here. Every decision comes from the one all-reduced measurement, so every
+rank applies the same verdicts: no rank ever raises or stops alone.
 """
 
 from __future__ import annotations
@@ -21,17 +21,14 @@ from __future__ import annotations
 import inspect
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from hydra.utils import instantiate
-from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.checkpointing import STABILITY_STATE_KEY
-from steadylm.compat import every_n_train_steps
+from steadylm.compat import every_n_train_steps, will_log
 from steadylm.errors import ConfigError
-from steadylm.logging_steps import will_log, write_metrics
-from steadylm.stability.check import StepView, measures
+from steadylm.logging_steps import write_metrics
+from steadylm.stability.check import StepView, overrides
 from steadylm.stability.events import KINDS, emit
 from steadylm.stability.forensics import name_culprit, write_bundle
 from steadylm.stability.guard import NonFiniteGuard
@@ -41,19 +38,13 @@ from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
 from steadylm.stability.qk_clip import QKClip
 from steadylm.stability.recovery import Recovery, restore_weights_and_optimizer
 from steadylm.stability.rollback import checkpoint_dir
-from steadylm.stability.signals import Precursors, signal_values
+from steadylm.stability.signals import Precursors
 from steadylm.stability.spike import SpikeDetector
 from steadylm.stability.stats import GradParamStats
 from steadylm.stability.suspects import batch_window_ids, spike_suspects
 from steadylm.stability.verdict import Verdict
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
-
-
-def checkpoint_due(trainer) -> bool:
-    """A ModelCheckpoint saves at this batch end (Lightning's `every_n_train_steps` rule)."""
-    step = trainer.global_step
-    return any((n := every_n_train_steps(cb)) and step % n == 0 for cb in trainer.checkpoint_callbacks)
 
 
 def _part(name: str, cls, settings):
@@ -120,11 +111,11 @@ class Stability(L.Callback):
         self.signals = _part("signals", Precursors, signals)
         self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
         # Judged in this order, the built-in checks first, then `callbacks.stability.checks` in config order.
-        self.checks = [c for c in (self.guard, self.spike, self.loss_scale, self.init_loss) if c is not None]
-        self.checks += _checks_from_config(checks)
-        self._judged, self._measuring = self.checks, []  # settled at the fit's start (`setup`)
-        self._attns: list = []  # the attention layers QK-clip acts on (`setup`)
-        self._rewinds = any(p is not None and p.backoff.rewind for p in (self.qk_clip, self.signals))
+        built_in = (self.guard, self.spike, self.loss_scale, self.init_loss, self.qk_clip, self.stats, self.signals)
+        self.checks = [c for c in built_in if c is not None] + _checks_from_config(checks)
+        self._judged: list = self.checks  # those that apply to this fit, and those with each hook (`setup`)
+        self._hooked: dict[str, list] = {"arm": [], "measure": [], "after_update": []}
+        self._rewinds = any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks)
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
         self.measure = StepMeasure(
             defer=defer and not any(getattr(c, "acts_before_update", False) for c in self.checks)
@@ -134,17 +125,27 @@ class Stability(L.Callback):
         self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
         self._culprit: tuple[str | None, str] = (None, "")  # the module named at the start of a non-finite streak
         self._log: dict[str, float] | None = None  # this logging step's optimizer metrics, written at batch end
-        self._clip_armed = -1  # the step whose logits QK-clip measures
+        self._view_now: StepView | None = None  # the step under way, seen at its first micro-batch
+        self._hold_until = -1  # recovery holds the fit's first snapshot up to this applied step (`setup`)
+        self._save_every: tuple[int, ...] = ()  # the ModelCheckpoints' `every_n_train_steps` (`setup`)
+        self._measured = -1  # the step measured whose update the checks' `after_update` has not seen yet
 
-    @property
-    def state_key(self) -> str:
-        return STABILITY_STATE_KEY
+    state_key = STABILITY_STATE_KEY  # a constant, not Lightning's property (read around every hook call)
 
     # -- Lightning's hooks ------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._judged = [c for c in self.checks if c.applies(trainer)]
-        self._measuring = [c for c in self._judged if measures(c)]
-        self._attns = self._clip_targets(trainer, pl_module) if self.qk_clip is not None else []
+        self._hooked = {hook: [c for c in self._judged if overrides(c, hook)] for hook in self._hooked}
+        if self.signals is not None:  # where QK-clip acts it owns the mitigation; the signals read the stats
+            self.signals.qk_clip_acts = self.qk_clip in self._judged
+            self.signals.every_n_steps = self.stats.every_n_steps if self.stats in self._judged else None
+        # Growth that crosses tau during the LR warmup began near the start (at 10x the stable LR the max logit is
+        # 10x the stable run's by step 19 and crosses 100 at 60): recovery holds the fit's first snapshot until
+        # the warmup, and a streak begun at its end, are over; a rewind then goes back to it.
+        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
+        streaks = [c.streak_steps() for c in self._judged if hasattr(c, "streak_steps")]
+        self._hold_until = warmup + max(streaks, default=0) if self._rewinds else -1
+        self._save_every = tuple(n for cb in trainer.checkpoint_callbacks if (n := every_n_train_steps(cb)))
 
     def _windows_to_keep(self) -> dict:
         """What a snapshot keeps of the checks beside the weights: the spike detector's window."""
@@ -163,14 +164,16 @@ class Stability(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.measure.add_batch(batch, batch_idx)
-        if self.stats is not None:
-            self.stats.arm(trainer.global_step, pl_module)
-        if self.qk_clip is not None and self.qk_clip.due(trainer.global_step):
-            for attn in self._attns:
-                attn.track_max_logit = True
-            self._clip_armed = trainer.global_step
-        if self._rewinds:
-            self._hold_first_through_warmup(trainer, pl_module)
+        if self._view_now is None or self._view_now.step != trainer.global_step:  # the step's first micro-batch
+            self._view_now = view = self._view(trainer, pl_module)
+            for c in self._hooked["arm"]:
+                c.arm(view)
+            if self._hold_until >= 0:
+                hold = pl_module.applied_steps() <= self._hold_until
+                if hold != self.recovery.hold_first:
+                    self.recovery.hold_first = hold
+                    if not hold:
+                        self.recovery.release_first()
         self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -187,35 +190,39 @@ class Stability(L.Callback):
         """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
         step = trainer.global_step
         self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
-        view = self._view(trainer, pl_module)
-        extra = self._measured_logits(step)
-        m = self.measure.take(trainer, pl_module, view, self._measuring, extra)  # 1. the one measurement (deferred: the
-        # previous step's), every check's own values in the same collective
-        if self.recovery.in_skip_window(step):  # the data window skipped after a repeated rollback
+        view = self._view_now if self._view_now is not None and self._view_now.step == step else None
+        view = view or self._view(trainer, pl_module)
+        m = self.measure.take(trainer, pl_module, view, self._hooked["measure"])  # 1. the one measurement (deferred:
+        # the previous step's), every check's own values in the same collective
+        self._measured = step
+        if step < self.recovery.skip_until:  # the data window skipped after a repeated rollback
             self.skip(trainer, pl_module, step)
         if m is not None:
             self.judge(trainer, pl_module, optimizer, m, view)  # 2-6. the checks' verdicts, applied
         if self.stopped:
             return
-        if self.stats is not None:  # 7. stats: the grads and weights this update starts from (after any rollback)
-            self.stats.before_update(step, pl_module)
         if will_log(trainer):
             self._log = self._optimizer_metrics(trainer, pl_module)
 
     def judge(self, trainer, pl_module, optimizer, m: Measurement, view: StepView | None = None) -> None:
-        """Every check's verdict on `m`, in order (2. guard: non-finite, skip, a streak -> rollback; 3. spike:
-        persisting -> rollback; 4. fp16 loss scale; step 0's loss against ln(V); then the checks named in config);
-        the snapshot of `m.step` is confirmed or dropped (5), and the verdicts are applied in the same order (6; a
-        rollback or a stop ends the list: it acted on `m`)."""
+        """Every check's verdicts on `m`, in order (2. guard: non-finite, skip, a streak -> rollback; 3. spike:
+        persisting -> rollback; 4. fp16 loss scale; step 0's loss against ln(V); QK-clip's record of its clip;
+        the stats and the precursor signals of the last stats step; then the checks named in config); the
+        snapshot of `m.step` is confirmed or dropped (5), the verdicts' metrics logged, and the verdicts applied in
+        the same order (6; a rollback, a rewind or a stop ends the list: it acted on `m`)."""
         view = view or self._view(trainer, pl_module)
-        verdicts = [c.verdict(m, view) for c in self._judged]
-        self.recovery.confirm(m, suspect=any(v.suspect for v in verdicts))  # 5. known-good snapshot, or dropped
+        verdicts, suspect = [], False
+        for c in self._judged:
+            v = c.verdict(m, view)
+            verdicts += v if isinstance(v, list) else [v]
+        for v in verdicts:
+            suspect = suspect or v.suspect
+            if v.metrics:
+                write_metrics(trainer, v.metrics, step=v.onset)
+        self.recovery.confirm(m, suspect=suspect)  # 5. known-good snapshot, or dropped
         for v in verdicts:  # 6. act
             if v.action != "ok" and self.apply(trainer, pl_module, optimizer, m, v):
-                return  # rolled back or stopped: the logits of `m` belong to the abandoned weights
-        head_max = m.values.get("qk_clip", {}).get("head_max")
-        if head_max is not None:  # 7. QK-clip's record of the clip of `m.step`: counts, events, a backoff
-            self._account_clip(trainer, pl_module, m.step, head_max)
+                return
 
     # -- applying verdicts ------------------------------------------------------------------------------------
     def apply(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict) -> bool:
@@ -229,6 +236,10 @@ class Stability(L.Callback):
         episode = v.context.get("episode")
         if episode is not None:
             detail["batch"] = [batch_window_ids(trainer, i) for i in episode["batch_idx"]]
+        if v.action == "backoff":
+            emit(trainer, v.onset, v.kind, v.context.get("event_action", "log"), detail)
+            c = v.context
+            return self.back_off(trainer, pl_module, v.onset, c["cause"], c["policy"], dict(c["backoff"]), c["why"])
         if v.action == "skip":
             self.skip(trainer, pl_module, m.step)
         elif v.action == "log" and v.context.get("rank"):  # a one-off spike: rank its samples on the good weights
@@ -241,7 +252,8 @@ class Stability(L.Callback):
             self.stop(trainer, pl_module, m.step, v, detail, m=m)
             return True
         if v.kind is not None:
-            emit(trainer, v.onset if v.onset is not None else m.step, v.kind, v.action, detail)
+            action = v.context.get("event_action", v.action)
+            emit(trainer, v.onset if v.onset is not None else m.step, v.kind, action, detail)
         return False
 
     def skip(self, trainer, pl_module, step: int) -> None:
@@ -339,119 +351,22 @@ class Stability(L.Callback):
 
     # -- the rest of the step's life --------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.recovery.written()  # (a step with no update: QK-clip below still changes weights)
-        if self.stats is not None:
-            metrics, alarms = self.stats.after_update(trainer.global_step, pl_module)
-            if metrics:
-                write_metrics(trainer, metrics)
-            for v in alarms:
-                emit(trainer, v.onset, v.kind, v.action, v.detail)
-            if metrics and self.signals is not None and not self.stopped:
-                self.watch_signals(trainer, pl_module, metrics)
-        if self.qk_clip is not None and not self.stopped:
-            self.clip_logits(trainer, pl_module)
+        if 0 <= self._measured < trainer.global_step:  # the measured step's update is in the weights
+            self._measured = -1
+            if self._hooked["after_update"] and not self.stopped:
+                view = self._view(trainer, pl_module)
+                for c in self._hooked["after_update"]:
+                    c.after_update(view, self.measure.maxed)
         if self._log is not None:
             write_metrics(trainer, {**self._log, "optim/skipped_steps": float(pl_module.skipped_steps)})
             self._log = None
         # A checkpoint must hold weights and counts the checks have seen: a rollback in a streak needs the last
         # good file, which a save of NaN weights would replace. On save steps only: a host read each.
-        if self.measure.deferred and checkpoint_due(trainer):
-            self.settle(trainer, pl_module, trainer.optimizers[0])
-
-    # -- QK-clip: after the update, so the next step starts from bounded logits ----------------------------------
-    @staticmethod
-    def _clip_targets(trainer, pl_module) -> list:
-        """The attention layers QK-clip can act on: none under QK-norm (rescaling W_q/W_k cannot change normalised
-        logits) or FSDP (whose sharded weights it does not slice)."""
-        net = getattr(pl_module, "net", None)
-        if net is None or net.cfg.qk_norm or isinstance(trainer.strategy, FSDPStrategy):
-            return []
-        return [b.attn for b in net.blocks]
-
-    def _measured_logits(self, step: int) -> dict:
-        """This step's per-head max logits (layers x heads), for the step's one collective (MAX over ranks)."""
-        if self._clip_armed != step or any(a.head_max_logit is None for a in self._attns) or not self._attns:
-            return {}
-        return {"qk_clip": {"head_max": ("max", torch.stack([a.head_max_logit.float() for a in self._attns]))}}
-
-    def clip_logits(self, trainer, pl_module) -> None:
-        """Clip on the device the heads the measured step saw over tau: the maxima reduced in the step's collective,
-        so every rank applies the same factors. The host's record of it comes with the step's measurement."""
-        if self._clip_armed < 0 or trainer.global_step <= self._clip_armed:
-            return  # not measured, or still accumulating micro-batches of the measured step
-        self._clip_armed = -1
-        for a in self._attns:
-            a.head_max_logit, a.track_max_logit = None, False
-        head_max = self.measure.maxed("qk_clip", "head_max")
-        if head_max is not None:
-            self.qk_clip.clip(head_max, self._attns)
-
-    def _disarm_clip(self, trainer, pl_module) -> None:
-        """Forget a max-logit measurement in flight (every rank rolls back at the same step, so all forget it)."""
-        self._clip_armed = -1
-        for a in self._attns:
-            a.head_max_logit, a.track_max_logit = None, False
-
-    def _account_clip(self, trainer, pl_module, step: int, head_max: list) -> bool:
-        """The events of step `step`'s clip (its reduced logits, on the host); an LR backoff it asks for, and its
-        rewind. True when it rewound."""
-        evidence = self.qk_clip.account(step, torch.tensor(head_max))
-        if evidence is None:
-            return False
-        emit(trainer, step, "qk_clip", "clip", evidence)
-        if "lr_backoff" not in evidence:
-            return False
-        keys = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
-        keys += ("rewind_before", "rewind_latest", "rewind_first", "growth_from")  # QKClip.rewind_target
-        why = f"QK-clip acted on {self.qk_clip.backoff_after} measurements in a row"
-        return self.back_off(
-            trainer,
-            pl_module,
-            step,
-            "qk_clip",
-            self.qk_clip.backoff,
-            {k: evidence[k] for k in keys if k in evidence},
-            why,
-        )
-
-    # -- precursor signals: after the stats of a measured step ---------------------------------------------------
-    def watch_signals(self, trainer, pl_module, metrics: dict[str, float]) -> None:
-        """The precursor signals of the stats step just measured, reduced with MAX over ranks (one small
-        all-reduce on stats steps only): forecasts and alarms logged, a persisting alarm backed off from."""
-        net = getattr(pl_module, "net", None)
-        values = signal_values(metrics, qk_norm=bool(net is not None and net.cfg.qk_norm))
-        if not values:
-            return
-        if trainer.world_size > 1 and dist.is_initialized():
-            packed = torch.tensor(list(values.values()), device=pl_module.device, dtype=torch.float64)
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-            values = dict(zip(values, packed.tolist()))
-        step = trainer.global_step - 1  # the update just measured
-        clip_acts = bool(self._attns)
-        in_warmup = self._in_warmup(pl_module, trainer.global_step)
-        verdicts = self.signals.observe(step, values, in_warmup, may_back_off=not clip_acts)
-        for v in verdicts:
-            emit(trainer, v.onset, v.kind, v.action, v.detail)
-            if v.kind == "forecast":
-                write_metrics(trainer, {f"stability/forecast/{v.detail['signal']}": float(v.detail["expected_step"])})
-        for v in verdicts:
-            request = v.context.get("backoff")
-            if request is not None:
-                why = (
-                    f"{request['signal']} stayed above {request['threshold']:g} on {self.signals.persist} "
-                    f"measurements in a row"
-                )
-                keys = ("lr_backoff", "lr_scale", "backoffs", "onset", "rewind_before", "signal", "value")
-                detail = {k: request[k] for k in keys if k in request}
-                self.back_off(trainer, pl_module, step, request["signal"], self.signals.backoff, detail, why)
-
-    @staticmethod
-    def _in_warmup(pl_module, step: int) -> bool:
-        """The LR is still ramping up at optimizer step `step` (the first warmup, or a re-warmup after a rewind)."""
-        applied = pl_module.applied_steps(step)
-        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
-        start, length = getattr(pl_module, "rewarm", (0, 0))
-        return applied < warmup or (length > 0 and applied < start + length)
+        if self.measure.deferred:
+            for n in self._save_every:  # a ModelCheckpoint saves at this batch end (its `every_n_train_steps`)
+                if trainer.global_step % n == 0:
+                    self.settle(trainer, pl_module, trainer.optimizers[0])
+                    break
 
     # -- the one LR backoff: QK-clip's and the precursor signals' ------------------------------------------------
     def back_off(self, trainer, pl_module, step: int, cause: str, backoff, detail: dict, why: str) -> bool:
@@ -476,24 +391,9 @@ class Stability(L.Callback):
         emit(trainer, step, "lr_backoff", "backoff", detail)
         if restored is not None:
             emit(trainer, step, "rollback", "rollback", {**restored, "cause": cause, "onset": detail["onset"]})
-        for part in (self.qk_clip, self.signals):  # one backoff answers every check's streak: each starts again
-            if part is not None:
-                part.restart()
+        for c in (c for c in self.checks if overrides(c, "restart")):  # one backoff answers every streak
+            c.restart()
         return restored is not None
-
-    def _hold_first_through_warmup(self, trainer, pl_module) -> None:
-        """Growth that crosses tau during the LR warmup began near the start (at 10x the stable LR the max logit is
-        10x the stable run's by step 19 and crosses 100 at 60): recovery holds the fit's first snapshot until
-        the warmup, and a streak begun at its end, are over; a rewind then goes back to it."""
-        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
-        after = [(self.qk_clip.backoff_after or 0) * self.qk_clip.every_n_steps] if self.qk_clip else []
-        if self.signals is not None and self.stats is not None:
-            after.append(self.signals.persist * self.stats.every_n_steps)
-        hold = pl_module.applied_steps() <= warmup + max(after, default=0)
-        if hold and not self.recovery.hold_first:
-            self.recovery.hold_first = True
-        elif not hold and self.recovery.hold_first:
-            self.recovery.release_first()
 
     def _rewind(self, trainer, pl_module, target: dict, rewarm_steps: int) -> dict | None:
         """Back to the snapshot QK-clip's `rewind_target` names (the weights grown since are the damage the clip
@@ -512,13 +412,12 @@ class Stability(L.Callback):
     def _continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
         """After a restore: the LR schedule resumes at the restored weights' applied steps, the checks' windows
         at theirs. Pops `applied` and `detectors` from `restored` (the rest is the event's)."""
-        self._disarm_clip(trainer, pl_module)  # logits measured on the abandoned weights never clip the restored
+        for c in (c for c in self.checks if overrides(c, "restored")):  # what the abandoned weights showed
+            c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
         windows = restored.pop("detectors")
         if self.spike is not None and "spike" in windows:
             self.spike.load_window_state(windows["spike"])
-        if self.guard is not None:
-            self.guard.rolled_back()
 
     def settle(self, trainer, pl_module, optimizer=None) -> None:
         """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""
@@ -572,7 +471,7 @@ class Stability(L.Callback):
     def _parts(self) -> dict:
         """Everything with state a checkpoint keeps, by name (a check's is its config key)."""
         parts = {c.name: c for c in self.checks}
-        parts.update(qk_clip=self.qk_clip, signals=self.signals, recovery=self.recovery, measure=self.measure)
+        parts.update(recovery=self.recovery, measure=self.measure)
         return {name: part for name, part in parts.items() if part is not None}
 
     def state_dict(self) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ACTIONS = ("ok", "log", "skip", "rollback", "stop")  # in rising severity
+ACTIONS = ("ok", "log", "backoff", "skip", "rollback", "stop")  # in rising severity
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Verdict:
     reason: str = ""  # stop: why, in one sentence
     suspect: bool = False  # the measured step itself was abnormal (its snapshot is not known-good)
     context: dict = field(default_factory=dict, compare=False, repr=False)  # for the owner only (batches, ...)
+    metrics: dict = field(default_factory=dict, compare=False)  # scalars for the loggers, at step `onset`
 
     def __post_init__(self) -> None:
         assert self.action in ACTIONS, self.action
