@@ -60,6 +60,10 @@ class GPT(nn.Module):
         init_weights(self, cfg.init, cfg.n_layer, hidden_std_mult=mup.hidden_init_mult(cfg))
         # muP's readout factor 1/width_mult (1 under sp), on the final hidden state: d_model floats, not vocab.
         self.logit_mult = mup.logit_mult(cfg)
+        # The residual stream's RMS after the last block, kept when `track_residual` (the precursor signals read
+        # it every step: one reduction of the stream, on the device; a too-high LR grows it by orders of magnitude).
+        self.track_residual = False
+        self.residual_rms: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size); `head=False`: the head's input (B, T, d_model) instead,
@@ -76,6 +80,8 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)
+        if self.track_residual:
+            self.residual_rms = x.detach().float().pow(2).mean().sqrt()
         x = self.ln_f(x)
         if self.logit_mult != 1.0:
             x = x * self.logit_mult

@@ -38,6 +38,8 @@ from steadylm.stability.verdict import Verdict
 SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
+STEPWISE = ("residual_rms", "attn_logit")  # also read every step, where that costs no host read (`step_values`)
+FIT_POINTS = 6  # the fewest steps a per-step trend is fitted over: a 30x LR takes the residual past 100 in ~15
 
 
 def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
@@ -56,16 +58,39 @@ def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
     return out
 
 
+def step_values(values: dict, own: str, qk_norm: bool) -> dict[str, float]:
+    """The signals read every step from one step's measurement (no host read of their own): the residual
+    stream's RMS this check measured, and the max attention logit QK-clip measured (not under QK-norm)."""
+    out = {}
+    if "residual_rms" in values.get(own, {}):
+        out["residual_rms"] = values[own]["residual_rms"]
+    head_max = values.get("qk_clip", {}).get("head_max")
+    if head_max is not None and not qk_norm:
+        out["attn_logit"] = max(max(row) for row in head_max)
+    return out
+
+
+def _log_linear(points, least: int) -> tuple[float, float] | None:
+    """(slope of log(value) per step, R² of that fit) by least squares; None with fewer than `least` points."""
+    pts = [(s, math.log(v)) for s, v in points if v > 0]
+    if len(pts) < least:
+        return None
+    n = len(pts)
+    ms, mv = sum(s for s, _ in pts) / n, sum(v for _, v in pts) / n
+    sxx = sum((s - ms) ** 2 for s, _ in pts)
+    syy = sum((v - mv) ** 2 for _, v in pts)
+    if not sxx or not syy:
+        return None
+    slope = sum((s - ms) * (v - mv) for s, v in pts) / sxx
+    return slope, slope * slope * sxx / syy
+
+
 def _in_warmup(pl_module, step: int) -> bool:
     """The LR is still ramping up at optimizer step `step` (the first warmup, or a re-warmup after a rewind)."""
     applied = pl_module.applied_steps(step)
     warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
     start, length = getattr(pl_module, "rewarm", (0, 0))
     return applied < warmup or (length > 0 and applied < start + length)
-
-
-def _forecast_metric(detail: dict) -> dict[str, float]:
-    return {f"stability/forecast/{detail['signal']}": float(detail["expected_step"])}
 
 
 class Precursors(Check):
@@ -82,6 +107,8 @@ class Precursors(Check):
         trend_points: int = 3,
         horizon: int = 200,
         forecast_from: float = 0.25,
+        trend_window: int = 32,
+        min_fit: float = 0.9,
         lr_backoff: float | None = 0.1,
         max_backoffs: int = 2,
         rewind: bool = True,
@@ -99,6 +126,11 @@ class Precursors(Check):
             raise ConfigError(f"{where}: persist >= 1, trend_points >= 2, horizon >= 1 and forecast_from in (0, 1]")
         self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
         self.horizon, self.forecast_from = int(horizon), float(forecast_from)
+        if trend_window < 4 or not 0 <= min_fit < 1:
+            raise ConfigError(f"{where}: trend_window >= 4 and min_fit in [0, 1)")
+        self.trend_window, self.min_fit = int(trend_window), float(min_fit)
+        self.series: dict[str, deque] = {s: deque(maxlen=self.trend_window) for s in STEPWISE}
+        self.stepwise: set[str] = set()  # the signals this fit reads every step (their forecast comes from there)
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
         self.history: dict[str, deque] = {s: deque(maxlen=self.trend_points) for s in SIGNALS}
         self.streak = {s: 0 for s in SIGNALS}
@@ -109,19 +141,34 @@ class Precursors(Check):
         # signals only log), and how often the stats measure (None: no stats, so nothing to judge).
         self.qk_clip_acts = False
         self.every_n_steps: int | None = None
+        self._net = None
+
+    def applies(self, trainer) -> bool:
+        """The model keeps its residual stream's RMS on every forward (one reduction, for `measure`)."""
+        net = getattr(trainer.lightning_module, "net", None)
+        self._net = net if hasattr(net, "track_residual") and self.levels["residual_rms"] is not None else None
+        if self._net is not None:
+            self._net.track_residual = True
+        return True
+
+    def measure(self, view) -> dict:
+        if self._net is None or self._net.residual_rms is None:
+            return {}
+        return {"residual_rms": ("max", self._net.residual_rms)}
 
     def verdict(self, m, view) -> list[Verdict]:
-        """The stats step before `m.step`, whose values travelled with `m`: forecasts, alarms, a backoff."""
+        """Every step: the forecasts of the signals read every step (`step_values`). After a stats step (its
+        values travel with the next step's measurement): the alarms, a backoff, and the other forecasts."""
+        cfg = view.model_cfg
+        qk_norm = bool(cfg is not None and cfg.qk_norm)
+        out = [self._with_metric(v) for v in self.watch(m.step, step_values(m.values, self.name, qk_norm))]
         stats = m.values.get("stats")
         if not stats:
-            return []
-        cfg = view.model_cfg
-        values = signal_values(stats_metrics(stats), qk_norm=bool(cfg is not None and cfg.qk_norm))
+            return out
+        values = signal_values(stats_metrics(stats), qk_norm=qk_norm)
         step = m.step - 1
-        out = []
         for v in self.observe(step, values, _in_warmup(view.module, step), may_back_off=not self.qk_clip_acts):
-            if v.kind == "forecast":
-                v = Verdict(v.action, v.kind, v.detail, onset=v.onset, metrics=_forecast_metric(v.detail))
+            v = self._with_metric(v)
             request = v.context.get("backoff")
             if request is not None:
                 why = (
@@ -133,6 +180,56 @@ class Precursors(Check):
                 v = Verdict("backoff", v.kind, v.detail, onset=v.onset, context=context)
             out.append(v)
         return out
+
+    @staticmethod
+    def _with_metric(v: Verdict) -> Verdict:
+        """A forecast also goes to the loggers: `stability/forecast/<signal>` = its expected step."""
+        if v.kind != "forecast":
+            return v
+        metric = {f"stability/forecast/{v.detail['signal']}": float(v.detail["expected_step"])}
+        return Verdict(v.action, v.kind, v.detail, onset=v.onset, metrics=metric)
+
+    def watch(self, step: int, values: dict[str, float]) -> list[Verdict]:
+        """One step's values of the signals read every step: a `forecast` when the log-linear fit of the last
+        `trend_window` values explains at least `min_fit` of their variance (a noisy plateau has a slope too)
+        and reaches the level within `horizon` steps, from at least `forecast_from` of it."""
+        out = []
+        for name, value in values.items():
+            level = self.levels[name]
+            if level is None or not math.isfinite(value):
+                continue
+            self.stepwise.add(name)
+            self.series[name].append((step, value))
+            if value < level * self.forecast_from:
+                if self.streak[name] == 0:
+                    self.forecast[name], self.onset[name] = False, -1  # the episode is over
+                continue
+            fit = _log_linear(self.series[name], FIT_POINTS)
+            if self.forecast[name] or value > level or fit is None or fit[0] <= 0 or fit[1] < self.min_fit:
+                continue
+            v = self._forecasting(name, step, value, level, fit[0], self.series[name][0][0])
+            if v is not None:
+                out.append(v)
+        return out
+
+    def _forecasting(self, name: str, step: int, value: float, level: float, rate: float, since: int):
+        """The `forecast` verdict of a signal growing at `rate` (log per step) since step `since`, when it
+        reaches `level` within the horizon; it states that horizon (`by_step`): past it, the forecast was false."""
+        expected = step + math.log(level / value) / rate
+        if expected - step > self.horizon:
+            return None
+        self.forecast[name] = True
+        if self.onset[name] < 0:
+            self.onset[name] = since  # the growth was under way at the first point of the fit
+        detail = {
+            "signal": name,
+            "value": value,
+            "threshold": level,
+            "doubling_steps": math.log(2) / rate,
+            "expected_step": int(round(expected)),
+            "by_step": step + self.horizon,
+        }
+        return Verdict("log", "forecast", detail, onset=step)
 
     def streak_steps(self) -> int:
         """Steps an alarm streak takes to ask for a backoff (0: never judged, no stats)."""
@@ -187,35 +284,26 @@ class Precursors(Check):
         return out
 
     def _forecast(self, name: str, step: int, value: float, level: float) -> Verdict | None:
-        if name not in GROWING or self.forecast[name] or value < level * self.forecast_from:
+        """The forecast from the stats steps' values, for a signal not read every step (`watch` has those)."""
+        if name not in GROWING or name in self.stepwise or self.forecast[name] or value < level * self.forecast_from:
             return None
         rate = self.trend(name)
         if rate is None or rate <= 0:
             return None
-        expected = step + math.log(level / value) / rate
-        if expected - step > self.horizon:
-            return None
-        self.forecast[name] = True
-        if self.onset[name] < 0:
-            self.onset[name] = self.history[name][0][0]  # the growth was under way at the first point of the fit
-        detail = {
-            "signal": name,
-            "value": value,
-            "threshold": level,
-            "doubling_steps": math.log(2) / rate,
-            "expected_step": int(round(expected)),
-        }
-        return Verdict("log", "forecast", detail, onset=step)
+        return self._forecasting(name, step, value, level, rate, self.history[name][0][0])
 
     def restart(self) -> None:
         """After a backoff (this check's or QK-clip's) the LR, the weights and so the trends start again."""
         for name in SIGNALS:
             self.history[name].clear()
             self.streak[name], self.onset[name], self.forecast[name] = 0, -1, False
+        for series in self.series.values():
+            series.clear()
 
     def state_dict(self) -> dict:
         return {
             "history": {k: [list(p) for p in v] for k, v in self.history.items()},
+            "series": {k: [list(p) for p in v] for k, v in self.series.items()},
             "streak": dict(self.streak),
             "onset": dict(self.onset),
             "forecast": dict(self.forecast),
@@ -229,5 +317,8 @@ class Precursors(Check):
             self.streak[name] = int(state["streak"].get(name, 0))
             self.onset[name] = int(state["onset"].get(name, -1))
             self.forecast[name] = bool(state["forecast"].get(name, False))
+        for name in STEPWISE:
+            points = state.get("series", {}).get(name, [])
+            self.series[name] = deque((tuple(p) for p in points), maxlen=self.trend_window)
         self.alarms = int(state["alarms"])
         self.backoff.load_state_dict(state)

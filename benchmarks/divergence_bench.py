@@ -1,0 +1,239 @@
+"""The divergence benchmark: natural instabilities, their healthy twins, and what the forecast and the suite made of
+them (precision, recall and lead time of the `forecast` events; whether the default suite mitigated the run).
+
+Every run is a real `python train.py` of tiny's 2 layers at d 64 and context 64 (deeper where a scenario says) on
+the embedded corpus. Each scenario runs twice: observed (`callbacks.stability.signals.action=log`, QK-clip
+measuring but never clipping, spikes logged) for the lead times, and with the default suite for the mitigation.
+Its healthy twin (the scenario's fix, e.g. the default LR) runs at three seeds; the healthy group adds the twins at
+2x their LR and the tiny preset at its defaults. Judged per run:
+
+- forecast: the first `forecast` event; it came before the loss's onset, and by how many steps;
+- the first alarm: the first `precursor`, `attn_logit`, `update_ratio`, `loss_spike` or non-finite event;
+- the loss's onset: its 3-point running median non-finite, 10 % above its best so far, or 10 % above the first
+  twin's at the same step;
+- mitigated: with the default suite, the final val loss within 10 % of the twin's, or an end other than `ok`;
+- false forecasts: any forecast on a healthy run, and a forecast on an unstable run whose horizon (`by_step`)
+  passed with neither an alarm nor the loss's onset.
+
+Usage: python benchmarks/divergence_bench.py [--steps 200] [--jobs 2] [--json out.json] [--only NAME ...]
+       [--reuse DIR] [overrides for every run...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from steadylm.diagnose.runlog import load_run  # noqa: E402
+from steadylm.stability import read_events  # noqa: E402
+
+SHAPE = ["model.d_model=64", "model.n_head=2", "model.context_length=64"]
+QK, NOQK = ["model.qk_norm=true"], ["model.qk_norm=false"]
+OBSERVE = [
+    "callbacks.stability.signals.action=log",
+    "callbacks.stability.qk_clip.tau=1e9",  # measures the logits every step, never clips
+    "callbacks.stability.spike.action=log",
+]
+ALARMS = ("precursor", "attn_logit", "update_ratio", "loss_spike", "nonfinite_loss", "nonfinite_grad")
+
+# name: (source, the unstable run's overrides, its healthy twin's). The twin is the fix: the same model, trained
+# as the defaults would.
+TWINS = {
+    "noqk": NOQK,
+    "qk": QK,
+    "deep8": [*NOQK, "model.n_layer=8"],
+    "deep12": [*NOQK, "model.n_layer=12"],
+    "muon_qk": [*QK, "optim=muon"],
+    "muon_noqk": [*NOQK, "optim=muon"],
+    "init1": [*NOQK, "model.init=torch_default"],
+    "fp16": [*NOQK, "trainer.precision=16-mixed"],
+}
+SCENARIOS = {
+    "lr 10x, no QK-norm": ("Wortsman et al. 2023: attention-logit growth", [*NOQK, "optim.lr=0.02"], "noqk"),
+    "lr 30x, no QK-norm": ("Wortsman et al. 2023: attention-logit growth", [*NOQK, "optim.lr=0.06"], "noqk"),
+    "lr 30x, QK-norm": ("Wortsman et al. 2023: output-logit divergence", [*QK, "optim.lr=0.06"], "qk"),
+    "lr 100x, QK-norm": ("Wortsman et al. 2023: residual and output-logit growth", [*QK, "optim.lr=0.2"], "qk"),
+    "no warmup, no clipping, 8 layers": (
+        "the seed guide: no warmup on a deep stack",
+        [*TWINS["deep8"], "optim.lr=0.02", "optim.warmup_steps=0", "trainer.gradient_clip_val=0"],
+        "deep8",
+    ),
+    "12 layers, lr 10x": (
+        "the seed guide: unstable init in deep stacks",
+        [*TWINS["deep12"], "optim.lr=0.02"],
+        "deep12",
+    ),
+    "Muon lr 10x, QK-norm": ("Muon at a too-high LR", [*TWINS["muon_qk"], "optim.lr=0.2"], "muon_qk"),
+    "Muon lr 10x, no QK-norm": ("Muon at a too-high LR", [*TWINS["muon_noqk"], "optim.lr=0.2"], "muon_noqk"),
+    "Adam eps 1e-12, beta2 0.9999, lr 10x": (
+        "Molybog et al. 2023: the update-time-scale instability",
+        [*NOQK, "optim.eps=1e-12", "optim.betas=[0.9,0.9999]", "optim.lr=0.02"],
+        "noqk",
+    ),
+    "embeddings N(0, 1), lr 10x": (
+        "Takase et al. 2023 (Spike No More): the embedding scale",
+        [*TWINS["init1"], "optim.lr=0.02"],
+        "init1",
+    ),
+    "fp16, lr 30x": ("fp16 overflow of activations and the loss scale", [*TWINS["fp16"], "optim.lr=0.06"], "fp16"),
+    "weight decay 0, lr 30x, QK-norm": (
+        "the seed guide: no weight decay at a high LR",
+        [*QK, "optim.weight_decay=0", "optim.lr=0.06"],
+        "qk",
+    ),
+}
+SEEDS = (1, 2, 3)
+DOUBLED = {"noqk": "optim.lr=4e-3", "qk": "optim.lr=4e-3", "muon_qk": "optim.lr=4e-2", "muon_noqk": "optim.lr=4e-2"}
+
+
+def run(out: Path, overrides: list[str], steps: int, extra: list[str]) -> Path:
+    if (out / "result.json").exists():
+        return out
+    base = [
+        f"hydra.run.dir={out}",
+        f"trainer.max_steps={steps}",
+        f"optim.warmup_steps={steps // 10}",
+        "trainer.log_every_n_steps=5",
+        f"trainer.val_check_interval={steps}",
+        "trainer.limit_val_batches=8",
+        "trainer.enable_progress_bar=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "train.py"), *base, *overrides, *extra]  # later overrides win (warmup 0)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if not (out / "result.json").exists():
+        raise SystemExit(f"error: {' '.join(cmd)} wrote no result.json:\n{proc.stderr[-2000:]}")
+    return out
+
+
+def running_median(run_dir: Path) -> dict[int, float]:
+    """The 3-point running median of the training loss by step; inf from a non-finite loss on."""
+    steps, loss = load_run(run_dir).series("train/loss")
+    out, bad = {}, False
+    for i in range(len(steps)):
+        bad = bad or not math.isfinite(loss[i])
+        out[int(steps[i])] = math.inf if bad else statistics.median(loss[max(0, i - 2) : i + 1])
+    return out
+
+
+def loss_onset(run_dir: Path, twin: Path | None) -> int | None:
+    """Where the loss shows the trouble: non-finite, 10 % above its best so far, or 10 % above the twin's."""
+    med = running_median(run_dir)
+    ref = running_median(twin) if twin else {}
+    best = math.inf
+    for i, (step, m) in enumerate(med.items()):
+        if not math.isfinite(m):
+            return step
+        if i >= 2 and (m > best * 1.10 or (step in ref and m > ref[step] * 1.10)):
+            return step
+        if i >= 2:
+            best = min(best, m)
+    return None
+
+
+def judge(run_dir: Path, twin: Path | None) -> dict:
+    events = read_events(run_dir) if (run_dir / "stability").exists() else []
+    forecasts = [e for e in events if e["kind"] == "forecast"]
+    alarms = [e["step"] for e in events if e["kind"] in ALARMS]
+    result = json.loads((run_dir / "result.json").read_text())
+    onset = loss_onset(run_dir, twin) if twin is not None else None
+    first = forecasts[0] if forecasts else None
+    came = [s for s in (*alarms, onset) if s is not None]
+    false = [f for f in forecasts if not any(f["step"] <= s <= f["detail"].get("by_step", math.inf) for s in came)]
+    return {
+        "forecast": first["step"] if first else None,
+        "signal": first["detail"]["signal"] if first else None,
+        "alarm": min(alarms) if alarms else None,
+        "onset": onset,
+        "false": len(false),
+        "forecasts": len(forecasts),
+        "status": result["status"],
+        "val_loss": result.get("val_loss"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", action="append", help="a scenario's name (repeatable; their twins run too)")
+    ap.add_argument("--reuse", type=Path, help="a previous work folder: runs already there are not run again")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    scenarios = {n: s for n, s in SCENARIOS.items() if not args.only or n in args.only}
+    twins = sorted({t for _, _, t in scenarios.values()})
+    work = args.reuse or Path(tempfile.mkdtemp(prefix="steadylm-divergence-"))
+    jobs = {}
+    for t in twins:
+        for seed in SEEDS:
+            jobs[("twin", t, seed)] = [*SHAPE, *TWINS[t], f"seed={seed}"]
+        if t in DOUBLED:
+            jobs[("2x lr", t, 1)] = [*SHAPE, *TWINS[t], DOUBLED[t], "seed=1"]
+    if not args.only:
+        jobs.update({("preset", "tiny", seed): [f"seed={seed}"] for seed in (1, 2)})
+    for name, (_, o, _) in scenarios.items():
+        jobs[("observed", name, 1)] = [*SHAPE, *o, *OBSERVE, "seed=1"]
+        jobs[("default suite", name, 1)] = [*SHAPE, *o, "seed=1"]
+    folder = {key: work / f"{i:02d}-{key[0].replace(' ', '_')}" for i, key in enumerate(jobs)}
+    print(f"{len(jobs)} runs in {work}", flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = {k: pool.submit(run, folder[k], o, args.steps, args.overrides) for k, o in jobs.items()}
+        for f in done.values():
+            f.result()
+    rows = {k: judge(folder[k], folder[("twin", scenarios[k[1]][2], 1)] if k[1] in scenarios else None) for k in jobs}
+    report(scenarios, rows, folder)
+    if args.json:
+        args.json.write_text(json.dumps({" | ".join(map(str, k)): r for k, r in rows.items()}, indent=1))
+
+
+def _s(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def report(scenarios: dict, rows: dict, folder: dict) -> None:
+    print("\n| scenario (source) | forecast (signal) | first alarm | loss onset | lead on onset | default suite |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    leads, hits, onsets, false_unstable, mitigated = [], 0, 0, 0, 0
+    for name, (source, _, twin) in scenarios.items():
+        r, d, t = rows[("observed", name, 1)], rows[("default suite", name, 1)], rows[("twin", twin, 1)]
+        lead = None
+        if r["onset"] is not None:
+            onsets += 1
+            if r["forecast"] is not None and r["forecast"] < r["onset"]:
+                hits, lead = hits + 1, r["onset"] - r["forecast"]
+                leads.append(lead)
+        false_unstable += r["false"]
+        gap = (d["val_loss"] / t["val_loss"] - 1) if d["val_loss"] and t["val_loss"] else math.inf
+        ok = d["status"] != "ok" or gap <= 0.10
+        mitigated += ok
+        fc = f"{r['forecast']} ({r['signal']})" if r["forecast"] is not None else "-"
+        suite = f"{d['status']}, val {gap:+.1%} vs twin" + ("" if ok else " (NOT mitigated)")
+        print(f"| {name} ({source}) | {fc} | {_s(r['alarm'])} | {_s(r['onset'])} | {_s(lead)} | {suite} |")
+    healthy = {k: r for k, r in rows.items() if k[0] in ("twin", "2x lr", "preset")}
+    false_healthy = [f"{k[0]} {k[1]} seed {k[2]}" for k, r in healthy.items() if r["forecasts"]]
+    print(f"\nrecall: {hits}/{onsets} unstable runs whose loss turned were forecast before the onset")
+    if leads:
+        print(f"lead over the onset: median {statistics.median(leads)} steps (min {min(leads)}, max {max(leads)})")
+    print(f"false forecasts: {len(false_healthy)} of {len(healthy)} healthy runs", end="")
+    print(f" ({', '.join(false_healthy)})" if false_healthy else "", end="")
+    print(f"; {false_unstable} on unstable runs whose horizon passed with nothing")
+    print(f"mitigated by the default suite: {mitigated}/{len(scenarios)}")
+    bad = [k for k, r in healthy.items() if r["status"] != "ok"]
+    if bad:
+        print("healthy runs not ok: " + ", ".join(f"{k} ({rows[k]['status']}, {folder[k]})" for k in bad))
+
+
+if __name__ == "__main__":
+    main()
