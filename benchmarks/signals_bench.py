@@ -70,7 +70,7 @@ INJECTED = {
     f"lr_spike x{factor} at step 80": [
         *SMALL,
         QK,
-        f"+callbacks.faults={{_target_: steadylm.stability.FaultInjector, faults: [{{kind: lr_spike, step: 80, "
+        f"+callbacks.faults={{_target_: steadylm.stability.faults.FaultInjector, faults: [{{kind: lr_spike, step: 80, "
         f"factor: {factor}}}]}}",
     ]
     for factor in (100, 1000)

@@ -96,7 +96,7 @@ FAST = [
 
 def faults(*specs: dict) -> str:
     items = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs)
-    return f"+callbacks.faults={{_target_: steadylm.stability.FaultInjector, faults: [{items}]}}"
+    return f"+callbacks.faults={{_target_: steadylm.stability.faults.FaultInjector, faults: [{items}]}}"
 
 
 class Snapshot(L.Callback):

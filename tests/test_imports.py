@@ -4,16 +4,19 @@ The graph is read with `ast`, not by importing: every `import steadylm.x` and `f
 (relative ones too), wherever it is written. An edge goes to the module named; `from steadylm.a import b`
 goes to the submodule `steadylm.a.b` when there is one (so a package importing its own submodules is
 an edge to each). A function-level import runs the same code, only later, so it is an edge like any
-other; it is legitimate for import-time cost (those are matplotlib/transformers, never steadylm modules),
-not to break a circle.
+other; it is legitimate for import-time cost (matplotlib, transformers) and to keep code a run only loads when its
+config asks for it off the training path (`optim=muon`), never to break a circle.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -149,16 +152,47 @@ def test_no_lazy_import_hides_a_cycle():
     assert not hiding, "lazy imports that hide a cycle:\n" + "\n".join(hiding)
 
 
-def test_the_training_path_never_imports_the_tools():
-    """`python train.py` loads the training code only: doctor, diagnose, export, generate and the offline eval
-    runner are tools that import the training path, never the other way round."""
+TRAINING_PATH_LINES = 6000  # the most lines of steadylm that `import steadylm.train` may load
+TOOLS = (
+    "steadylm.doctor",
+    "steadylm.diagnose",
+    "steadylm.export",
+    "steadylm.generate",
+    "steadylm.eval.harness",
+    "steadylm.sweep",
+    "steadylm.stability.faults",  # breaks a run on purpose: loaded when a config names it
+    "steadylm.muon",  # loaded when optim=muon builds its optimizer
+)
+
+
+@functools.cache
+def training_path() -> dict[str, int]:
+    """The steadylm modules `import steadylm.train` loads (in a fresh interpreter), with their line counts."""
     import subprocess
     import sys
 
-    code = "import sys, steadylm.train; print(' '.join(m for m in sys.modules if m.startswith('steadylm')))"
+    code = (
+        "import sys, steadylm.train\n"
+        "for n, m in sys.modules.items():\n"
+        "    if n.startswith('steadylm'): print(n, getattr(m, '__file__', None) or '')"
+    )
     env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    modules = loaded.stdout.split()
+    files = dict(line.split(" ", 1) for line in loaded.stdout.splitlines())
+    return {m: len(Path(f).read_text().splitlines()) if f else 0 for m, f in files.items()}
+
+
+def test_the_training_path_never_imports_the_tools():
+    """`python train.py` loads the training code only: doctor, diagnose, export, generate, the offline eval
+    runner and the sweep summary are tools that import the training path, never the other way round; fault
+    injection and Muon load when a config asks for them."""
+    modules = training_path()
     assert "steadylm.stability.step" in modules  # the probe saw the training path
-    tools = ("steadylm.doctor", "steadylm.diagnose", "steadylm.export", "steadylm.generate", "steadylm.eval.harness")
-    assert not [m for m in modules if m.startswith(tools)], modules
+    assert not [m for m in modules if m.startswith(TOOLS)], sorted(modules)
+
+
+@pytest.mark.xfail(strict=True, reason="over budget until the stability step's rewrite lands; then drop this mark")
+def test_the_training_path_fits_its_line_budget():
+    lines = training_path()
+    biggest = ", ".join(f"{m} {n}" for m, n in sorted(lines.items(), key=lambda kv: -kv[1])[:5])
+    assert sum(lines.values()) <= TRAINING_PATH_LINES, f"{sum(lines.values())} lines; the largest: {biggest}"

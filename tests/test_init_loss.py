@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+from steadylm.result import finish_job
 from steadylm.stability import read_events
-from steadylm.sweep import finish_job
 from steadylm.train import train
 
 

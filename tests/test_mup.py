@@ -19,8 +19,9 @@ from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import attn_scale, logit_mult, param_groups, sp_state_dict, width_mult
 from steadylm.module import LMModule
+from steadylm.result import divergence, finish_job
 from steadylm.schedule import Schedule, set_lr
-from steadylm.sweep import divergence, finish_job, summarize_sweep
+from steadylm.sweep import summarize_sweep
 from steadylm.train import train
 from tests.helpers import run_cli
 

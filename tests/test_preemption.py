@@ -27,7 +27,8 @@ from steadylm.preemption import (
     slurm_requeue_command,
     submitit_signal,
 )
-from steadylm.sweep import finish_job, summarize_sweep
+from steadylm.result import finish_job
+from steadylm.sweep import summarize_sweep
 from steadylm.train import train
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
 
@@ -300,4 +301,5 @@ def test_a_signal_in_a_multirun_ends_the_sweep_with_its_summary(shards_dir, tmp_
     rows = (sweep / "summary.md").read_text().splitlines()
     row = next(r for r in rows if r.startswith("| 0 |"))
     assert "| preempted | SIGTERM at step 3 |" in row
+    assert "(1 jobs, 0 unstable, 0 diverged, 1 preempted)" in proc.stdout  # the summary callback's own line
     assert f"hydra.run.dir={sweep / '0'} resume=auto" in proc.stderr  # that job alone, without -m

@@ -6,11 +6,11 @@ from __future__ import annotations
 from steadylm.diagnose.findings import analyse, loss_onset
 from steadylm.diagnose.report import write_report
 from steadylm.diagnose.runlog import load_run
+from steadylm.result import finish_job
 from steadylm.stability import read_events
 from steadylm.stability.instability import instability
 from steadylm.stability.measure import Measurement
 from steadylm.stability.recovery import Recovery
-from steadylm.sweep import finish_job
 from steadylm.train import train
 
 

@@ -10,10 +10,10 @@ import math
 import pytest
 
 from steadylm.errors import ConfigError
+from steadylm.result import finish_job
 from steadylm.stability import read_events
 from steadylm.stability.instability import instability
 from steadylm.stability.signals import Precursors, signal_values
-from steadylm.sweep import finish_job
 from steadylm.train import train
 
 

@@ -178,7 +178,7 @@ def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(sh
     out = tmp_path / "ddp"
     out.mkdir()
     hooks = (
-        "+callbacks.faults={_target_: steadylm.stability.FaultInjector, faults: ["
+        "+callbacks.faults={_target_: steadylm.stability.faults.FaultInjector, faults: ["
         "{kind: nan_loss, step: 3, rank: 1}, {kind: inf_grad, step: 5, rank: 1, param: wte.weight}]}"
     )
     proc = run_cli(

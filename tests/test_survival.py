@@ -13,9 +13,9 @@ import h5py
 import numpy as np
 import pytest
 
+from steadylm.result import divergence
 from steadylm.stability import read_events
 from steadylm.stability.suspects import read_suspects, window_text
-from steadylm.sweep import divergence
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, faults, fit, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

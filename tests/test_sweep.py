@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from steadylm.result import divergence
 from steadylm.stability.instability import MATERIAL_CLIPS, PERSISTENT_ALARMS, instability
-from steadylm.sweep import divergence, summarize_sweep
+from steadylm.sweep import summarize_sweep
 from tests.helpers import CLI_TINY, run_cli
 
 

@@ -23,8 +23,6 @@ from steadylm.head_loss import chunked_head_loss, chunked_token_losses
 from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import param_groups
-from steadylm.muon import Muon
-from steadylm.muon import param_groups as muon_groups
 from steadylm.schedule import Schedule, set_lr
 
 
@@ -232,8 +230,12 @@ class LMModule(L.LightningModule):
         groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
         return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
 
-    def _muon(self) -> Muon:
-        """`optim=muon`: Muon on the blocks' matrices, AdamW (the same recipe as `_adamw`) on the rest."""
+    def _muon(self) -> torch.optim.Optimizer:
+        """`optim=muon`: Muon on the blocks' matrices, AdamW (the same recipe as `_adamw`) on the rest. Imported
+        here, so a run that never picks Muon never loads it."""
+        from steadylm.muon import Muon
+        from steadylm.muon import param_groups as muon_groups
+
         o, m = self.optim_cfg, self.optim_cfg["muon"]
         knobs = {k: m[k] for k in ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")}
         groups = muon_groups(self.net, o)

@@ -11,6 +11,8 @@ orthogonalised per part (q, k, v; gate, up), and the device-side skip: when the 
 (a 0-dim float tensor, 1.0 = this step is non-finite) the AdamW groups go through fused AdamW's own
 `found_inf`, and the Muon groups keep momentum and weights by `torch.where` (never a multiply: 0 · NaN is NaN).
 `step()` must never read a device value on the host: that is the sync the deferred suite exists to avoid.
+torch 2.13's also iterates in bf16 with one (a, b, c) for every step (no `ns_dtype`, no `polar_express`), one
+matrix at a time, updating in place (docs/decisions.md). Only `optim=muon` imports this module.
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from steadylm.distributed import in_multirun, is_rank_zero_process
 from steadylm.errors import ConfigError
-from steadylm.sweep import summarize_sweep
 
 log = logging.getLogger("steadylm")
 
@@ -261,11 +262,20 @@ def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
     return f"; requeued SLURM job {command[-1]} (it resumes by itself with resume=auto)"
 
 
+def end_multirun() -> None:
+    """Call `on_multirun_end` of the multirun's `hydra.callbacks` (the sweep summary among them), as Hydra does
+    after its last job: a signal ends the multirun inside a job, and Hydra never gets there."""
+    config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
+    for node in reversed(list((config.hydra.get("callbacks") or {}).values())):  # Hydra's order at the end
+        instantiate(node).on_multirun_end(config=config)
+
+
 def finish_preempted(cfg, preemption: Preemption) -> None:
     """The end of a preempted run (result.json already written): one line, the requeue, exit 75.
 
-    In a multirun the process ends too (the signal was for it), after summarising the jobs run so far;
-    a submitit job is one job of the sweep, which its submitting process summarises."""
+    In a multirun the process ends too (the signal was for it), after the multirun's end callbacks have
+    summarised the jobs run so far; a submitit job is one job of the sweep, which its submitting process
+    summarises."""
     record = preemption.record
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
@@ -279,6 +289,6 @@ def finish_preempted(cfg, preemption: Preemption) -> None:
             flush=True,
         )
         if in_multirun() and record["requeue"] != "submitit":
-            summarize_sweep(Path(HydraConfig.get().sweep.dir))
+            end_multirun()
     preemption.hand_over()
     sys.exit(PREEMPTED_EXIT)

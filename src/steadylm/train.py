@@ -33,8 +33,8 @@ from steadylm.precision import resolve_precision
 from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback, preemption_of
 from steadylm.preflight import check_environment, hydra_errors_as_messages
 from steadylm.progress import ProgressLines
+from steadylm.result import finish_job
 from steadylm.stability.events import start_events
-from steadylm.sweep import finish_job
 from steadylm.validate_at_end import ValidateAtEnd
 
 log = logging.getLogger("steadylm")
