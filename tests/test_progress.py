@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from steadylm.progress import ProgressLines
+from steadylm.progress import ProgressLines, live_forecast
 from steadylm.train import train
 
 
@@ -34,3 +34,13 @@ def test_the_stability_status_names_the_events(tmp_path):
     event = {"step": 7, "kind": "loss_spike", "action": "skip", "detail": {}}
     (tmp_path / "stability" / "events.jsonl").write_text(json.dumps(event) + "\n")
     assert bar._stability(trainer) == "1 event(s), last loss_spike -> skip at step 7"
+
+
+def test_a_live_forecast_is_named_until_its_signal_alarms():
+    forecast = {"step": 20, "kind": "forecast", "action": "log"}
+    forecast["detail"] = {"signal": "residual_rms", "value": 31.4, "threshold": 100.0, "expected_step": 31}
+    assert live_forecast([forecast]) == forecast["detail"]
+    alarm = {"step": 30, "kind": "precursor", "action": "log", "detail": {"signal": "residual_rms"}}
+    assert live_forecast([forecast, alarm]) is None
+    spike = {"step": 25, "kind": "loss_spike", "action": "log", "detail": {}}
+    assert live_forecast([forecast, spike]) == forecast["detail"]  # another kind: the forecast still stands

@@ -1,6 +1,7 @@
 """What a run prints while it trains: one line per logging step and one per validation, plain text.
 
     step 50/300 | loss 3.2140 | 41.2k tok/s | stability: ok
+    step 60/300 | loss 3.1990 | 40.8k tok/s | stability: 1 event(s), last forecast -> log at step 57 | forecast: residual_rms 31.4 -> 100 by step ~71
     val  50/300 | loss 3.1872 | bpb 1.931
 
 Plain lines, not a redrawn bar, so the console, `train.log` and a SLURM log read the same. It is a Lightning
@@ -18,12 +19,24 @@ from steadylm.stability.events import events_path, read_events
 from steadylm.throughput import Throughput
 
 
+def live_forecast(events: list[dict]) -> dict | None:
+    """The newest `forecast` event's detail, unless an alarm on its signal (or a backoff) came after it."""
+    for e in reversed(events):
+        if e["kind"] == "forecast":
+            return e["detail"]
+        signal = e.get("detail", {}).get("signal")
+        if e["kind"] in ("lr_backoff", "rollback", "qk_clip") or signal is not None:
+            return None
+    return None
+
+
 class ProgressLines(ProgressBar):
     def __init__(self) -> None:
         super().__init__()
         self._enabled = True
         self._last_step = -1
         self._events: tuple[int, str] = (-1, "ok")  # (events.jsonl size read, the status it gave)
+        self._live: dict | None = None  # the newest forecast's detail while its horizon lasts and nothing came yet
 
     def disable(self) -> None:
         self._enabled = False
@@ -48,6 +61,11 @@ class ProgressLines(ProgressBar):
         if rate:
             parts.append(f"{rate / 1e3:.1f}k tok/s")
         parts.append(f"stability: {self._stability(trainer)}")
+        if self._live is not None and step <= self._live.get("by_step", self._live["expected_step"]):
+            d = self._live
+            parts.append(
+                f"forecast: {d['signal']} {d['value']:.3g} -> {d['threshold']:g} by step ~{d['expected_step']}"
+            )
         print(" | ".join(parts), flush=True)
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -65,6 +83,7 @@ class ProgressLines(ProgressBar):
         if size != self._events[0]:
             events = read_events(path.parent.parent)
             last = events[-1] if events else None
+            self._live = live_forecast(events)
             status = (
                 f"{len(events)} event(s), last {last['kind']} -> {last['action']} at step {last['step']}"
                 if last

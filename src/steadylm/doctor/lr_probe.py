@@ -4,10 +4,12 @@ Wortsman et al. (2023) show that the instabilities of a high LR (attention-logit
 divergence) appear in small models within tens of steps. So the probe trains the real `GPT` with the real
 objective and optimizer groups (`LMModule`) on real batches for `steps` steps at x1/3, x1, x3 and x10 the
 configured peak LR (warmup compressed in proportion to the run's), and records per step the loss, the
-largest attention logit, the mean log Z of the output softmax and the update/param ratio.
+largest attention logit, the mean log Z of the output softmax and the update/param ratio. The stability suite's
+own signals watch the same steps (`Precursors.watch`: the residual stream's RMS and the max attention logit, with
+the run's `callbacks.stability.signals` levels), so an LR the suite would forecast trouble for is unstable here.
 
 An LR is *unstable* when the loss goes non-finite, when the attention logits pass `tau` (where the default
-QK-clip would start acting), or by what its loss does, judged against the start and the next lower
+QK-clip would start acting), when the suite forecasts or alarms on its signals, or by what its loss does, judged against the start and the next lower
 multiple rather than against its own first steps (which a far too high LR has already spoiled): it ends
 above the untrained model's loss, gives back more than half of what it had gained, or ends higher than the
 LR one multiple (3x) lower did on the same batches. The last rule says the LR is past the best LR of a
@@ -43,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from steadylm.doctor.check import FAIL, OK, WARN, Check
 from steadylm.module import LMModule
 from steadylm.schedule import Schedule, set_lr
+from steadylm.stability.signals import Precursors
 
 MULTIPLES = (1.0, 3.0, 10.0)
 DOWN = (1 / 3, 1 / 9, 1 / 27, 1 / 81)  # walked while the loss keeps improving: to the best LR of a probe this short
@@ -58,6 +61,7 @@ class Probe:
     max_logit: list[float]
     log_z: list[float]
     update_ratio: list[float]
+    signal: str | None = None  # what the suite's signals said first: a forecast or an alarm, with its step
 
     @property
     def finite(self) -> bool:
@@ -83,6 +87,8 @@ class Probe:
         if peak > tau:
             step = next(i for i, v in enumerate(self.max_logit) if v > tau)
             return f"max attention logit {peak:.0f} > {tau:g} from step {step}"
+        if self.signal is not None:
+            return self.signal
         k = max(1, len(self.losses) // 8)
         best = min(sum(self.losses[i : i + k]) / k for i in range(len(self.losses) - k + 1))  # a smoothed minimum
         start, end = self.losses[0], self.end()
@@ -153,10 +159,18 @@ def anneal(step: int, steps: int, floor: float) -> float:
 
 
 def run_probe(
-    model: dict, optim: dict, batches, lr: float, steps: int, warmup: int, clip: float | None, tau: float
+    model: dict,
+    optim: dict,
+    batches,
+    lr: float,
+    steps: int,
+    warmup: int,
+    clip: float | None,
+    tau: float,
+    signals: dict | None = None,
 ) -> Probe:
-    """Train a fresh model (seed 0) for `steps` steps at peak `lr`, annealed at the end (`anneal`); stops early
-    once the LR shows itself unstable."""
+    """Train a fresh model (seed 0) for `steps` steps at peak `lr`, annealed at the end (`anneal`), its signals
+    watched by a `Precursors(**signals)`; stops early once the LR shows itself unstable."""
     floor = float(optim["min_lr"]) / float(optim["lr"]) if optim["lr"] else 1.0
     torch.manual_seed(0)
     module = LMModule(model=model, optim={**optim, "lr": lr, "fused": False})
@@ -164,6 +178,8 @@ def run_probe(
     attns = [b.attn for b in module.net.blocks]
     params = [p for p in module.parameters() if p.requires_grad]
     out = Probe(lr, [], [], [], [])
+    watch = Precursors(**{**(signals or {}), "action": "log"})
+    module.net.track_residual = True
     schedule = Schedule(lr=lr, min_lr=lr, warmup_steps=warmup, total_steps=steps)  # warmup, then flat at `lr`
     module.train()
     for step in range(steps):
@@ -184,9 +200,25 @@ def run_probe(
         out.max_logit.append(max(a.max_logit.item() for a in attns))
         out.log_z.append(torch.logsumexp(logits.detach().float(), dim=-1).mean().item())
         out.update_ratio.append(((after - before).norm() / before.norm().clamp(min=1e-12)).item())
-        if not out.finite or out.max_logit[-1] > tau:
+        values = {"residual_rms": module.net.residual_rms.item()}
+        if not model.get("qk_norm"):
+            values["attn_logit"] = out.max_logit[-1]
+        out.signal = out.signal or _signal(watch, step, values)
+        if not out.finite or out.max_logit[-1] > tau or out.signal:
             break
     return out
+
+
+def _signal(watch: Precursors, step: int, values: dict[str, float]) -> str | None:
+    """The suite's first word on one probe step: its forecast, or a signal past its level."""
+    for v in watch.watch(step, values):
+        d = v.detail
+        return f"the stability suite forecasts {d['signal']} {d['value']:.3g} -> {d['threshold']:g} by step {d['expected_step']}"
+    for name, value in values.items():
+        level = watch.levels.get(name)
+        if level is not None and value > level:
+            return f"{name} {value:.3g} > the suite's level {level:g} at step {step}"
+    return None
 
 
 def probe_batches(cfg: DictConfig, context: int, n: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -244,9 +276,11 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
         where = where[:-1] + f", {cut})" if where.startswith("proxy") else f"proxy ({cut})"
     tau = float(p.tau)
     lr = float(optim["lr"])
+    node = OmegaConf.select(cfg, "callbacks.stability.signals")
+    signals = OmegaConf.to_container(node, resolve=True) if node is not None else None
 
     def probe(mult: float, model=model, optim=optim, warmup=warmup) -> Probe:
-        return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau)
+        return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau, signals)
 
     results, prev = {1.0: probe(1.0)}, 1.0
     for m in DOWN:  # the yardstick: down while a lower LR ends no higher, or the one above is plainly unstable

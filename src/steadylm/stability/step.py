@@ -30,7 +30,6 @@ from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.stability.check import StepView, overrides
 from steadylm.stability.events import KINDS, emit
-from steadylm.stability.forensics import name_culprit, write_bundle
 from steadylm.stability.guard import NonFiniteGuard
 from steadylm.stability.init_loss import InitLoss
 from steadylm.stability.loss_scale import LossScaleMonitor
@@ -41,7 +40,6 @@ from steadylm.stability.rollback import checkpoint_dir
 from steadylm.stability.signals import Precursors
 from steadylm.stability.spike import SpikeDetector
 from steadylm.stability.stats import GradParamStats
-from steadylm.stability.suspects import batch_window_ids, spike_suspects
 from steadylm.stability.verdict import Verdict
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
@@ -227,15 +225,17 @@ class Stability(L.Callback):
     # -- applying verdicts ------------------------------------------------------------------------------------
     def apply(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict) -> bool:
         """Carry out one verdict and write its event; True when it rolled back or stopped the run."""
+        from steadylm.stability import forensics, suspects  # the evidence of an alarm: loaded when one fires
+
         detail = dict(v.detail)
         if v.kind in NONFINITE:
             if v.context.get("first"):
-                module, evidence, _ = name_culprit(trainer, pl_module, m)  # every rank: one object all-gather
+                module, evidence, _ = forensics.name_culprit(trainer, pl_module, m)  # every rank: one object all-gather
                 self._culprit = (module, evidence)
-            detail.update(module=self._culprit[0], evidence=self._culprit[1], batch=self._windows(trainer, m))
+            detail.update(module=self._culprit[0], evidence=self._culprit[1], batch=self._windows(trainer, m.batch_idx))
         episode = v.context.get("episode")
         if episode is not None:
-            detail["batch"] = [batch_window_ids(trainer, i) for i in episode["batch_idx"]]
+            detail["batch"] = self._windows(trainer, episode["batch_idx"])
         if v.action == "backoff":
             emit(trainer, v.onset, v.kind, v.context.get("event_action", "log"), detail)
             c = v.context
@@ -244,7 +244,7 @@ class Stability(L.Callback):
             self.skip(trainer, pl_module, m.step)
         elif v.action == "log" and v.context.get("rank"):  # a one-off spike: rank its samples on the good weights
             snap = self.recovery.newest_good(before=v.onset)
-            detail.update(spike_suspects(trainer, pl_module, episode, snap, snap.step if snap else None))
+            detail.update(suspects.spike_suspects(trainer, pl_module, episode, snap, snap.step if snap else None))
         elif v.action == "rollback":
             self.rollback(trainer, pl_module, optimizer, m, v, detail)
             return True
@@ -282,6 +282,8 @@ class Stability(L.Callback):
             restored["lr_scale"] = pl_module.scale_lr(restored["lr_backoff"])
         episode = v.context.get("episode")
         if episode is not None:  # a persisting spike: re-run its onset batch on the restored weights
+            from steadylm.stability.suspects import spike_suspects  # loaded when a spike persists
+
             evidence = spike_suspects(trainer, pl_module, episode, None, restored["to_step"])
             cause, why = SpikeDetector.cause(episode, evidence.get("batch_loss_on_good_weights"), restored["to_step"])
             detail.update(cause=cause, evidence=why, **evidence)
@@ -310,6 +312,8 @@ class Stability(L.Callback):
 
     def _forensics(self, trainer, pl_module, m: Measurement, v: Verdict, detail: dict) -> dict:
         """The bundle of a non-finite stop (`stability/forensics/step_N.json`); what the stop event says of it."""
+        from steadylm.stability.forensics import name_culprit, write_bundle  # loaded when a run stops on one
+
         module, evidence, report = name_culprit(trainer, pl_module, m)
         first = self._culprit[0]
         bundle = {
@@ -436,7 +440,7 @@ class Stability(L.Callback):
         if self.spike is not None and not self.stopped:
             v = self.spike.finish()  # ended inside a spike episode: report it
             if v.kind is not None:
-                batch = [batch_window_ids(trainer, i) for i in v.context["episode"]["batch_idx"]]
+                batch = self._windows(trainer, v.context["episode"]["batch_idx"])
                 emit(trainer, v.onset, v.kind, v.action, {**v.detail, "batch": batch})
         final = self.recovery.final_verdict() if not self.stopped else None
         if final is not None:
@@ -459,8 +463,11 @@ class Stability(L.Callback):
         return metrics
 
     @staticmethod
-    def _windows(trainer, m: Measurement) -> list[list[int]]:
-        return [batch_window_ids(trainer, i) for i in m.batch_idx]
+    def _windows(trainer, batch_idx) -> list[list[int]]:
+        """The window ids of batches `batch_idx` (the evidence of an alarm: the module loads when one fires)."""
+        from steadylm.stability.suspects import batch_window_ids
+
+        return [batch_window_ids(trainer, i) for i in batch_idx]
 
     @staticmethod
     def _drop_grads(pl_module) -> None:
