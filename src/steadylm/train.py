@@ -91,6 +91,7 @@ def build_trainer(run: Resolved) -> L.Trainer:
         cfg.trainer,
         callbacks=callbacks,
         logger=instantiate_named(cfg.get("logger"), "logger") or False,
+        accelerator=run.devices.accelerator,  # what the precision and the memory check were resolved for
         precision=run.precision,
     )
     use_fsdp_clipping(trainer)
