@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import cProfile
 import gc
 import itertools
@@ -45,8 +44,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from steadylm.config import compose, set_key
+from steadylm.config import compose
 from steadylm.data.prepare import prepare
+from steadylm.resolve import Resolved, with_keys
 from steadylm.schedule import set_lr
 from steadylm.train import build, build_trainer
 
@@ -220,12 +220,11 @@ def suite_names(cfg) -> set[str]:
     return {cfg.callbacks[n]["_target_"].rsplit(".", 1)[-1] for n in SUITE if cfg.callbacks.get(n)}
 
 
-def paired_run(cfg, module, datamodule, raw: Callable[[], None], steps: int, seed: int) -> PairedSteps:
+def paired_run(run: Resolved, module, datamodule, raw: Callable[[], None], steps: int, seed: int) -> PairedSteps:
     """One `trainer.fit` of `train.py`'s trainer, suite gated per step, a raw step inside each step."""
-    set_key(cfg, "trainer.max_steps", steps + WARMUP + 1)
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(with_keys(run, {"trainer.max_steps": steps + WARMUP + 1}))
     paired = PairedSteps(raw, seed)
-    suite = suite_names(cfg)
+    suite = suite_names(run.cfg)
     gated = [Gate(cb, paired) if type(cb).__name__ in suite else cb for cb in trainer.callbacks]
     trainer.callbacks = [paired, *gated]
     gc.collect()
@@ -265,13 +264,12 @@ def interleave(rounds: int, runners: dict[str, Callable[[], list[Sample]]]) -> d
     return samples
 
 
-def suite_hook_share(cfg, module, datamodule, steps: int) -> float:
+def suite_hook_share(run: Resolved, module, datamodule, steps: int) -> float:
     """Time inside the suite's own callback hooks / step time, from Lightning's SimpleProfiler."""
     from lightning.pytorch.profilers import SimpleProfiler
 
-    suite = suite_names(cfg)
-    set_key(cfg, "trainer.max_steps", steps + 1)
-    trainer = build_trainer(cfg)
+    suite = suite_names(run.cfg)
+    trainer = build_trainer(with_keys(run, {"trainer.max_steps": steps + 1}))
     trainer.profiler = profiler = SimpleProfiler()
     trainer.fit(module, datamodule=datamodule)
     d = profiler.recorded_durations
@@ -299,21 +297,19 @@ def calls_per_step(run: Callable[[int], None], steps: int) -> float:
     return (count(2 * steps) - count(steps)) / steps
 
 
-def python_calls(cfg, module, datamodule, raw: Callable[[], None], steps: int) -> dict[str, float]:
+def python_calls(run: Resolved, module, datamodule, raw: Callable[[], None], steps: int) -> dict[str, float]:
     """Calls per ordinary step (no logging step) of the raw loop, `callbacks=minimal` and the full suite."""
-    suite = suite_names(cfg)
-    cfg = copy.deepcopy(cfg)
-    set_key(cfg, "trainer.log_every_n_steps", 10**9)  # the stats callback follows it: ordinary steps only
+    suite = suite_names(run.cfg)
+    quiet = {"trainer.log_every_n_steps": 10**9}  # the stats callback follows it: ordinary steps only
 
     def fit(with_suite: bool):
-        def run(n: int) -> None:
-            set_key(cfg, "trainer.max_steps", n)
-            trainer = build_trainer(cfg)
+        def steps_of(n: int) -> None:
+            trainer = build_trainer(with_keys(run, {**quiet, "trainer.max_steps": n}))
             if not with_suite:
                 trainer.callbacks = [cb for cb in trainer.callbacks if type(cb).__name__ not in suite]
             trainer.fit(module, datamodule=datamodule)
 
-        return run
+        return steps_of
 
     def raw_steps(n: int) -> None:
         with torch.enable_grad():
@@ -352,7 +348,7 @@ class RawLoop:
 
 
 def setup(quick: bool, overrides: list[str]):
-    """(cfg, module, datamodule, raw loop): `train.py`'s objects on fresh shards of the embedded corpus."""
+    """(the resolved run, module, datamodule, raw loop): `train.py`'s objects on fresh shards of the embedded corpus."""
     work = Path(tempfile.mkdtemp(prefix="steadylm-bench-"))
     data_dir = work / "data"
     prepare(input=None, out_dir=data_dir, max_bytes=300_000 if quick else 3_000_000, progress=False)
@@ -380,7 +376,7 @@ def setup(quick: bool, overrides: list[str]):
     )
     objects = build(cfg)
     module, datamodule = objects["module"], objects["datamodule"]
-    return cfg, module, datamodule, RawLoop(cfg, module, datamodule)
+    return objects["run"], module, datamodule, RawLoop(cfg, module, datamodule)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -399,13 +395,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Lightning's own logger sets INFO on import: its per-fit banners and tips would bury the progress lines.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
-    cfg, module, datamodule, raw = setup(args.quick, args.overrides)
+    run, module, datamodule, raw = setup(args.quick, args.overrides)
     opt, sched, batches, clip = raw.opt, raw.sched, raw.batches, raw.clip
 
     print(f"overhead: {args.rounds} runs of {args.steps} steps, each paired with a raw step …", file=sys.stderr)
     runs = []
     for r in range(args.rounds):
-        runs.append(paired_run(cfg, module, datamodule, raw, args.steps, r))
+        runs.append(paired_run(run, module, datamodule, raw, args.steps, r))
         print(f"  run {r + 1}/{args.rounds} done", file=sys.stderr)
     t = overhead_samples(runs)
 
@@ -436,8 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
             "suite_on_over_off_cpu": interval(t["on"], t["off"], clock=1),
         },
         "overhead_ms_per_step": 1e3 * (median(t["on"]) - median(t["raw"])),
-        "suite_hook_share_of_step": suite_hook_share(cfg, module, datamodule, 3 * args.steps),
-        "python_calls_per_step": python_calls(cfg, module, datamodule, raw, 5 if args.quick else 20),
+        "suite_hook_share_of_step": suite_hook_share(run, module, datamodule, 3 * args.steps),
+        "python_calls_per_step": python_calls(run, module, datamodule, raw, 5 if args.quick else 20),
         "loader_over_training_tokens_per_sec": loader_tokens_per_sec(datamodule, 20 if args.quick else 200) / train_tps,
         "bf16_over_fp32_cpu": ratio(k["bf16"], k["fp32"]),
         "compiled_over_eager": ratio(k["compiled"], k["fp32"]) if "compiled" in k else None,

@@ -22,8 +22,8 @@ from lr_transfer import batch, best_log2_lr, held_out_loss, walk, windows
 from omegaconf import OmegaConf
 
 from steadylm.config import compose
-from steadylm.derived import fill_derived
 from steadylm.doctor.lr_probe import probe_lrs
+from steadylm.resolve import fill_derived
 
 PRESETS = "tiny,llama_tiny,small,medium,large,llama_small,llama_1b"
 

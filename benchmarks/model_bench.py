@@ -33,8 +33,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from steadylm.config import compose, set_key
+from steadylm.config import compose
 from steadylm.data.prepare import prepare
+from steadylm.resolve import with_keys
 from steadylm.train import build, build_trainer
 
 WARMUP = 3  # steps dropped from each timed run: allocator and optimizer state settle there
@@ -116,8 +117,7 @@ class PairedSteps(L.Callback):
 
 def paired_run(cfg, objs, batch, steps: int) -> list[tuple[float, float]]:
     """One `trainer.fit` of `steps` steps of train.py's path, each paired with a raw step."""
-    set_key(cfg, "trainer.max_steps", steps)
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(with_keys(objs["run"], {"trainer.max_steps": steps}))
     paired = PairedSteps(RawLoop(cfg, objs["module"].net, batch))
     trainer.callbacks.insert(0, paired.start)
     trainer.callbacks.append(paired)

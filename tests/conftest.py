@@ -16,8 +16,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from steadylm.config import compose  # noqa: E402
 from steadylm.data.prepare import prepare  # noqa: E402
-from steadylm.derived import fill_derived  # noqa: E402
 from steadylm.errors import DataError  # noqa: E402
+from steadylm.resolve import fill_derived  # noqa: E402
 
 torch.set_num_threads(1)
 

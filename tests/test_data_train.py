@@ -46,8 +46,8 @@ def test_poisoned_window_stops_training_with_one_line(shards_dir, tmp_path, work
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert lines[-1] == (
-        f"error: {bad}: token id 400 at token offset 100 is >= model.vocab_size 320; the shard is "
+    assert lines[-1] == (  # model.vocab_size is null: the ids are held to the shard's own vocabulary
+        f"error: {bad}: token id 400 at token offset 100 is >= the shard's vocab_size 257; the shard is "
         "corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"
     ), lines
     assert [ln for ln in lines if ln.startswith("error")] == lines[-1:]
@@ -73,7 +73,7 @@ def test_poisoned_window_on_one_ddp_rank_stops_every_rank_with_its_line(shards_d
     assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert errors == [
-        f"error: {bad}: token id 400 at token offset 100 is >= model.vocab_size 320; "
+        f"error: {bad}: token id 400 at token offset 100 is >= the shard's vocab_size 257; "
         "the shard is corrupt or was made with another tokenizer: re-run "
         "`python -m steadylm.data.prepare`"
     ], errors

@@ -1,5 +1,5 @@
-"""Null keys filled once at startup: vocabulary and tokenizer from the shards, warmup and validation from the run
-length; an explicit setting wins, and one that contradicts the shards is refused naming the shard."""
+"""Null keys that follow from something else: vocabulary and tokenizer from the shards, warmup and validation from
+the run length; an explicit setting wins, and one that contradicts the shards is refused naming the shard."""
 
 from __future__ import annotations
 
@@ -8,8 +8,17 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from steadylm.config import compose
-from steadylm.derived import fill_derived, fill_val_interval, padded_vocab, val_every_steps, warmup_steps
+from steadylm.derived import (
+    data_source,
+    from_data,
+    from_run_length,
+    padded_vocab,
+    val_every_steps,
+    val_interval,
+    warmup_steps,
+)
 from steadylm.errors import ConfigError, DataError
+from steadylm.resolve import fill_derived
 from steadylm.train import build
 
 
@@ -20,14 +29,26 @@ def test_the_rules():
 
 
 def test_null_keys_come_from_the_shards_and_the_run_length(shards_dir):
-    overrides = ["trainer.max_steps=50", "trainer.accumulate_grad_batches=2", "model.context_length=64"]
-    cfg = compose([f"data.dir={shards_dir}", *overrides])
+    cfg = compose([f"data.dir={shards_dir}", "trainer.max_steps=50", "model.context_length=64"])
     assert cfg.model.vocab_size is None and cfg.data.tokenizer is None  # the defaults
-    fill_derived(cfg)
-    fill_val_interval(cfg)
-    assert (cfg.model.vocab_size, cfg.data.tokenizer, cfg.data.model_vocab_size) == (320, "bytes", 320)
-    assert cfg.optim.warmup_steps == 5 and cfg.optim.total_steps == 50
-    assert cfg.trainer.val_check_interval == 20  # every 10 optimizer steps = 20 micro-batches
+    assert from_data(cfg, data_source(cfg)) == {"data.tokenizer": "bytes", "model.vocab_size": 320}
+    assert from_run_length(cfg) == {"optim.warmup_steps": 5}
+    assert val_interval(cfg, accumulate=2) == {"trainer.val_check_interval": 20}  # every 10 steps = 20 micro-batches
+    assert cfg.model.vocab_size is None and cfg.optim.warmup_steps is None  # nothing above wrote the config
+
+
+def test_a_set_key_is_kept():
+    assert from_data(compose(["model.vocab_size=384"]), None) == {}  # set by hand: the data is not asked
+    assert from_run_length(compose(["optim.warmup_steps=3"])) == {}
+    assert from_run_length(compose(["trainer.max_steps=0"])) == {}  # a bad length: validate_config names it
+    assert val_interval(compose(["trainer.val_check_interval=7"]), 2) == {}
+
+
+def test_the_default_data_dir_stays_where_it_was_read(shards_dir, tmp_path):
+    """data.dir's default name follows data.tokenizer: filling the tokenizer must not move the folder just read."""
+    (tmp_path / "stdlib-bytes").symlink_to(shards_dir)
+    cfg = compose([f"paths.data_dir={tmp_path}"])
+    assert from_data(cfg, data_source(cfg))["data.dir"] == f"{tmp_path}/stdlib-bytes"
 
 
 def test_explicit_settings_win_and_a_contradiction_names_the_shard(make_cfg):

@@ -6,14 +6,13 @@ import pytest
 
 from steadylm.config import compose
 from steadylm.errors import ConfigError
-from steadylm.global_batch import apply_global_batch
+from steadylm.global_batch import accumulation
 
 
 @pytest.mark.parametrize("world,accum", [(1, 32), (2, 16), (8, 4), (32, 1)])
 def test_recipe_tokens_per_step_are_the_same_on_any_number_of_devices(world, accum):
     cfg = compose(["experiment=gpt2_124m"])
-    apply_global_batch(cfg, world)
-    assert cfg.trainer.accumulate_grad_batches == accum
+    assert accumulation(cfg, world) == accum
     assert accum * world * cfg.data.batch_size * cfg.model.context_length == 524_288
 
 
@@ -24,9 +23,9 @@ def test_a_total_that_is_not_whole_micro_steps_is_refused_with_the_arithmetic():
         match=r"data\.global_batch_tokens=524288 is not a multiple of "
         r"devices×batch×context = 3×16×1024 = 49,152; use 491,520 or 540,672",
     ):
-        apply_global_batch(cfg, 3)
+        accumulation(cfg, 3)
     with pytest.raises(ConfigError, match="must be a whole number of tokens > 0"):
-        apply_global_batch(compose(["data.global_batch_tokens=0"]), 1)
+        accumulation(compose(["data.global_batch_tokens=0"]), 1)
 
 
 def test_an_explicit_accumulation_that_disagrees_is_refused_and_one_that_agrees_is_kept():
@@ -35,18 +34,15 @@ def test_an_explicit_accumulation_that_disagrees_is_refused_and_one_that_agrees_
         match=r"trainer\.accumulate_grad_batches=2 contradicts data\.global_batch_tokens=524288, "
         r"which needs 32",
     ):
-        apply_global_batch(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=2"]), 1)
+        accumulation(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=2"]), 1)
     with pytest.raises(ConfigError, match="accumulate_grad_batches=1 contradicts"):  # explicit 1 counts too
-        apply_global_batch(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=1"]), 1)
-    cfg = compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=32"])
-    apply_global_batch(cfg, 1)
-    assert cfg.trainer.accumulate_grad_batches == 32
+        accumulation(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=1"]), 1)
+    assert accumulation(compose(["experiment=gpt2_124m", "trainer.accumulate_grad_batches=32"]), 1) == 32
 
 
 def test_null_leaves_accumulation_alone():
     cfg = compose(["trainer.accumulate_grad_batches=3"])
-    apply_global_batch(cfg, 4)
-    assert cfg.data.global_batch_tokens is None and cfg.trainer.accumulate_grad_batches == 3
+    assert cfg.data.global_batch_tokens is None and accumulation(cfg, 4) == 3
 
 
 def test_train_build_derives_the_accumulation(make_cfg):
@@ -54,6 +50,7 @@ def test_train_build_derives_the_accumulation(make_cfg):
 
     objs = build(make_cfg("data.global_batch_tokens=1024", "callbacks=minimal"))  # 1024 / (1 × 8 × 64) = 2
     assert objs["trainer"].accumulate_grad_batches == 2
+    assert objs["module"].run_config["trainer"]["accumulate_grad_batches"] == 2  # what every checkpoint records
 
 
 @pytest.mark.parametrize("name,pos", [("gpt2_124m", "learned"), ("llama_124m", "rope")])

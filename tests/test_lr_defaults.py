@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from steadylm.config import compose
-from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL
 from steadylm.doctor.config_checks import config_checks
 from steadylm.doctor.coord_check import check_coords
 from steadylm.doctor.data_checks import data_checks
 from steadylm.doctor.lr_probe import check_lr_probe
+from steadylm.resolve import fill_derived
 
 PRESETS = ["tiny", "llama_tiny", "small", "medium", "large", "llama_small", "llama_1b"]
 TINY_PROBE = ["probe.max_layers=2", "probe.max_width=64", "probe.max_context=32", "probe.batch_size=8"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from steadylm.config import compose
-from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL
 from steadylm.doctor.lr_probe import EXCESS, Probe, check_lr_probe, probe_vocab, proxy_model
+from steadylm.resolve import fill_derived
 
 
 def test_a_big_model_is_probed_on_a_proxy_with_its_head_size_and_grouping():

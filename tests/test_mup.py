@@ -12,13 +12,13 @@ from omegaconf import OmegaConf
 
 from steadylm.checkpointing import safe_load
 from steadylm.config import compose, set_key, validate_config
-from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL, OK
 from steadylm.doctor.coord_check import FLAT, check_coords, coord_check
 from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
 from steadylm.model.mup import attn_scale, logit_mult, param_groups, sp_state_dict, width_mult
 from steadylm.module import LMModule
+from steadylm.resolve import fill_derived
 from steadylm.result import divergence, finish_job
 from steadylm.schedule import Schedule, set_lr
 from steadylm.sweep import summarize_sweep

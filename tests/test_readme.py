@@ -14,7 +14,7 @@ import pytest
 
 from steadylm.cli import compose_command
 from steadylm.config import compose, set_key, validate_config
-from steadylm.derived import fill_derived
+from steadylm.resolve import fill_derived
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -12,8 +12,9 @@ import torch
 from steadylm.checkpointing import safe_load
 from steadylm.config import compose
 from steadylm.data.stream import StreamDataModule
-from steadylm.derived import data_source, fill_derived
+from steadylm.derived import data_source
 from steadylm.errors import ConfigError, DataError
+from steadylm.resolve import fill_derived
 from steadylm.train import train
 
 from .conftest import TINY_OVERRIDES

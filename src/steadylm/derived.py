@@ -1,4 +1,4 @@
-"""Keys left `null` that follow from something else, filled in once, before any check or estimate reads them.
+"""Keys left `null` that follow from something else: the rules, as functions that return the values.
 
 A user who sets one of these keys gets exactly that value; `null` (the default) means:
 
@@ -13,6 +13,7 @@ The data's facts come from the DataModule that `data:` names, through its `DataS
 (data/source.py), never from its config keys: any data source fills them. So `prepare` then
 `train.py data.dir=...` needs no other key, and a 50-step run warms up and validates like a long one,
 scaled. An explicit value that contradicts the data is refused by the DataModule, naming the shard.
+Nothing here writes the config: `resolve.py` writes what these return, once, before anything is built.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from steadylm.config import set_key, validate_values
+from steadylm.config import validate_values
 from steadylm.data.source import missing_members
 from steadylm.errors import ConfigError, SteadyError, one_line
 
@@ -71,31 +72,34 @@ def data_source(cfg: DictConfig) -> Any:
     return dm
 
 
-def _freeze_interpolations(cfg: DictConfig, key: str) -> None:
-    """Data keys that interpolate `key` keep the value they had while it was null (the default data.dir's
-    name follows data.tokenizer: filling the tokenizer must not move the folder just read)."""
-    for name, raw in OmegaConf.to_container(cfg.data, resolve=False).items():
-        if isinstance(raw, str) and f"{{{key}}}" in raw:
-            set_key(cfg, f"data.{name}", cfg.data[name])
+def from_data(cfg: DictConfig, dm: Any | None) -> dict[str, Any]:
+    """A null vocabulary from `dm`, and a null tokenizer with it (a null tokenizer alone: the DataModule takes any);
+    `dm` is only asked when the vocabulary is null.
+
+    Data keys that interpolate `data.tokenizer` keep the value they had while it was null (the default data.dir's
+    name follows it: filling the tokenizer must not move the folder just read)."""
+    if cfg.model.get("vocab_size") is not None:
+        return {}
+    values: dict[str, Any] = {}
+    if cfg.data.get("tokenizer") is None:
+        for name, raw in OmegaConf.to_container(cfg.data, resolve=False).items():
+            if isinstance(raw, str) and "{data.tokenizer}" in raw:
+                values[f"data.{name}"] = cfg.data[name]
+        values["data.tokenizer"] = dm.tokenizer_name
+    return {"model.vocab_size": padded_vocab(dm.vocab_size), **values}
 
 
-def fill_derived(cfg: DictConfig) -> None:
-    """Set the null keys of the table above but the last (idempotent: a filled key is an explicit one)."""
-    if cfg.model.get("vocab_size") is None:  # asks the DataModule (a null tokenizer alone: it takes any)
-        _freeze_interpolations(cfg, "data.tokenizer")
-        dm = data_source(cfg)
-        set_key(cfg, "model.vocab_size", padded_vocab(dm.vocab_size))
-        if cfg.data.get("tokenizer") is None:
-            set_key(cfg, "data.tokenizer", dm.tokenizer_name)
+def from_run_length(cfg: DictConfig) -> dict[str, Any]:
+    """A null `optim.warmup_steps` from `trainer.max_steps` (nothing for a bad one: validate_config names it)."""
     max_steps = cfg.trainer.max_steps
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
-        return  # validate_config names the bad value
-    if cfg.optim.get("warmup_steps") is None:
-        set_key(cfg, "optim.warmup_steps", warmup_steps(max_steps))
+    valid = isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1
+    if cfg.optim.get("warmup_steps") is not None or not valid:
+        return {}
+    return {"optim.warmup_steps": warmup_steps(max_steps)}
 
 
-def fill_val_interval(cfg: DictConfig) -> None:
-    """`trainer.val_check_interval` (Lightning counts micro-batches), once `accumulate_grad_batches` is final."""
-    if cfg.trainer.get("val_check_interval") is None:
-        accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
-        set_key(cfg, "trainer.val_check_interval", val_every_steps(cfg.trainer.max_steps) * accumulate)
+def val_interval(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
+    """A null `trainer.val_check_interval`, in micro-batches (what Lightning counts) at `accumulate` a step."""
+    if cfg.trainer.get("val_check_interval") is not None:
+        return {}
+    return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps) * int(accumulate or 1)}

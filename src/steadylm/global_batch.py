@@ -2,10 +2,10 @@
 
 A recipe says "0.5M tokens per step" (GPT-2, nanoGPT, llm.c); how that is reached depends on the
 machine: devices × `data.batch_size` × `model.context_length` tokens per micro-step, and gradient
-accumulation for the rest. `apply_global_batch` derives `trainer.accumulate_grad_batches` from it
-before the Trainer is built, so the same recipe gives the same optimisation on 1 GPU or 64.
-It refuses (ConfigError) a total that is not a whole number of micro-steps, and an
-`accumulate_grad_batches` set by hand to something else: it never rounds and never overrides silently.
+accumulation for the rest. `accumulation` gives the `trainer.accumulate_grad_batches` that follows from it,
+which the config's resolution (resolve.py) writes before the Trainer is built, so the same recipe gives the
+same optimisation on 1 GPU or 64. It refuses (ConfigError) a total that is not a whole number of micro-steps,
+and an `accumulate_grad_batches` set by hand to something else: it never rounds and never overrides silently.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 
 from omegaconf import DictConfig
 
-from steadylm.config import set_key
 from steadylm.errors import ConfigError
 
 log = logging.getLogger("steadylm")
@@ -31,11 +30,12 @@ def _set_on_command_line(key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
 
 
-def apply_global_batch(cfg: DictConfig, world_size: int) -> None:
-    """Set `trainer.accumulate_grad_batches` = global_batch_tokens / (world_size × batch × context)."""
-    total = cfg.data.get("global_batch_tokens")
+def accumulation(cfg: DictConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step: global_batch_tokens / (world_size × batch × context), or the config's
+    `trainer.accumulate_grad_batches` when `data.global_batch_tokens` is null."""
+    total, current = cfg.data.get("global_batch_tokens"), cfg.trainer.get("accumulate_grad_batches", 1)
     if total is None:
-        return
+        return current
     B, T = int(cfg.data.batch_size), int(cfg.model.context_length)
     micro = world_size * B * T
     shown = f"devices×batch×context = {world_size}×{B}×{T} = {micro:,}"
@@ -51,11 +51,10 @@ def apply_global_batch(cfg: DictConfig, world_size: int) -> None:
             + " tokens, or a data.batch_size that divides it"
         )
     accum = total // micro
-    current = cfg.trainer.get("accumulate_grad_batches", 1)
     if current != accum and (current != 1 or _set_on_command_line(KEY)):
         raise ConfigError(
             f"{KEY}={current} contradicts data.global_batch_tokens={total}, which needs {accum} "
             f"({total:,} / {shown}); set only one of them"
         )
-    set_key(cfg, KEY, accum)
     log.info("data.global_batch_tokens=%s: %s=%d (%s per micro-step)", f"{total:,}", KEY, accum, shown)
+    return accum

@@ -19,10 +19,9 @@ from pathlib import Path
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 
-from steadylm.devices import Devices, devices_of
+from steadylm.devices import Devices
 from steadylm.errors import ConfigError
-from steadylm.memory import check_fits
-from steadylm.precision import resolve_precision
+from steadylm.memory import MemoryPlan, check_fits
 
 
 def check_devices(cfg: DictConfig, devices: Devices) -> None:
@@ -57,12 +56,13 @@ def check_writable(folder: Path, key: str) -> None:
         ) from None
 
 
-def check_environment(cfg: DictConfig) -> None:
-    devices = devices_of(cfg)
+def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> MemoryPlan:
+    """The refusals above for the resolved `devices` and `precision`; the memory plan that fits."""
     check_devices(cfg, devices)
     check_precision_supported(cfg, devices)
-    check_fits(cfg, resolve_precision(cfg.trainer.precision, devices.accelerator), devices)
+    memory = check_fits(cfg, precision, devices)
     check_writable(Path(cfg.paths.output_dir), "paths.output_dir")
+    return memory
 
 
 # --- the command line --------------------------------------------------------------------------

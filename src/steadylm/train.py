@@ -21,18 +21,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
-from steadylm.config import CONF_DIR, plain_config, validate_config
+from steadylm.config import CONF_DIR, plain_config
 from steadylm.console import copy_console, quiet
-from steadylm.derived import data_source, fill_derived, fill_val_interval
-from steadylm.devices import devices_of
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
-from steadylm.global_batch import apply_global_batch
 from steadylm.module import LMModule
-from steadylm.precision import resolve_precision
 from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback, preemption_of
-from steadylm.preflight import check_environment, hydra_errors_as_messages
+from steadylm.preflight import hydra_errors_as_messages
 from steadylm.progress import ProgressLines
+from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
 from steadylm.stability.events import start_events
 from steadylm.validate_at_end import ValidateAtEnd
@@ -65,29 +62,27 @@ def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
+    """Resolve `cfg` (resolve.py: filled, checked, read-only; the data's checks run there, before any process
+    group or logger exists), then build the module and the Trainer from what it resolved."""
     quiet()
-    fill_derived(cfg)  # null vocab, tokenizer and warmup from the DataModule and the run length (derived.py)
-    validate_config(cfg)
-    apply_global_batch(cfg, devices_of(cfg).world_size)  # data.global_batch_tokens -> accumulate_grad_batches
-    fill_val_interval(cfg)
-    check_environment(cfg)
+    run = resolve(cfg)
     enable_fast_matmul()
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = data_source(cfg)  # the data's checks run here, before any process group or logger exists
     module = LMModule(
         model=cfg.model,
         optim=cfg.optim,
         compile=cfg.compile,
         run_config=plain_config(cfg),
-        tokenizer=datamodule.tokenizer_name,
-        val_bytes_per_token=datamodule.bytes_per_token,
+        tokenizer=run.datamodule.tokenizer_name,
+        val_bytes_per_token=run.datamodule.bytes_per_token,
     )
-    return {"cfg": cfg, "datamodule": datamodule, "module": module, "trainer": build_trainer(cfg)}
+    return {"cfg": cfg, "run": run, "datamodule": run.datamodule, "module": module, "trainer": build_trainer(run)}
 
 
-def build_trainer(cfg: DictConfig) -> L.Trainer:
+def build_trainer(run: Resolved) -> L.Trainer:
     # ValidateAtEnd and Preemption (last of all) are there even with callbacks=none: a final val/loss; exit 75
     # with a checkpoint on a signal (docs/resume.md).
+    cfg = run.cfg
     named = [*instantiate_named(cfg.get("callbacks"), "callbacks"), ValidateAtEnd()]
     callbacks = place_last(named, f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -96,16 +91,17 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         cfg.trainer,
         callbacks=callbacks,
         logger=instantiate_named(cfg.get("logger"), "logger") or False,
-        precision=resolve_precision(cfg.trainer.precision, devices_of(cfg).accelerator),
+        accelerator=run.devices.accelerator,  # what the precision and the memory check were resolved for
+        precision=run.precision,
     )
+    use_fsdp_clipping(trainer)
+    refuse_multirun_multiprocess(trainer)
     return trainer
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     objects = build(cfg)
     trainer = objects["trainer"]
-    use_fsdp_clipping(trainer)
-    refuse_multirun_multiprocess(trainer)
     ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened

@@ -5,7 +5,7 @@ outside the DataModule reads its config keys (no `cfg.data.dir`), so a new sourc
 
 | member | used by | unknown |
 | --- | --- | --- |
-| `vocab_size` | startup fills a null `model.vocab_size` from it (derived.py) | - (required) |
+| `vocab_size` | startup fills a null `model.vocab_size` from it (resolve.py) | - (required) |
 | `tokenizer_name` | a null `data.tokenizer`; the run's recorded tokenizer | - (required) |
 | `bytes_per_token` | val bits per byte | `None` |
 | `n_train_windows` | doctor's epochs-of-data row | `None` (a stream) |

@@ -12,9 +12,9 @@ from omegaconf import DictConfig
 
 from steadylm.cli import run_command
 from steadylm.config import set_key
-from steadylm.derived import fill_derived
 from steadylm.doctor.check import FAIL, Check, guarded, render_markdown, render_text
 from steadylm.errors import SteadyError, one_line
+from steadylm.resolve import fill_derived
 
 # The rows whose FAIL leaves the probe nothing sound to train: a config train.py would refuse, data it cannot
 # read, a model that does not build or run. Any other FAIL (the coordinate check, memory, the schedule's plot)
