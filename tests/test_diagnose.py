@@ -196,3 +196,15 @@ def test_a_precursor_signal_is_named_with_its_lead_and_plotted(tmp_path):
     assert "forecast at step 40" in p.summary and "past 100 at step 62, 22 steps after the forecast" in p.summary
     assert "lowered the LR 1 time(s) to x0.1" in p.summary and "optim.lr x0.1" in p.fix
     assert "![signals](signals.png)" in text and (tmp_path / "run" / "signals.png").stat().st_size > 10_000
+
+
+def test_a_forecast_whose_horizon_outlived_the_run_is_named_live(tmp_path):
+    """A run that ended (or crashed) while a forecast's horizon was still open: the report says so, with the
+    signal, its value and the step the level was expected at."""
+    curves = healthy_curves()
+    detail = {"signal": "residual_rms", "threshold": 100.0, "value": 31.0, "doubling_steps": 9.0}
+    events = [(90, "forecast", "log", {**detail, "expected_step": 105, "by_step": 190})]
+    diagnosis, _ = report(write_run(tmp_path / "run", curves, events, CONFIG))
+    summary = diagnosis.primary.summary if diagnosis.primary else " ".join(f.summary for f in diagnosis.findings)
+    assert "forecast at step 90 (31, doubling every 9 steps, level 100 expected at step 105)" in summary
+    assert "still live when the run ended at step 99" in summary

@@ -107,12 +107,15 @@ def plot_heatmap(
     return _save(fig, path)
 
 
-Panel = dict  # {"label", "steps", "values", "level", "spans": [(start, end)], "forecasts": [step], "logy"}
+# {"label", "steps", "values", "level", "spans": [(start, end)], "logy",
+#  "forecasts": [(step, value, expected step, threshold)]}
+Panel = dict
 
 
 def plot_signals(panels: Sequence[Panel], path: Path, *, title: str, marks: Sequence[Mark] = ()) -> Path:
     """One panel per precursor signal: its values (log scale where it spans orders of magnitude), its alarm
-    level as a red line, the spans it stayed past it shaded, and each forecast as a dotted line."""
+    level as a red line, the spans it stayed past it shaded, and each forecast as a dotted line at its step and a
+    dashed line from its value to the level at the step it expected, against the curve that came."""
     import numpy as np
 
     fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(8, 2.6 * max(len(panels), 1)), sharex=True, squeeze=False)
@@ -129,8 +132,9 @@ def plot_signals(panels: Sequence[Panel], path: Path, *, title: str, marks: Sequ
             ax.axhline(p["level"], color="red", lw=1, ls="-", label=f"alarm level {p['level']:g}")
         for i, (a, b) in enumerate(p.get("spans", [])):
             ax.axvspan(a, b, color="red", alpha=0.15, label="past the level" if i == 0 else None)
-        for i, s in enumerate(p.get("forecasts", [])):
+        for i, (s, value, expected, threshold) in enumerate(p.get("forecasts", [])):
             ax.axvline(s, color="darkorange", ls=":", lw=1.5, label="forecast" if i == 0 else None)
+            ax.plot([s, expected], [value, threshold], color="darkorange", ls="--", lw=1.2, marker="o", ms=3)
         _marks(ax, marks)
         ax.set(ylabel=p["label"])
         ax.legend(fontsize=7, loc="best")

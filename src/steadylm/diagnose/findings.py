@@ -391,6 +391,9 @@ def _precursor(log: RunLog, events: list[dict]) -> Finding | None:
             f"forecast at step {forecast['step']} ({d['value']:.3g}, doubling every {d['doubling_steps']:.0f} "
             f"steps, level {d['threshold']:g} expected at step {d['expected_step']})"
         )
+        steps, _ = log.series("train/loss")
+        if alarm is None and len(steps) and max(steps) <= d.get("by_step", d["expected_step"]):
+            parts[-1] += f", still live when the run ended at step {int(max(steps))}"
     if alarm is not None:
         ahead = (
             f", {alarm['step'] - forecast['step']} steps after the forecast" if forecast else " (no forecast before)"

@@ -83,7 +83,11 @@ def _signal_panels(log: RunLog) -> list[dict]:
                 "values": [v for _, v in points],
                 "level": level,
                 "spans": [(a - every / 2, b + every / 2) for a, b in spans],
-                "forecasts": [e["step"] for e in mine if e["kind"] == "forecast"],
+                "forecasts": [
+                    (e["step"], e["detail"]["value"], e["detail"]["expected_step"], e["detail"]["threshold"])
+                    for e in mine
+                    if e["kind"] == "forecast"
+                ],
             }
         )
     return panels
