@@ -57,7 +57,7 @@ TWINS = {
     "muon_qk": [*QK, "optim=muon"],
     "muon_noqk": [*NOQK, "optim=muon"],
     "init1": [*NOQK, "model.init=torch_default"],
-    "fp16": [*NOQK, "trainer.precision=16-mixed"],
+    "untied": [*QK, "model.tie_embeddings=false"],
 }
 SCENARIOS = {
     "lr 10x, no QK-norm": ("Wortsman et al. 2023: attention-logit growth", [*NOQK, "optim.lr=0.02"], "noqk"),
@@ -86,7 +86,11 @@ SCENARIOS = {
         [*TWINS["init1"], "optim.lr=0.02"],
         "init1",
     ),
-    "fp16, lr 30x": ("fp16 overflow of activations and the loss scale", [*TWINS["fp16"], "optim.lr=0.06"], "fp16"),
+    "untied head, lr 30x, QK-norm": (
+        "Wortsman et al. 2023: output-logit divergence (z-loss its fix)",
+        [*TWINS["untied"], "optim.lr=0.06"],
+        "untied",
+    ),
     "weight decay 0, lr 30x, QK-norm": (
         "the seed guide: no weight decay at a high LR",
         [*QK, "optim.weight_decay=0", "optim.lr=0.06"],
@@ -186,7 +190,7 @@ def main() -> None:
     for name, (_, o, _) in scenarios.items():
         jobs[("observed", name, 1)] = [*SHAPE, *o, *OBSERVE, "seed=1"]
         jobs[("default suite", name, 1)] = [*SHAPE, *o, "seed=1"]
-    folder = {key: work / f"{i:02d}-{key[0].replace(' ', '_')}" for i, key in enumerate(jobs)}
+    folder = {key: work / slug(key) for key in jobs}
     print(f"{len(jobs)} runs in {work}", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         done = {k: pool.submit(run, folder[k], o, args.steps, args.overrides) for k, o in jobs.items()}
@@ -196,6 +200,11 @@ def main() -> None:
     report(scenarios, rows, folder)
     if args.json:
         args.json.write_text(json.dumps({" | ".join(map(str, k)): r for k, r in rows.items()}, indent=1))
+
+
+def slug(key: tuple) -> str:
+    """A run's folder name: its group, case and seed, in file-name characters."""
+    return "-".join("".join(c if c.isalnum() else "_" for c in str(part)) for part in key)
 
 
 def _s(v) -> str:

@@ -153,3 +153,22 @@ def test_where_qk_clip_acts_the_signals_only_log():
     verdicts = [v for s, x in growing(200.0, 10.0)[:3] for v in check.observe(s, {"residual_rms": x}, False, False)]
     assert [v.kind for v in verdicts] == ["precursor"] * 3 and not any(v.context for v in verdicts)
     assert check.backoff.backoffs == 0
+
+
+def test_a_signal_read_every_step_is_forecast_from_its_fit_within_its_horizon():
+    """Per-step values (`watch`): exponential growth is forecast once, with the step it expects the level at and
+    the horizon past which the forecast was false; a noisy plateau near the level and a slow healthy climb are not.
+    A signal read every step is no longer forecast from the stats steps."""
+    check = Precursors()
+    blowup = [(s, 2.0 * 2 ** (s / 3)) for s in range(20)]  # doubling every 3 steps, past 100 at step 17
+    verdicts = [(s, v) for s, x in blowup for v in check.watch(s, {"residual_rms": x})]
+    ((step, v),) = verdicts
+    assert step < 17 and v.kind == "forecast" and v.detail["expected_step"] == 17
+    assert v.detail["doubling_steps"] == pytest.approx(3.0) and v.detail["by_step"] == step + check.horizon
+    assert check.observe(20, {"residual_rms": 30.0}, in_warmup=False) == []  # its forecast came from `watch`
+    noisy = Precursors()
+    plateau = [(s, 40.0 * (1.25 if s % 2 else 0.8)) for s in range(100)]
+    assert [v for s, x in plateau for v in noisy.watch(s, {"residual_rms": x})] == []
+    slow = Precursors()
+    climb = [(s, 20.0 + 0.05 * s) for s in range(400)]  # 20 -> 40 in 400 steps: the level is 1,500+ steps away
+    assert [v for s, x in climb for v in slow.watch(s, {"attn_logit": x})] == []
