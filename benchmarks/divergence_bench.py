@@ -56,7 +56,7 @@ TWINS = {
     "deep12": [*NOQK, "model.n_layer=12"],
     "muon_qk": [*QK, "optim=muon"],
     "muon_noqk": [*NOQK, "optim=muon"],
-    "init1": [*NOQK, "model.init=torch_default"],
+    "init1": [*NOQK, "model.init=torch_default", "model.parametrization=sp"],
     "untied": [*QK, "model.tie_embeddings=false"],
 }
 SCENARIOS = {
