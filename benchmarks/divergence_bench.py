@@ -56,7 +56,7 @@ TWINS = {
     "deep12": [*NOQK, "model.n_layer=12"],
     "muon_qk": [*QK, "optim=muon"],
     "muon_noqk": [*NOQK, "optim=muon"],
-    "init1": [*NOQK, "model.init=torch_default", "model.parametrization=sp"],
+    "init1": [*NOQK, "model.init=torch_default", "model.parametrization=sp", "model.tie_embeddings=false"],
     "untied": [*QK, "model.tie_embeddings=false"],
 }
 SCENARIOS = {
@@ -81,7 +81,7 @@ SCENARIOS = {
         [*NOQK, "optim.eps=1e-12", "optim.betas=[0.9,0.9999]", "optim.lr=0.02"],
         "noqk",
     ),
-    "embeddings N(0, 1), lr 10x": (
+    "embeddings N(0, 1), untied head, lr 10x": (
         "Takase et al. 2023 (Spike No More): the embedding scale",
         [*TWINS["init1"], "optim.lr=0.02"],
         "init1",
