@@ -1,4 +1,4 @@
-"""Precursor signals: hit rate against false alarms per signal, the forecast's lead time, and the mitigated runs.
+"""Precursor signals: hit rate against false alarms per signal level, and the mitigated runs.
 
 Every run is a real `python train.py` of a small model on the embedded corpus (`--steps` steps, stats every
 5 steps). Three groups:
@@ -9,12 +9,12 @@ Every run is a real `python train.py` of a small model on the embedded corpus (`
 
 Healthy, natural and injected runs observe only (`signals.action=log`, no QK-clip, spikes logged), so the loss
 shows what the LR does. Per signal, its level is replayed over the logged values through `Precursors` itself:
-a hit is an alarm in a natural or injected run, a false alarm one in a healthy run. The forecast's lead time is
-replayed the same way (the default levels and forecast rule, as the runs' own `forecast` events) against the
-alarm and against the step where the loss shows the trouble: its 3-point running median non-finite, 10 % above
-its best so far, or 10 % above the same shape's healthy run (`TWIN`), since a too-high LR stalls the loss more
-often than it spikes it. The mitigated group runs the default suite with
-QK-norm at the issue's LRs and compares its final val loss with the stable LR's.
+a hit is an alarm in a natural or injected run, a false alarm one in a healthy run; the table gives the first
+alarm and the step where the loss shows the trouble: its 3-point running median non-finite, 10 % above its best
+so far, or 10 % above the same shape's healthy run (`TWIN`), since a too-high LR stalls the loss more often than
+it spikes it. The mitigated group runs the default suite with QK-norm at the issue's LRs and compares its final
+val loss with the stable LR's. The forecast, which reads its signals every step, is measured by
+`benchmarks/divergence_bench.py`.
 
 Usage: python benchmarks/signals_bench.py [--steps 150] [--jobs 2] [--json out.json]
 """
@@ -137,16 +137,6 @@ def replay(series: dict[int, dict[str, float]], signal: str, level: float, warmu
     return None
 
 
-def forecast_replay(series: dict[int, dict[str, float]], warmup: int) -> tuple[int, str] | None:
-    """The first forecast of the default `Precursors` over the logged values: (step, signal), or None."""
-    check = Precursors(action="log")
-    for step, values in series.items():
-        for v in check.observe(step, values, in_warmup=step < warmup):
-            if v.kind == "forecast":
-                return step, v.detail["signal"]
-    return None
-
-
 def running_median(run_dir: Path) -> dict[int, float]:
     """The 3-point running median of the training loss by step; inf from a non-finite loss on."""
     steps, loss = load_run(run_dir).series("train/loss")
@@ -196,7 +186,6 @@ def main() -> None:
         d = fut.result()
         series = values_by_step(d)
         events = read_events(d)
-        forecast = forecast_replay(series, warmup_of(o, args.steps))
         result = json.loads((d / "result.json").read_text())
         rows[(g, name)] = {
             "alarms": {
@@ -204,8 +193,6 @@ def main() -> None:
                 for s, lvs in LEVELS.items()
                 for lv in lvs
             },
-            "forecast": forecast[0] if forecast else None,
-            "forecast_signal": forecast[1] if forecast else None,
             "onset": loss_onset(d, twins.get(name)),
             "status": result["status"],
             "val_loss": result.get("val_loss"),
@@ -227,40 +214,21 @@ def report(rows: dict) -> None:
         false = sum(r["alarms"][n] is not None for r in good)
         print(f"| {n} | {hits}/{len(bad)} | {false}/{len(good)} |")
     print("\n## Per run (observe only)\n")
-    print(
-        "| group | run | first alarm per signal | forecast (signal) | loss shows it | forecast lead on alarm | warning lead on loss |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    leads, alarm_leads, forecast_leads = [], [], []
+    print("| group | run | first alarm per signal | loss shows it | alarm lead on loss |")
+    print("| --- | --- | --- | --- | --- |")
+    leads = []
     for (g, name), r in rows.items():
         if g == "mitigated":
             continue
         alarms = ", ".join(f"{k}@{v}" for k, v in r["alarms"].items() if v is not None) or "-"
-        fc = f"{r['forecast']} ({r['forecast_signal']})" if r["forecast"] is not None else "-"
-        alarm = r["alarms"][DEFAULT]
-        ahead = "-"
-        if r["forecast"] is not None and alarm is not None:
-            ahead = alarm - r["forecast"]
-            alarm_leads.append(ahead)
-        if r["forecast"] is not None and r["onset"] is not None:
-            forecast_leads.append(r["onset"] - r["forecast"])
-        warnings = [s for s in (r["forecast"], alarm) if s is not None]
-        lead = "-"
-        if warnings and r["onset"] is not None:
-            lead = r["onset"] - min(warnings)
+        alarm, lead = r["alarms"][DEFAULT], "-"
+        if alarm is not None and r["onset"] is not None:
+            lead = r["onset"] - alarm
             leads.append(lead)
         onset = r["onset"] if r["onset"] is not None else "-"
-        print(f"| {g} | {name} | {alarms} | {fc} | {onset} | {ahead} | {lead} |")
-    forecast_hits = sum(r["forecast"] is not None for r in bad)
-    forecast_false = sum(r["forecast"] is not None for r in good)
-    print(f"\nforecasts: {forecast_hits}/{len(bad)} unstable runs, {forecast_false}/{len(good)} healthy runs")
-    for what, xs in (
-        ("forecast ahead of the alarm", alarm_leads),
-        ("forecast ahead of the loss", forecast_leads),
-        ("first warning ahead of the loss", leads),
-    ):
-        if xs:
-            print(f"{what}, steps: median {statistics.median(xs):g}, worst {min(xs)} ({len(xs)} runs)")
+        print(f"| {g} | {name} | {alarms} | {onset} | {lead} |")
+    if leads:
+        print(f"\nthe default alarm ahead of the loss, steps: median {statistics.median(leads):g}, worst {min(leads)}")
     print(
         "\n## Mitigated (default suite)\n\n| run | status | val loss | vs stable | events |\n| --- | --- | --- | --- | --- |"
     )

@@ -14,14 +14,22 @@ its steps (every `stats.every_n_steps`), which reach this check's `verdict` in t
 
 A signal is *alarmed* on a measurement above its level (null: the signal is not judged). Alarmed on `persist`
 measurements in a row, where QK-clip cannot act (QK-norm on, or QK-clip removed; else QK-clip owns the
-mitigation and the signals only log and forecast), it asks its `Backoff` (`backoff.py`, the same mechanism QK-clip's backoff uses) for a
-lower LR and a rewind to before the growth began (`action: backoff`), or only logs (`action: log`). Before
-that, a *forecast*: the value rose at each of the last `trend_points` measurements, is within a factor
-`1 / forecast_from` of the level, and the trend of log(value) over them reaches the level within `horizon` steps; the forecast names the
-signal, its doubling time and the expected step, once per episode (a new one after the value falls back or a
-backoff). The levels are absolute and far from healthy values (measured: `benchmarks/signals_bench.py`), so the
-rule does not depend on the model's width or parametrisation. `observe` is the rule on plain numbers;
-`verdict` is the check (`check.py`) that feeds it.
+mitigation and the signals only log and forecast), it asks its `Backoff` (`backoff.py`, the same mechanism
+QK-clip's backoff uses) for a lower LR and a rewind to before the growth began (`action: backoff`), or only
+logs (`action: log`).
+
+Before that, a *forecast*. The residual stream's RMS (after the last block, kept by the model on every forward)
+and the max attention logit (QK-clip's measurement) are also read every step, in the step's one collective at
+no host read of their own (`watch`): the forecast comes when the log-linear fit of the last `trend_window` values
+explains at least `min_fit` of their variance, the value is at least `forecast_from` of the level, and the fit
+reaches the level within `horizon` steps. A signal read on stats steps only (`log_z`) is forecast from its last
+`trend_points` stats-step values, each above the one before. The forecast names the signal, its value, its
+doubling time, the step it expects the level at and its horizon (`by_step`: past it with nothing, it was false),
+once per episode (a new one after the value falls back or a backoff). The levels are absolute and far from
+healthy values, and the horizon short: in `benchmarks/divergence_bench.py` the unstable runs doubled every 0.6-2.4
+steps at their forecast, and the healthy Muon runs at twice the LR, the only healthy growth a 200-step horizon
+forecast, every 35-43. So the rule does not depend on the model's width or parametrisation. `observe` and `watch` are the rule on plain numbers;
+`verdict` is the check (`check.py`) that feeds them.
 """
 
 from __future__ import annotations
@@ -105,8 +113,8 @@ class Precursors(Check):
         persist: int = 3,
         action: str = "backoff",
         trend_points: int = 3,
-        horizon: int = 50,
-        forecast_from: float = 0.1,
+        horizon: int = 25,
+        forecast_from: float = 0.25,
         trend_window: int = 32,
         min_fit: float = 0.9,
         lr_backoff: float | None = 0.1,
