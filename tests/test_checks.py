@@ -12,6 +12,7 @@ import torch
 from steadylm.errors import ConfigError
 from steadylm.stability import read_events
 from steadylm.stability.check import Check
+from steadylm.stability.signals import Precursors
 from steadylm.stability.verdict import OK, Verdict
 from tests.helpers import FAST, fit, stability_of
 
@@ -116,3 +117,26 @@ def test_a_check_resumes_with_its_state(make_cfg, tmp_path):
 def test_a_check_that_cannot_be_one_is_refused_in_one_line(make_cfg, override, message):
     with pytest.raises(ConfigError, match=message):
         fit(make_cfg(*FAST, override))
+
+
+def test_a_value_a_check_measures_becomes_a_signal_through_config_alone(make_cfg, tmp_path):
+    """`callbacks.stability.signals.watch` names a check's measured key: the signals forecast and alarm it every
+    step like their own, with no edit to signals.py. Here the level sits far below the embedding's grad norm, so
+    the first step alarms, once for the episode; the value is the check's own, reduced in the step's collective."""
+    truth = EmbeddingGradNorms()
+    watch = "+callbacks.stability.signals.watch.embed={value: embed_grad.norm, level: 1.0e-9}"
+    fit(make_cfg(*FAST, check_override(factor=100.0), watch), truth)
+    alarms = [e for e in read_events(tmp_path / "run") if e["kind"] == "precursor"]
+    assert [e["detail"]["signal"] for e in alarms] == ["embed"] and alarms[0]["step"] == 0
+    assert alarms[0]["detail"]["value"] == pytest.approx(truth.norms[0], rel=1e-5)
+
+
+def test_a_watched_signal_is_forecast_from_its_values_and_a_bad_entry_is_one_line():
+    signals = Precursors(watch={"embed": {"value": "embed_grad.norm", "level": 100.0}})
+    grows = [(s, 2.0 * 2 ** (s / 3)) for s in range(20)]
+    forecasts = [v for s, x in grows for v in signals.watch(s, {"embed": x}) if v.kind == "forecast"]
+    assert [v.detail["signal"] for v in forecasts] == ["embed"] and forecasts[0].detail["expected_step"] == 17
+    with pytest.raises(ConfigError, match=r"signals\.watch\.embed must be \{value: CHECK\.KEY, level: X > 0\}"):
+        Precursors(watch={"embed": {"value": "norm", "level": 1.0}})
+    with pytest.raises(ConfigError, match=r"signals\.watch\.residual_rms must be"):
+        Precursors(watch={"residual_rms": {"value": "a.b", "level": 1.0}})

@@ -38,16 +38,16 @@ def test_a_growing_residual_is_forecast_then_flagged_then_backed_off_once_per_bu
     kinds = [(s, v.kind) for s, v in verdicts]
     forecasts = [(s, v) for s, v in verdicts if v.kind == "forecast"]
     alarms = [(s, v) for s, v in verdicts if v.kind == "precursor"]
-    assert len(forecasts) == 1 and forecasts[0][0] == 40, kinds  # 16 >= 10, rising at each of 3 points
+    assert len(forecasts) == 1 and forecasts[0][0] == 50, kinds  # 32 >= 25, rising at each of 3 points
     detail = forecasts[0][1].detail
     assert detail["signal"] == "residual_rms" and detail["doubling_steps"] == pytest.approx(10.0)
-    assert detail["expected_step"] == 66 and detail["by_step"] == 90  # 40 + log2(100 / 16) * 10; 40 + horizon
+    assert detail["expected_step"] == 66 and detail["by_step"] == 75  # 50 + log2(100 / 32) * 10; 50 + horizon
     assert alarms[0][0] == 70 and alarms[0][1].detail["threshold"] == 100.0
     backoffs = [(s, v.context["backoff"]) for s, v in alarms if "backoff" in v.context]
     assert [s for s, _ in backoffs] == [90]  # the third alarm in a row; the budget of 1 is spent after it
     request = backoffs[0][1]
     assert request["lr_scale"] == pytest.approx(0.1) and request["signal"] == "residual_rms"
-    assert request["rewind_before"] == 19  # the growth was under way at the forecast's first point (step 20)
+    assert request["rewind_before"] == 29  # the growth was under way at the forecast's first point (step 30)
     assert check.backoff.backoffs == 1 and len(alarms) > 3  # alarms go on being logged after the budget
 
 

@@ -78,6 +78,29 @@ def step_values(values: dict, own: str, qk_norm: bool) -> dict[str, float]:
     return out
 
 
+def _watched(watch: dict, where: str) -> dict[str, tuple[str, str]]:
+    """`callbacks.stability.signals.watch`: `{name: {value: CHECK.KEY, level: X}}`, a value a check measures (its
+    `measure` key) forecast and alarmed at `level` like the built-in signals, every step."""
+    out = {}
+    for name, spec in watch.items():
+        value = str((spec or {}).get("value", ""))
+        level = (spec or {}).get("level")
+        if name in SIGNALS or value.count(".") != 1 or not isinstance(level, (int, float)) or not level > 0:
+            raise ConfigError(
+                f"{where}.watch.{name} must be {{value: CHECK.KEY, level: X > 0}} (a check's measured key) under a "
+                f"name that is not a built-in signal's"
+            )
+        out[name] = tuple(value.split("."))
+    return out
+
+
+def _flat(value) -> list[float]:
+    """A reduced value (a float, or nested lists of them) as a flat list."""
+    if isinstance(value, list):
+        return [x for v in value for x in _flat(v)]
+    return [float(value)]
+
+
 def _log_linear(points, least: int) -> tuple[float, float] | None:
     """(slope of log(value) per step, R² of that fit) by least squares; None with fewer than `least` points."""
     pts = [(s, math.log(v)) for s, v in points if v > 0]
@@ -121,10 +144,14 @@ class Precursors(Check):
         max_backoffs: int = 2,
         rewind: bool = True,
         rewarm_steps: int = 100,
+        watch: dict | None = None,
     ) -> None:
         where = "callbacks.stability.signals"
         self.levels = {"residual_rms": residual_rms, "update_ratio": update_ratio, "log_z": log_z}
         self.levels["attn_logit"] = attn_logit
+        self.watched = _watched(watch or {}, where)  # your own signals: {name: (check, key)}, read every step
+        self.levels.update({name: float(watch[name]["level"]) for name in self.watched})
+        names = (*SIGNALS, *self.watched)
         for name, level in self.levels.items():
             if level is not None and not level > 0:
                 raise ConfigError(f"{where}.{name}={level} must be > 0, or null to not judge it")
@@ -137,13 +164,13 @@ class Precursors(Check):
         if trend_window < 4 or not 0 <= min_fit < 1:
             raise ConfigError(f"{where}: trend_window >= 4 and min_fit in [0, 1)")
         self.trend_window, self.min_fit = int(trend_window), float(min_fit)
-        self.series: dict[str, deque] = {s: deque(maxlen=self.trend_window) for s in STEPWISE}
+        self.series: dict[str, deque] = {s: deque(maxlen=self.trend_window) for s in (*STEPWISE, *self.watched)}
         self.stepwise: set[str] = set()  # the signals this fit reads every step (their forecast comes from there)
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
         self.history: dict[str, deque] = {s: deque(maxlen=self.trend_points) for s in SIGNALS}
-        self.streak = {s: 0 for s in SIGNALS}
-        self.onset = {s: -1 for s in SIGNALS}  # the step the current episode began (its first forecast or alarm)
-        self.forecast = {s: False for s in SIGNALS}  # forecast already given in this episode
+        self.streak = {s: 0 for s in names}
+        self.onset = {s: -1 for s in names}  # the step the current episode began (its first forecast or alarm)
+        self.forecast = {s: False for s in names}  # forecast already given in this episode
         self.alarms = 0
         # Set by the owner at the fit's start: QK-clip acts on this model (then it owns the mitigation and the
         # signals only log), and how often the stats measure (None: no stats, so nothing to judge).
@@ -169,7 +196,12 @@ class Precursors(Check):
         values travel with the next step's measurement): the alarms, a backoff, and the other forecasts."""
         cfg = view.model_cfg
         qk_norm = bool(cfg is not None and cfg.qk_norm)
-        out = [self._with_metric(v) for v in self.watch(m.step, step_values(m.values, self.name, qk_norm))]
+        values = step_values(m.values, self.name, qk_norm)
+        for name, (check, key) in self.watched.items():
+            got = m.values.get(check, {}).get(key)
+            if got is not None:
+                values[name] = float(max(_flat(got)))
+        out = [self._with_metric(v) for v in self.watch(m.step, values)]
         stats = m.values.get("stats")
         if not stats:
             return out
@@ -208,9 +240,17 @@ class Precursors(Check):
                 continue
             self.stepwise.add(name)
             self.series[name].append((step, value))
+            if name in self.watched and value <= level:
+                self.streak[name] = 0  # your own signal: back under its level ends its alarm
             if value < level * self.forecast_from:
                 if self.streak[name] == 0:
                     self.forecast[name], self.onset[name] = False, -1  # the episode is over
+                continue
+            if value > level and name in self.watched:  # your own signal's alarm: logged once per episode
+                if self.streak[name] == 0:
+                    self.streak[name], self.alarms = 1, self.alarms + 1
+                    detail = {"signal": name, "value": value, "threshold": level, "streak": 1}
+                    out.append(Verdict("log", "precursor", detail, onset=step))
                 continue
             fit = _log_linear(self.series[name], FIT_POINTS)
             if self.forecast[name] or value > level or fit is None or fit[0] <= 0 or fit[1] < self.min_fit:
@@ -320,12 +360,14 @@ class Precursors(Check):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for name in SIGNALS:
-            self.history[name] = deque((tuple(p) for p in state["history"].get(name, [])), maxlen=self.trend_points)
+        for name in self.streak:
+            if name in self.history:
+                points = state["history"].get(name, [])
+                self.history[name] = deque((tuple(p) for p in points), maxlen=self.trend_points)
             self.streak[name] = int(state["streak"].get(name, 0))
             self.onset[name] = int(state["onset"].get(name, -1))
             self.forecast[name] = bool(state["forecast"].get(name, False))
-        for name in STEPWISE:
+        for name in (*STEPWISE, *self.watched):
             points = state.get("series", {}).get(name, [])
             self.series[name] = deque((tuple(p) for p in points), maxlen=self.trend_window)
         self.alarms = int(state["alarms"])
