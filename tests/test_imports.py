@@ -152,7 +152,7 @@ def test_no_lazy_import_hides_a_cycle():
 
 # The most lines of steadylm that `import steadylm.train` may load: today's figure, so the path does not grow
 # unnoticed; the goal is 6,000 (nanochat, SFT, RL and its inference engine included, is 6,006).
-TRAINING_PATH_LINES = 7300
+TRAINING_PATH_LINES = 7350
 TOOLS = (
     "steadylm.doctor",
     "steadylm.diagnose",
