@@ -124,3 +124,25 @@ def test_natural_divergence_bench_runs_every_case_through_train_py(shards_dir, t
     assert all(r["status"] in ("ok", "unstable") and r["val_loss"] > 0 for *_, r in rows)
     assert all("qk_clip" not in r["acted"] for _, col, _, r in rows if col == "unmitigated")
     assert "optim.lr=0.1 (30x)" in run.stdout and "unmitigated" in run.stdout.splitlines()[2]
+
+
+@pytest.mark.slow
+def test_divergence_bench_judges_a_scenario_against_its_twins_from_real_runs(shards_dir, tmp_path):
+    """`benchmarks/divergence_bench.py --only ...`: one scenario observed and under the default suite, its twin at
+    three seeds and at 2x its LR, each a real `train.py` run; the table and the summary read their events. At 30x
+    without QK-norm the forecast comes before the loss turns; the healthy runs get none."""
+    out = tmp_path / "div.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "divergence_bench.py"
+    cmd = [sys.executable, str(bench), "--only", "lr 30x, no QK-norm", "--steps", "60", "--json", str(out)]
+    run = subprocess.run([*cmd, f"data.dir={shards_dir}"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted(rows) == sorted(
+        [f"twin | noqk | {s}" for s in (1, 2, 3)]
+        + ["2x lr | noqk | 1", "observed | lr 30x, no QK-norm | 1", "default suite | lr 30x, no QK-norm | 1"]
+    )
+    observed = rows["observed | lr 30x, no QK-norm | 1"]
+    assert observed["forecast"] is not None and observed["onset"] is not None
+    assert observed["forecast"] < observed["onset"] and observed["signal"] in ("residual_rms", "attn_logit")
+    assert all(r["forecasts"] == 0 for k, r in rows.items() if k.startswith(("twin", "2x lr")))
+    assert "recall: 1/1" in run.stdout and "false forecasts: 0 of 4 healthy runs" in run.stdout
