@@ -74,7 +74,7 @@ def step_values(values: dict, own: str, qk_norm: bool) -> dict[str, float]:
         out["residual_rms"] = values[own]["residual_rms"]
     head_max = values.get("qk_clip", {}).get("head_max")
     if head_max is not None and not qk_norm:
-        out["attn_logit"] = max(max(row) for row in head_max)
+        out["attn_logit"] = max(map(max, head_max))
     return out
 
 
@@ -201,14 +201,13 @@ class Precursors(Check):
             got = m.values.get(check, {}).get(key)
             if got is not None:
                 values[name] = float(max(_flat(got)))
-        out = [self._with_metric(v) for v in self.watch(m.step, values)]
+        out = self.watch(m.step, values)
         stats = m.values.get("stats")
         if not stats:
             return out
         values = signal_values(stats_metrics(stats), qk_norm=qk_norm)
         step = m.step - 1
         for v in self.observe(step, values, _in_warmup(view.module, step), may_back_off=not self.qk_clip_acts):
-            v = self._with_metric(v)
             request = v.context.get("backoff")
             if request is not None:
                 why = (
@@ -220,14 +219,6 @@ class Precursors(Check):
                 v = Verdict("backoff", v.kind, v.detail, onset=v.onset, context=context)
             out.append(v)
         return out
-
-    @staticmethod
-    def _with_metric(v: Verdict) -> Verdict:
-        """A forecast also goes to the loggers: `stability/forecast/<signal>` = its expected step."""
-        if v.kind != "forecast":
-            return v
-        metric = {f"stability/forecast/{v.detail['signal']}": float(v.detail["expected_step"])}
-        return Verdict(v.action, v.kind, v.detail, onset=v.onset, metrics=metric)
 
     def watch(self, step: int, values: dict[str, float]) -> list[Verdict]:
         """One step's values of the signals read every step: a `forecast` when the log-linear fit of the last
@@ -277,7 +268,8 @@ class Precursors(Check):
             "expected_step": int(round(expected)),
             "by_step": step + self.horizon,
         }
-        return Verdict("log", "forecast", detail, onset=step)
+        metrics = {f"stability/forecast/{name}": float(detail["expected_step"])}  # TensorBoard's view of it
+        return Verdict("log", "forecast", detail, onset=step, metrics=metrics)
 
     def streak_steps(self) -> int:
         """Steps an alarm streak takes to ask for a backoff (0: never judged, no stats)."""
