@@ -205,8 +205,25 @@ class Precursors(Check):
         stats = m.values.get("stats")
         if not stats:
             return out
-        values = signal_values(stats_metrics(stats), qk_norm=qk_norm)
-        step = m.step - 1
+        parts = []  # (stats step, its signal values): the update of the step before `m.step`, then `m.step`'s own
+        if "delta" in stats:
+            parts.append(
+                (m.step - 1, signal_values(stats_metrics({k: stats[k] for k in ("param", "delta", "total")}), qk_norm))
+            )
+        if "grad" in stats:
+            parts.append(
+                (
+                    m.step,
+                    signal_values(stats_metrics({k: stats[k] for k in ("grad", "log_z", "logit", "act")}), qk_norm),
+                )
+            )
+        for step, values in parts:
+            out += self._judge_stats(step, values, view)
+        return out
+
+    def _judge_stats(self, step: int, values: dict[str, float], view) -> list[Verdict]:
+        """One stats step's signals: alarms, a backoff, the stats-step forecasts."""
+        out = []
         for v in self.observe(step, values, _in_warmup(view.module, step), may_back_off=not self.qk_clip_acts):
             request = v.context.get("backoff")
             if request is not None:

@@ -7,10 +7,11 @@ on that step only) and the mean log Z of the output logits (the log of the softm
 2023's output-logit divergence shows as its drift). Alarms (`update_ratio`, `attn_logit`) are `log` verdicts;
 they never change training.
 
-As a `Check`: `arm` switches the measurements on at a stats step's first micro-batch; its `measure` keeps the
-grad norms and a copy of the weights on the device; the next step's `measure`, once that update is in the
-weights, sends every number of the stats step into that step's one collective (no host read of its own). So a
-stats step's metrics arrive with the measurement of the step after it, and are logged at the stats step.
+As a `Check`: `arm` switches the measurements on at a stats step's first micro-batch; its `measure` sends the
+step's grad norms, logits, activations and log Z into the step's own collective and keeps a copy of the weights
+on the device; the next step's `measure`, once that update is in the weights, sends the update's norms in that
+step's collective (no host read of its own). Everything is logged at the stats step; the update's part is lost
+only with the update itself (a restore abandons the step that carried it).
 """
 
 from __future__ import annotations
@@ -26,23 +27,22 @@ from steadylm.stability.verdict import OK, Verdict
 
 
 def stats_metrics(values: dict) -> dict[str, float]:
-    """The logged metrics of one stats step from its reduced values (`GradParamStats.measure`'s keys)."""
-    grad, param, delta, logit, act = (values[k] for k in ("grad", "param", "delta", "logit", "act"))
-    total_delta, total_param = values["total"]
-    ratio = [d / max(p, 1e-12) for d, p in zip(delta, param)]
-    metrics = {"stability/update_ratio": total_delta / max(total_param, 1e-12)}
-    if not math.isnan(values["log_z"][0]):  # NaN: no output head was measured
-        metrics["stability/log_z"] = values["log_z"][0]
-    for i in range(len(grad)):
-        metrics.update(
-            {
-                f"stability/grad_norm/block_{i}": grad[i],
-                f"stability/param_norm/block_{i}": param[i],
-                f"stability/update_ratio/block_{i}": ratio[i],
-                f"stability/max_attn_logit/block_{i}": logit[i],
-                f"stability/act_rms/block_{i}": act[i],
-            }
-        )
+    """The logged metrics of a stats step from its reduced values (`GradParamStats.measure`'s keys): the step's own
+    part (grad, logit, act, log_z) or its update's (param, delta, total), whichever `values` holds."""
+    metrics = {}
+    if "grad" in values:
+        if not math.isnan(values["log_z"][0]):  # NaN: no output head was measured
+            metrics["stability/log_z"] = values["log_z"][0]
+        for i, (grad, logit, act) in enumerate(zip(values["grad"], values["logit"], values["act"])):
+            metrics[f"stability/grad_norm/block_{i}"] = grad
+            metrics[f"stability/max_attn_logit/block_{i}"] = logit
+            metrics[f"stability/act_rms/block_{i}"] = act
+    if "delta" in values:
+        total_delta, total_param = values["total"]
+        metrics["stability/update_ratio"] = total_delta / max(total_param, 1e-12)
+        for i, (delta, param) in enumerate(zip(values["delta"], values["param"])):
+            metrics[f"stability/param_norm/block_{i}"] = param
+            metrics[f"stability/update_ratio/block_{i}"] = delta / max(param, 1e-12)
     return metrics
 
 
@@ -89,14 +89,14 @@ class GradParamStats(Check):
         return hook
 
     def measure(self, view) -> dict:
-        """The last stats step's numbers, now that its update is in the weights; then, on a stats step, its grad
-        norms and a copy of the weights the update will be applied to (kept on the device for the next step)."""
-        out = self._report_held(view.module) if self._held is not None else {}
+        """The last stats step's update, now that it is in the weights; and, on a stats step, its own numbers,
+        with a copy of the weights the update will be applied to (kept on the device for the next step)."""
+        out = self._report_update() if self._held is not None else {}
         if self.armed_step == view.step:
-            self._hold(view.module)
+            out.update(self._hold(view.module))
         return out
 
-    def _hold(self, pl_module) -> None:
+    def _hold(self, pl_module) -> dict:
         self.armed_step = -1
         for h in self._hooks:
             h.remove()
@@ -118,38 +118,31 @@ class GradParamStats(Check):
         for b in blocks:
             b.attn.track_max_logit, b.attn.max_logit = False, None
         log_z = self._log_z if self._log_z is not None else torch.tensor(float("nan"))
-        self._held = {
-            "params": params,
-            "before": copy_tensors([p.detach() for p in params]),  # one copy kernel, not one per tensor
-            "grad": self._per_block(norms, len(blocks)),
-            "logit": torch.stack([t.float().to(zero.device) for t in logits]) if blocks else zero.view(0),
-            "act": torch.stack([self._act.get(i, zero).float() for i in range(len(blocks))])
-            if blocks
-            else zero.view(0),
-            "log_z": log_z.to(zero.device).float().view(1),
-        }
+        acts = [self._act.get(i, zero).float() for i in range(len(blocks))]
+        self._held = {"params": params, "before": copy_tensors([p.detach() for p in params]), "n": len(blocks)}
         self._act, self._log_z = {}, None
+        return {
+            "grad": ("mean", self._per_block(norms, len(blocks))),
+            "log_z": ("mean", log_z.to(zero.device).float().view(1)),
+            "logit": ("max", torch.stack([t.float().to(zero.device) for t in logits]) if blocks else zero.view(0)),
+            "act": ("max", torch.stack(acts) if blocks else zero.view(0)),
+        }
 
     def _per_block(self, norms: torch.Tensor, n: int) -> torch.Tensor:
         squares = torch.zeros(n + 1, device=norms.device).index_add_(0, self._owner, norms.square())
         return squares[:n].sqrt()
 
-    def _report_held(self, pl_module) -> dict:
+    def _report_update(self) -> dict:
         held, self._held = self._held, None
-        n = len(held["grad"])
-        before = held["before"]
+        n, before = held["n"], held["before"]
         delta = sub_tensors([p.detach() for p in held["params"]], before)
         param, moved = per_tensor_norms(before), per_tensor_norms(delta)
         # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
         totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
         return {
-            "grad": ("mean", held["grad"]),
             "param": ("mean", self._per_block(param, n)),
             "delta": ("mean", self._per_block(moved, n)),
             "total": ("mean", totals),
-            "log_z": ("mean", held["log_z"]),
-            "logit": ("max", held["logit"]),
-            "act": ("max", held["act"]),
         }
 
     def restored(self) -> None:
@@ -157,23 +150,29 @@ class GradParamStats(Check):
         self._held = None
 
     def verdict(self, m, view) -> list[Verdict] | Verdict:
-        """The stats step before `m.step` (its numbers travelled with `m`): its metrics and alarms."""
+        """The stats step's numbers that travelled with `m`: its own (a stats step's `m`) and its update's (the
+        step after it); their metrics and alarms, at the stats step."""
         values = m.values.get(self.name)
         if not values:
             return OK
-        step = m.step - 1
-        metrics = stats_metrics(values)
-        out = [Verdict(onset=step, metrics=metrics)]
-        ratio = [metrics[k] for k in metrics if k.startswith("stability/update_ratio/block_")]
-        worst = max([metrics["stability/update_ratio"], *ratio])
-        if worst > self.update_ratio_alarm:
-            block = max(range(len(ratio)), key=ratio.__getitem__) if ratio else None
-            total = metrics["stability/update_ratio"]
-            detail = {"value": worst, "threshold": self.update_ratio_alarm, "global": total, "block": block}
-            out.append(Verdict("log", "update_ratio", detail, onset=step))
-        logit = values["logit"]
-        if logit and max(logit) > self.attn_logit_alarm:
-            i = max(range(len(logit)), key=logit.__getitem__)
-            detail = {"value": logit[i], "threshold": self.attn_logit_alarm, "block": i}
-            out.append(Verdict("log", "attn_logit", detail, onset=step))
+        out = []
+        if "delta" in values:  # the update of the stats step before `m.step`
+            metrics = stats_metrics({k: values[k] for k in ("param", "delta", "total")})
+            out.append(Verdict(onset=m.step - 1, metrics=metrics))
+            ratio = [metrics[k] for k in metrics if k.startswith("stability/update_ratio/block_")]
+            worst = max([metrics["stability/update_ratio"], *ratio])
+            if worst > self.update_ratio_alarm:
+                block = max(range(len(ratio)), key=ratio.__getitem__) if ratio else None
+                total = metrics["stability/update_ratio"]
+                detail = {"value": worst, "threshold": self.update_ratio_alarm, "global": total, "block": block}
+                out.append(Verdict("log", "update_ratio", detail, onset=m.step - 1))
+        if "grad" in values:  # `m.step` is a stats step
+            out.append(
+                Verdict(onset=m.step, metrics=stats_metrics({k: values[k] for k in ("grad", "log_z", "logit", "act")}))
+            )
+            logit = values["logit"]
+            if logit and max(logit) > self.attn_logit_alarm:
+                i = max(range(len(logit)), key=logit.__getitem__)
+                detail = {"value": logit[i], "threshold": self.attn_logit_alarm, "block": i}
+                out.append(Verdict("log", "attn_logit", detail, onset=m.step))
         return out
