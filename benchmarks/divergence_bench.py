@@ -131,7 +131,7 @@ def running_median(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def loss_onset(run_dir: Path, twin: Path | None) -> int | None:
+def loss_onset(run_dir: Path, twin: Path | None = None) -> int | None:
     """Where the loss shows the trouble: non-finite, 10 % above its best so far, or 10 % above the twin's."""
     med = running_median(run_dir)
     ref = running_median(twin) if twin else {}

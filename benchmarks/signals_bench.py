@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -38,6 +37,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from steadylm.diagnose.runlog import load_run  # noqa: E402
 from steadylm.stability import read_events  # noqa: E402
 from steadylm.stability.signals import Precursors, signal_values  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from divergence_bench import loss_onset  # noqa: E402  (the loss's onset: one definition)
 
 SMALL = ["model.d_model=64", "model.n_head=2", "model.context_length=64"]
 WIDER = ["model.d_model=96", "model.n_head=4", "model.n_layer=4", "model.context_length=64"]
@@ -134,32 +136,6 @@ def replay(series: dict[int, dict[str, float]], signal: str, level: float, warmu
         for v in check.observe(step, values, in_warmup=step < warmup):
             if v.kind == "precursor" or (signal == "attn_logit" and values.get("attn_logit", 0) > level):
                 return step
-    return None
-
-
-def running_median(run_dir: Path) -> dict[int, float]:
-    """The 3-point running median of the training loss by step; inf from a non-finite loss on."""
-    steps, loss = load_run(run_dir).series("train/loss")
-    out, bad = {}, False
-    for i in range(len(steps)):
-        bad = bad or not math.isfinite(loss[i])
-        out[int(steps[i])] = math.inf if bad else statistics.median(loss[max(0, i - 2) : i + 1])
-    return out
-
-
-def loss_onset(run_dir: Path, twin: Path | None = None) -> int | None:
-    """Where the loss shows the trouble: non-finite, its 3-point running median 10 % above its best so far, or
-    (given the healthy `twin`) 10 % above the twin's at the same step."""
-    med = running_median(run_dir)
-    ref = running_median(twin) if twin else {}
-    best = math.inf
-    for i, (step, m) in enumerate(med.items()):
-        if not math.isfinite(m):
-            return step
-        if i >= 2 and (m > best * 1.10 or (step in ref and m > ref[step] * 1.10)):
-            return step
-        if i >= 2:
-            best = min(best, m)
     return None
 
 
