@@ -9,7 +9,7 @@ the best loss of the curve: 0 for a curve that is flat at its best, up to (init 
 diverges everywhere else. The default policy runs `QKClip.step` after each update with the settings of
 conf/callbacks/default.yaml, as `callbacks.stability.qk_clip` does, applies its LR backoff to every group and
 rewinds to an in-memory snapshot (every `recovery.every_n_steps`, `keep` of them) as `Recovery.rewind` does,
-then warms the LR up again over `rewarm_steps` as `LMModule.lr_now` does.
+then warms the LR up again over `rewarm_steps` as `Schedule.lr_of` does.
 
 Prints each curve and the sensitivity; `--png` saves the plot (docs/lr_sensitivity.png).
 Usage: python benchmarks/lr_sensitivity.py [--steps N (150)] [--png FILE] [--quick] [--only VARIANT ...]

@@ -125,11 +125,11 @@ def test_lr_times_1000_for_one_step_raises_the_update_ratio_alarm(make_cfg, tmp_
 def test_spike_detector_state_survives_a_round_trip():
     det = SpikeDetector(window=4, warmup=2)
     for v in (1.0, 2.0, 3.0, 4.0, 5.0):
-        det.stats["loss"].add(v)
+        det.stats["loss"].append(v)
     state = json.loads(json.dumps(det.state_dict()))  # plain types: safe for weights_only checkpoints
     other = SpikeDetector(window=4, warmup=2)
     other.load_state_dict(state)
-    assert list(other.stats["loss"].values) == [2.0, 3.0, 4.0, 5.0]
+    assert list(other.stats["loss"]) == [2.0, 3.0, 4.0, 5.0]
     assert other.bar("loss") == pytest.approx(det.bar("loss"))
 
 

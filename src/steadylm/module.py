@@ -175,22 +175,25 @@ class LMModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """The LR of this update, set after every callback has judged the step (a skip found a step late is
-        already counted): a function of the applied steps and the LR scale, nothing to patch afterwards."""
-        lr = self.lr_now()
+        already counted): `Schedule.lr_of` the applied steps and the LR scale, nothing to patch afterwards. At
+        least step 0: a step the suite restored weights under (its gradients dropped) precedes the restored
+        state's first update, so it counts -1 from a restore to step 0; its LR moves nothing.
+
+        The last step asks the Trainer to stop: Lightning validates on a batch after which it was asked to stop,
+        so every run with val data ends with a `val/loss` (once, when `val_check_interval` falls there too)."""
+        trainer = self.trainer
+        lr = self.schedule.lr_of(max(0, trainer.global_step - self.skipped_steps), self.lr_scale, self.rewarm)
         set_lr(optimizer, lr)
         if self.logs_now:
-            write_metrics(self.trainer, {"optim/lr": lr})
+            write_metrics(trainer, {"optim/lr": lr})
+        if trainer.global_step + 1 >= trainer.max_steps > 0:
+            trainer.should_stop = True
 
     @functools.cached_property
     def schedule(self) -> Schedule:
         """The LR schedule of every update, built once from `optim` (on first use: a module built for its loss
         alone needs no schedule keys)."""
         return Schedule.from_optim(self.optim_cfg)
-
-    def lr_now(self) -> float:
-        # At least 0: a step the suite restored weights under (its gradients dropped) precedes the restored state's
-        # first update, so it counts -1 from a restore to step 0; its LR moves nothing.
-        return self.schedule.lr_of(max(0, self.applied_steps()), scale=self.lr_scale, rewarm=self.rewarm)
 
     def applied_steps(self, step: int | None = None) -> int:
         """Updates in the weights at optimizer step `step` (default: now): the steps the LR schedule has taken."""

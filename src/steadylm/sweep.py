@@ -1,7 +1,7 @@
-"""The summary of a sweep: `SweepSummary`, a Hydra callback (`hydra.callbacks.sweep_summary`) that, when a
-multirun ends, writes `<sweep_dir>/summary.md` (one row per job from its `result.json`, see `result.py`, then the
-best LR and, for a mup sweep, the command that trains a bigger preset with it) and `summary.png` (final val
-loss vs LR, unstable and diverged jobs marked). It only reads run dirs; it must never change a job's files.
+"""The summary of a sweep: when a multirun ends, `hydra_callbacks.SweepSummary` (a Hydra callback) has `report` write
+`<sweep_dir>/summary.md` (one row per job from its `result.json`, see `result.py`, then the best LR and, for a
+mup sweep, the command that trains a bigger preset with it) and `summary.png` (final val loss vs LR, unstable
+and diverged jobs marked). It only reads run dirs; it must never change a job's files.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from steadylm.result import RESULT_FILE
 
@@ -125,18 +124,15 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
     return jobs
 
 
-class SweepSummary(Callback):
-    """Hydra callback: summarise the sweep once every job has finished."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            jobs = summarize_sweep(sweep_dir)
-            diverged = sum(j["status"] == "diverged" for j in jobs)
-            unstable = sum(j["status"] == "unstable" for j in jobs)
-            preempted = sum(j["status"] == "preempted" for j in jobs)
-            print(
-                f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {unstable} unstable, {diverged} diverged"
-                + (f", {preempted} preempted)" if preempted else ")")
-            )
-            print(best_lr(jobs), end="")
+def report(sweep_dir: Path) -> None:
+    """`SweepSummary`'s work when a multirun ends: the summary files, and what they say in two lines."""
+    if sweep_dir.is_dir():
+        jobs = summarize_sweep(sweep_dir)
+        diverged = sum(j["status"] == "diverged" for j in jobs)
+        unstable = sum(j["status"] == "unstable" for j in jobs)
+        preempted = sum(j["status"] == "preempted" for j in jobs)
+        print(
+            f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {unstable} unstable, {diverged} diverged"
+            + (f", {preempted} preempted)" if preempted else ")")
+        )
+        print(best_lr(jobs), end="")

@@ -17,11 +17,14 @@ A verdict may `log` (an event), `backoff` (lower the LR and rewind: `context["ba
 `rollback` to a state from before `onset`, or `stop` the run. Write its events as `Verdict(action, self.name,
 detail, onset=step)`.
 
-Three optional hooks serve checks that act on the model itself (QK-clip, the stats): `arm(view)` at the step's
+Optional hooks serve checks that act on the model itself (QK-clip, the stats): `arm(view)` at the step's
 first micro-batch, before its forward (switch a measurement on); `after_update(view, reduced)` once the update
-is in the weights, where `reduced(name, key)` is a "max" value of the step's collective still on the device
+is in the weights, where `reduced[name][key]` is a "max" value of the step's collective still on the device
 (act there without a host read); `restored()` after the suite restored weights (forget what was measured on
-the abandoned ones); `restart()` after any LR backoff (a streak starts again).
+the abandoned ones); `restart()` after any LR backoff (a streak starts again). A check that judges some steps
+only sets `next_step`, the first step it wants again: before it the owner calls none of its hooks, and asks its
+verdict only on a measurement that carries its own values (the stats between stats steps, step 0's loss after
+step 0), so a quiet step costs it nothing.
 
 It is added by naming it in config, `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`;
 its events are `<name>` events. The step owner (`Stability.judge`) asks every check in order and applies the
@@ -60,6 +63,7 @@ class Check:
     # Its verdict may skip the step under way: then every step is read at once (one host sync a step) instead of
     # a step late, because a late skip would find the update already in the weights.
     acts_before_update: bool = False
+    next_step: int | float = 0  # asleep before this step (see the module doc)
 
     def applies(self, trainer) -> bool:
         """Judged in this fit at all (e.g. the loss-scale check only under fp16). Asked once, at the fit's start."""

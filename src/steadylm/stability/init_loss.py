@@ -38,6 +38,7 @@ class InitLoss(Check):
         self.tolerance = float(tolerance)
 
     def verdict(self, m: Measurement, view: StepView) -> Verdict:
+        self.next_step = math.inf  # judged once, on the fit's first measurement
         model_cfg = view.model_cfg  # its vocab_size and init
         vocab_size = getattr(model_cfg, "vocab_size", None)
         if m.step != 0 or not vocab_size or m.nonfinite:

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
@@ -73,11 +74,12 @@ def can_defer(trainer) -> bool:
 
 class Packed:
     """One rank's share of a step's collective: [loss, grad norm, every check's "mean" value] summed over ranks,
-    and every "max" value maxed; `unpack` turns the reduced host numbers back into named values."""
+    and every "max" value maxed. `reduced[check][key]`: each "max" value, a view that the all-reduce fills, still on
+    the device (`Check.after_update` acts there)."""
 
     def __init__(self, loss: torch.Tensor, norm: torch.Tensor, values: dict[str, dict], sharded: bool) -> None:
         self.sharded = sharded  # the norm travels as its square: the global norm of slices is the root of the sum
-        self.keys: dict[str, list[tuple[str, str, tuple]]] = {op: [] for op in OPS}  # (check, key, shape)
+        self.keys: dict[str, list[tuple[str, str, tuple]]] = {"mean": [], "max": []}  # (check, key, shape)
         core = torch.stack([loss.float(), (norm.square() if sharded else norm).float()])
         parts: dict[str, list[torch.Tensor]] = {"mean": [core], "max": []}
         for name, measured in values.items():
@@ -88,6 +90,12 @@ class Packed:
                 parts[op].append(t.detach().float().reshape(-1))
         self.sums = torch.cat(parts["mean"]) if len(parts["mean"]) > 1 else core
         self.maxes = torch.cat(parts["max"]) if parts["max"] else None
+        self.reduced: dict[str, dict[str, torch.Tensor]] = {}
+        at = 0
+        for name, key, shape in self.keys["max"]:
+            n = math.prod(shape)
+            self.reduced.setdefault(name, {})[key] = self.maxes[at : at + n].view(shape)
+            at += n
 
     def all_reduce(self) -> None:
         # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
@@ -95,42 +103,6 @@ class Packed:
         torch.distributed.all_reduce(self.sums)
         if self.maxes is not None:
             torch.distributed.all_reduce(self.maxes, op=torch.distributed.ReduceOp.MAX)
-
-    def unpack(self, host: list[float], world: int) -> tuple[float, float, dict]:
-        """(mean loss, global grad norm, {check: {key: value}}) from the reduced numbers, `flat`'s order; a value
-        keeps its shape as nested lists (a 0-d tensor becomes a float)."""
-        loss, norm = host[0] / world, host[1]
-        norm = math.sqrt(norm) if self.sharded else norm / world  # replicated: every rank held the same norm
-        values: dict[str, dict] = {}
-        at = 2
-        for op in OPS:
-            for name, key, shape in self.keys[op]:
-                n = math.prod(shape)
-                got = [v / world for v in host[at : at + n]] if op == "mean" else host[at : at + n]
-                values.setdefault(name, {})[key] = _shaped(got, shape)
-                at += n
-        return loss, norm, values
-
-    def maxed(self, name: str, key: str) -> torch.Tensor | None:
-        """Check `name`'s "max" value `key`, reduced over ranks and still on the device (for an action there)."""
-        at = 0
-        for n, k, shape in self.keys["max"]:
-            if (n, k) == (name, key):
-                return self.maxes[at : at + math.prod(shape)].view(shape)
-            at += math.prod(shape)
-        return None
-
-
-def _shaped(values: list[float], shape: tuple):
-    """A flat list back into `shape` as nested lists (a float for a 0-d value), without a tensor."""
-    if not shape:
-        return values[0]
-    inner = math.prod(shape[1:])
-    return (
-        values
-        if len(shape) == 1
-        else [_shaped(values[i * inner : (i + 1) * inner], shape[1:]) for i in range(shape[0])]
-    )
 
 
 class InFlight:
@@ -150,21 +122,34 @@ class InFlight:
         self._read: Measurement | None = None
 
     def read(self) -> Measurement:
-        if self._read is None:
-            if self.event is not None:
-                self.event.synchronize()
-            loss, norm, values = self.packed.unpack(self.host.tolist(), self.world)
-            self._read = Measurement(
-                step=self.step,
-                loss=loss,
-                grad_norm=norm,
-                loss_nonfinite=not math.isfinite(loss),
-                grad_nonfinite=not math.isfinite(norm),
-                batch_idx=self.batch_idx,
-                values=values,
-                batches=self.batches,
-                bad_params=self._bad() if not math.isfinite(norm) else (),
-            )
+        """The reduced numbers as a `Measurement`: the mean loss, the global grad norm and every check's values
+        by name, each in its measured shape (nested lists; a float for a 0-d value)."""
+        if self._read is not None:
+            return self._read
+        if self.event is not None:
+            self.event.synchronize()
+        host, world, packed = self.host.numpy().astype(np.float64), self.world, self.packed
+        loss, norm = float(host[0]) / world, float(host[1])
+        norm = math.sqrt(norm) if packed.sharded else norm / world  # replicated: every rank held the same norm
+        values: dict[str, dict] = {}
+        at = 2
+        for op in OPS:
+            for name, key, shape in packed.keys[op]:
+                n = math.prod(shape)
+                got = host[at : at + n] / (world if op == "mean" else 1)
+                values.setdefault(name, {})[key] = got.reshape(shape).tolist()
+                at += n
+        self._read = Measurement(
+            step=self.step,
+            loss=loss,
+            grad_norm=norm,
+            loss_nonfinite=not math.isfinite(loss),
+            grad_nonfinite=not math.isfinite(norm),
+            batch_idx=self.batch_idx,
+            values=values,
+            batches=self.batches,
+            bad_params=self._bad() if not math.isfinite(norm) else (),
+        )
         return self._read
 
     def _bad(self) -> tuple[str, ...]:
@@ -183,7 +168,7 @@ class Arrived(InFlight):
 
 
 class StepMeasure:
-    """Collects a step's micro-batch losses and batches, then measures the step once (`take`)."""
+    """A step's micro-batch losses and batches (the owner appends them), measured once per step (`take`)."""
 
     def __init__(self, defer: bool = True) -> None:
         self.allow_defer = defer
@@ -191,18 +176,9 @@ class StepMeasure:
         self.losses: list[torch.Tensor] = []
         self.batches: list = []  # this step's micro-batches (references; for the forensic re-run)
         self.batch_idx: list[int] = []
-        self._taken = True  # the next micro-batch starts a new step
+        self.taken = True  # the next micro-batch starts a new step
         self.current: InFlight | None = None  # the step under way, measured
         self.pending: InFlight | None = None  # deferred: the last step's, read at the next one
-
-    def add_batch(self, batch, batch_idx: int) -> None:
-        if self._taken:
-            self.losses, self.batches, self.batch_idx, self._taken = [], [], [], False
-        self.batches.append(batch)
-        self.batch_idx.append(batch_idx)
-
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss)
 
     def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
         """Measure the step under way (`checks`: those that measure, each `measure(view)` joining the one
@@ -210,22 +186,7 @@ class StepMeasure:
         None when there is none yet."""
         if self.deferred is None:
             self.deferred = self.allow_defer and can_defer(trainer)
-        self._taken = True
-        self.current = self._launch(trainer, pl_module, view, checks)
-        if not self.deferred:
-            return self.current.read()
-        due, self.pending = self.pending, self.current
-        return due.read() if due is not None else None
-
-    def maxed(self, name: str, key: str) -> torch.Tensor | None:
-        """The step under way's reduced "max" value `key` of `name`, on the device (None: not measured)."""
-        return self.current.packed.maxed(name, key) if self.current is not None else None
-
-    def now(self) -> Measurement | None:
-        """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
-        return self.current.read() if self.current is not None else None
-
-    def _launch(self, trainer, pl_module, view, checks) -> InFlight:
+        self.taken = True
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.
         loss = torch.stack(self.losses).detach().float().sum() if self.losses else torch.zeros((), device=device)
@@ -249,7 +210,15 @@ class StepMeasure:
             for opt in trainer.optimizers:
                 set_found_inf(opt, found_inf)  # the optimizer skips the whole update on the device when it is 1
         net = getattr(pl_module, "net", pl_module)
-        return InFlight(view.step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx)
+        self.current = InFlight(view.step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx)
+        if not self.deferred:
+            return self.current.read()
+        due, self.pending = self.pending, self.current
+        return due.read() if due is not None else None
+
+    def now(self) -> Measurement | None:
+        """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
+        return self.current.read() if self.current is not None else None
 
     def abandon(self) -> None:
         """The step under way reaches neither the weights nor a later check (rollback, stop)."""

@@ -129,7 +129,7 @@ class QKClip(Check):
         self._armed = -1
         for attn in self.attns:
             attn.head_max_logit, attn.track_max_logit = None, False
-        head_max = reduced(self.name, "head_max")
+        head_max = reduced.get(self.name, {}).get("head_max")
         if head_max is not None:
             self.clip(head_max, self.attns)
 

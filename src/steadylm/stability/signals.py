@@ -46,7 +46,7 @@ from steadylm.stability.verdict import Verdict
 SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
-STEPWISE = ("residual_rms", "attn_logit")  # also read every step, where that costs no host read (`step_values`)
+STEPWISE = ("residual_rms", "attn_logit")  # also read every step, where that costs no host read
 FIT_POINTS = 6  # the fewest steps a per-step trend is fitted over: a 30x LR takes the residual past 100 in ~15
 
 
@@ -63,18 +63,6 @@ def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
         out["log_z"] = abs(metrics["stability/log_z"])
     if logits and not qk_norm:
         out["attn_logit"] = max(logits)
-    return out
-
-
-def step_values(values: dict, own: str, qk_norm: bool) -> dict[str, float]:
-    """The signals read every step from one step's measurement (no host read of their own): the residual
-    stream's RMS this check measured, and the max attention logit QK-clip measured (not under QK-norm)."""
-    out = {}
-    if "residual_rms" in values.get(own, {}):
-        out["residual_rms"] = values[own]["residual_rms"]
-    head_max = values.get("qk_clip", {}).get("head_max")
-    if head_max is not None and not qk_norm:
-        out["attn_logit"] = max(map(max, head_max))
     return out
 
 
@@ -192,11 +180,18 @@ class Precursors(Check):
         return {"residual_rms": ("max", self._net.residual_rms)}
 
     def verdict(self, m, view) -> list[Verdict]:
-        """Every step: the forecasts of the signals read every step (`step_values`). After a stats step (its
+        """Every step: the forecasts of the signals read every step . After a stats step (its
         values travel with the next step's measurement): the alarms, a backoff, and the other forecasts."""
         cfg = view.model_cfg
         qk_norm = bool(cfg is not None and cfg.qk_norm)
-        values = step_values(m.values, self.name, qk_norm)
+        # Read every step at no host read of their own: the residual stream's RMS this check measured, and the
+        # max attention logit QK-clip measured (not under QK-norm).
+        values = {}
+        if "residual_rms" in m.values.get(self.name, {}):
+            values["residual_rms"] = m.values[self.name]["residual_rms"]
+        head_max = m.values.get("qk_clip", {}).get("head_max")
+        if head_max is not None and not qk_norm:
+            values["attn_logit"] = max(map(max, head_max))
         for name, (check, key) in self.watched.items():
             got = m.values.get(check, {}).get(key)
             if got is not None:

@@ -67,9 +67,16 @@ class GradParamStats(Check):
     def _blocks(pl_module) -> list[torch.nn.Module]:
         return list(getattr(getattr(pl_module, "net", None), "blocks", []))
 
+    def _sleep_after(self, step: int) -> None:
+        """Asleep (`Check.next_step`) until the first stats step after `step`: a quiet step costs nothing."""
+        n = self.every_n_steps
+        self.next_step = step + 1 + (n - 1 - (step + 1) % n)  # the stats steps are those with (s + 1) % n == 0
+
     def arm(self, view) -> None:
         """Switch the per-block measurements on for this step, when it is a stats step."""
         if not is_logging_step(view.step, self.every_n_steps):
+            if self._held is None:
+                self._sleep_after(view.step)
             return
         self.armed_step = view.step
         for i, block in enumerate(self._blocks(view.module)):
@@ -94,6 +101,8 @@ class GradParamStats(Check):
         out = self._report_update() if self._held is not None else {}
         if self.armed_step == view.step:
             out.update(self._hold(view.module))
+        else:
+            self._sleep_after(view.step)
         return out
 
     def _hold(self, pl_module) -> dict:

@@ -18,6 +18,7 @@ rank applies the same verdicts: no rank ever raises or stops alone.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import lightning as L
@@ -25,39 +26,47 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.checkpointing import STABILITY_STATE_KEY
-from steadylm.compat import every_n_train_steps, will_log
+from steadylm.compat import every_n_train_steps
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.stability.check import StepView, overrides
 from steadylm.stability.events import KINDS, emit
-from steadylm.stability.guard import NonFiniteGuard
-from steadylm.stability.init_loss import InitLoss
-from steadylm.stability.loss_scale import LossScaleMonitor
 from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
-from steadylm.stability.qk_clip import QKClip
 from steadylm.stability.recovery import Recovery, restore_weights_and_optimizer
 from steadylm.stability.rollback import checkpoint_dir
-from steadylm.stability.signals import Precursors
-from steadylm.stability.spike import SpikeDetector
-from steadylm.stability.stats import GradParamStats
 from steadylm.stability.verdict import Verdict
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 
 
+# The built-in checks, by config key: each module is imported only when its node is in the config, so a suite cut
+# to `guard`, `spike` and `recovery` loads none of the others.
+CHECKS = {
+    "guard": "steadylm.stability.guard:NonFiniteGuard",
+    "spike": "steadylm.stability.spike:SpikeDetector",
+    "stats": "steadylm.stability.stats:GradParamStats",
+    "loss_scale": "steadylm.stability.loss_scale:LossScaleMonitor",
+    "qk_clip": "steadylm.stability.qk_clip:QKClip",
+    "init_loss": "steadylm.stability.init_loss:InitLoss",
+    "signals": "steadylm.stability.signals:Precursors",
+}
+BUILT_IN = (*CHECKS, "recovery", "measure")
+
+
 def _part(name: str, cls, settings):
-    """A check built from its config node `callbacks.stability.<name>`, or None when the node is null (removed)."""
+    """A check built from its config node `callbacks.stability.<name>`, or None when the node is null (removed).
+    `cls`: the class, or its `CHECKS` path (imported here)."""
     if settings is None:
         return None
+    if isinstance(cls, str):
+        module, _, attr = cls.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
     settings = OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else dict(settings)
     known = [p for p in inspect.signature(cls).parameters]
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ConfigError(f"callbacks.stability.{name}.{unknown[0]} is not a setting; use one of {', '.join(known)}")
     return cls(**settings)
-
-
-BUILT_IN = ("guard", "spike", "stats", "loss_scale", "qk_clip", "init_loss", "recovery", "signals", "measure")
 
 
 def _checks_from_config(nodes) -> list:
@@ -100,13 +109,13 @@ class Stability(L.Callback):
     ):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
-        self.guard = _part("guard", NonFiniteGuard, guard)
-        self.spike = _part("spike", SpikeDetector, spike)
-        self.stats = _part("stats", GradParamStats, stats)
-        self.loss_scale = _part("loss_scale", LossScaleMonitor, loss_scale)
-        self.qk_clip = _part("qk_clip", QKClip, qk_clip)
-        self.init_loss = _part("init_loss", InitLoss, init_loss)
-        self.signals = _part("signals", Precursors, signals)
+        self.guard = _part("guard", CHECKS["guard"], guard)
+        self.spike = _part("spike", CHECKS["spike"], spike)
+        self.stats = _part("stats", CHECKS["stats"], stats)
+        self.loss_scale = _part("loss_scale", CHECKS["loss_scale"], loss_scale)
+        self.qk_clip = _part("qk_clip", CHECKS["qk_clip"], qk_clip)
+        self.init_loss = _part("init_loss", CHECKS["init_loss"], init_loss)
+        self.signals = _part("signals", CHECKS["signals"], signals)
         self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
         # Judged in this order, the built-in checks first, then `callbacks.stability.checks` in config order.
         built_in = (self.guard, self.spike, self.loss_scale, self.init_loss, self.qk_clip, self.stats, self.signals)
@@ -127,11 +136,14 @@ class Stability(L.Callback):
         self._hold_until = -1  # recovery holds the fit's first snapshot up to this applied step (`setup`)
         self._save_every: tuple[int, ...] = ()  # the ModelCheckpoints' `every_n_train_steps` (`setup`)
         self._measured = -1  # the step measured whose update the checks' `after_update` has not seen yet
+        self._awake: list = []  # the checks this step asks (`Check.next_step`)
+        self._scaler = None  # the fp16 GradScaler (`setup`)
 
     state_key = STABILITY_STATE_KEY  # a constant, not Lightning's property (read around every hook call)
 
     # -- Lightning's hooks ------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._scaler = loss_scaler(trainer)
         self._judged = [c for c in self.checks if c.applies(trainer)]
         self._hooked = {hook: [c for c in self._judged if overrides(c, hook)] for hook in self._hooked}
         if self.signals is not None:  # where QK-clip acts it owns the mitigation; the signals read the stats
@@ -150,69 +162,75 @@ class Stability(L.Callback):
         return {"spike": self.spike.window_state()} if self.spike is not None else {}
 
     def _view(self, trainer, pl_module) -> StepView:
-        scaler = loss_scaler(trainer)
         return StepView(
             step=trainer.global_step,
             world_size=trainer.world_size,
-            loss_scale=scaler.get_scale() if scaler is not None else None,
+            loss_scale=self._scaler.get_scale() if self._scaler is not None else None,
             model_cfg=getattr(getattr(pl_module, "net", None), "cfg", None),
             trainer=trainer,
             module=pl_module,
         )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.measure.add_batch(batch, batch_idx)
-        if self._view_now is None or self._view_now.step != trainer.global_step:  # the step's first micro-batch
+        ms, step = self.measure, trainer.global_step
+        if ms.taken:  # the step's first micro-batch
+            ms.batches, ms.batch_idx, ms.taken = [], [], False
             self._view_now = view = self._view(trainer, pl_module)
+            # The checks asleep until a later step (`Check.next_step`) cost this step nothing.
+            self._awake = [c for c in self._judged if getattr(c, "next_step", 0) <= step]
             for c in self._hooked["arm"]:
-                c.arm(view)
+                if c in self._awake:
+                    c.arm(view)
             if self._hold_until >= 0:
-                hold = pl_module.applied_steps() <= self._hold_until
+                hold = step - pl_module.skipped_steps <= self._hold_until
                 if hold != self.recovery.hold_first:
                     self.recovery.hold_first = hold
                     if not hold:
                         self.recovery.release_first()
-        self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
+        ms.batches.append(batch)
+        ms.batch_idx.append(batch_idx)
+        every = self.recovery.every_n_steps
+        if every and step % every == 0:
+            self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self.measure.add_loss(loss)
+        self.measure.losses.append(loss)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
         self.in_step = True
         try:
-            self.step(trainer, pl_module, optimizer)
+            step = trainer.global_step
+            if self.recovery.candidate is not None:
+                self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
+            view = self._view_now if self._view_now is not None and self._view_now.step == step else None
+            view = view or self._view(trainer, pl_module)
+            measuring = [c for c in self._hooked["measure"] if c in self._awake]
+            m = self.measure.take(trainer, pl_module, view, measuring)  # 1. the one measurement (deferred: the
+            # previous step's), every check's own values in the same collective
+            self._measured = step
+            if step < self.recovery.skip_until:  # the data window skipped after a repeated rollback
+                self.skip(trainer, pl_module, step)
+            if m is not None:
+                self.judge(trainer, pl_module, optimizer, m, view)  # 2-6. the checks' verdicts, applied
+            if not self.stopped and pl_module.logs_now:
+                self._log = self._optimizer_metrics(trainer, pl_module)
         finally:
             self.in_step = False
-
-    def step(self, trainer, pl_module, optimizer) -> None:
-        """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
-        step = trainer.global_step
-        self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
-        view = self._view_now if self._view_now is not None and self._view_now.step == step else None
-        view = view or self._view(trainer, pl_module)
-        m = self.measure.take(trainer, pl_module, view, self._hooked["measure"])  # 1. the one measurement (deferred:
-        # the previous step's), every check's own values in the same collective
-        self._measured = step
-        if step < self.recovery.skip_until:  # the data window skipped after a repeated rollback
-            self.skip(trainer, pl_module, step)
-        if m is not None:
-            self.judge(trainer, pl_module, optimizer, m, view)  # 2-6. the checks' verdicts, applied
-        if self.stopped:
-            return
-        if will_log(trainer):
-            self._log = self._optimizer_metrics(trainer, pl_module)
 
     def judge(self, trainer, pl_module, optimizer, m: Measurement, view: StepView | None = None) -> None:
         """Every check's verdicts on `m`, in order (2. guard: non-finite, skip, a streak -> rollback; 3. spike:
         persisting -> rollback; 4. fp16 loss scale; step 0's loss against ln(V); QK-clip's record of its clip;
         the stats and the precursor signals of the last stats step; then the checks named in config); the
         snapshot of `m.step` is confirmed or dropped (5), the verdicts' metrics logged, and the verdicts applied in
-        the same order (6; a rollback, a rewind or a stop ends the list: it acted on `m`)."""
+        the same order (6; a rollback, a rewind or a stop ends the list: it acted on `m`). A check asleep at
+        `m.step` (`Check.next_step`) is asked only when `m` carries its own values."""
         view = view or self._view(trainer, pl_module)
         verdicts, suspect = [], False
         for c in self._judged:
-            v = c.verdict(m, view)
-            verdicts += v if isinstance(v, list) else [v]
+            if getattr(c, "next_step", 0) <= m.step or c.name in m.values:
+                v = c.verdict(m, view)
+                verdicts += v if isinstance(v, list) else [v]
         for v in verdicts:
             suspect = suspect or v.suspect
             if v.metrics:
@@ -285,7 +303,9 @@ class Stability(L.Callback):
             from steadylm.stability.suspects import spike_suspects  # loaded when a spike persists
 
             evidence = spike_suspects(trainer, pl_module, episode, None, restored["to_step"])
-            cause, why = SpikeDetector.cause(episode, evidence.get("batch_loss_on_good_weights"), restored["to_step"])
+            cause, why = type(self.spike).cause(
+                episode, evidence.get("batch_loss_on_good_weights"), restored["to_step"]
+            )
             detail.update(cause=cause, evidence=why, **evidence)
         emit(trainer, v.onset if episode is not None else m.step, v.kind, "rollback", detail)
         restored.update(cause=v.kind, onset=v.onset, module=detail.get("module"))
@@ -357,10 +377,11 @@ class Stability(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if 0 <= self._measured < trainer.global_step:  # the measured step's update is in the weights
             self._measured = -1
-            if self._hooked["after_update"] and not self.stopped:
-                view = self._view(trainer, pl_module)
+            current = self.measure.current
+            if current is not None and not self.stopped:
                 for c in self._hooked["after_update"]:
-                    c.after_update(view, self.measure.maxed)
+                    if c in self._awake:
+                        c.after_update(self._view_now, current.packed.reduced)
         if self._log is not None:
             write_metrics(trainer, {**self._log, "optim/skipped_steps": float(pl_module.skipped_steps)})
             self._log = None
@@ -457,9 +478,8 @@ class Stability(L.Callback):
             metrics["optim/grad_norm"] = m.grad_norm
         if self.spike is not None and self.spike.grad_spikes:
             metrics["stability/grad_spikes"] = float(self.spike.grad_spikes)
-        scaler = loss_scaler(trainer)
-        if scaler is not None:
-            metrics["optim/loss_scale"] = scaler.get_scale()
+        if self._scaler is not None:
+            metrics["optim/loss_scale"] = self._scaler.get_scale()
         return metrics
 
     @staticmethod
