@@ -1,16 +1,10 @@
 """Checkpoints that survive crashes and resume bitwise: atomic writes, safe loads, `resume=auto`.
 
-- `AtomicCheckpointIO` (a Trainer plugin) writes every checkpoint to a hidden temp file in the same
-  folder, fsyncs it and `os.replace`s it into place: a kill or a full disk during a save leaves the
-  previous checkpoint intact and never a partial file under a `.ckpt` name.
-- Loading always uses `torch.load(weights_only=True)`: a checkpoint that carries pickled code is
-  refused with one message instead of being executed.
-- `SaveOnException` saves `exception.ckpt` when training dies of an exception (or Ctrl-C).
-- `RNGState` carries the torch/numpy/python (and CUDA) generators through a checkpoint, so dropout
-  after a resume draws the same numbers as the uninterrupted run.
-- `resolve_ckpt_path` turns `ckpt_path=...` / `resume=auto` into the file to resume from.
-
-This module must never overwrite or delete a checkpoint it did not just write in full.
+Saves go to a hidden temp file in the same folder, are fsynced and `os.replace`d into place (`AtomicCheckpointIO`),
+so a kill or a full disk mid-save leaves the previous checkpoint intact; loads are `torch.load(weights_only=True)`,
+so a checkpoint carrying pickled code is refused, never run. `SaveOnException` saves `exception.ckpt` when training
+dies, `RNGState` carries the RNGs for dropout after a resume, `resolve_ckpt_path` turns `ckpt_path=`/`resume=auto`
+into a file. This module never overwrites or deletes a checkpoint it did not just write in full.
 """
 
 from __future__ import annotations
@@ -36,34 +30,16 @@ log = logging.getLogger("steadylm")
 # The stability callback's state inside a checkpoint's "callbacks" (its Lightning `state_key`).
 STABILITY_STATE_KEY = "steadylm.stability"
 
-TMP_PREFIX = "."  # temp files are hidden and end in .tmp, so no `*.ckpt` glob ever matches one
-TMP_SUFFIX = ".tmp"
-
 
 class CheckpointError(SteadyError):
     """A checkpoint that cannot be used: missing, corrupt, unsafe, or for a different model."""
-
-
-# --- writing and reading ------------------------------------------------------------------------
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (POSIX): without this a power cut can undo `os.replace`."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return  # not supported on this platform/filesystem; the file itself is already synced
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_save(checkpoint: dict, path: str | os.PathLike) -> None:
     """Write `checkpoint` to `path` so that `path` is always either the old or the complete new file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden, no `*.ckpt` glob ever matches it
     try:
         with open(tmp, "wb") as f:
             torch.save(checkpoint, f)
@@ -73,12 +49,18 @@ def atomic_save(checkpoint: dict, path: str | os.PathLike) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    try:  # make the rename itself durable (POSIX): without this a power cut can undo `os.replace`
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform/filesystem; the file itself is already synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_complete(path: Path) -> bool:
-    """Cheap integrity check: `torch.save` writes a zip whose central directory comes last,
-    so a truncated or garbled file fails to open without reading the tensors."""
+    """`torch.save` writes a zip whose directory comes last: a truncated file fails to open, tensors unread."""
     try:
         with zipfile.ZipFile(path) as z:
             return bool(z.namelist())
@@ -112,11 +94,8 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = F
 
 
 def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, dict]:
-    """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`).
-
-    The model shape comes from `hyper_parameters.model`; `ckpt["steadylm"]` carries the resolved run
-    config (`config`) and the tokenizer name (`tokenizer`). Weights-only, so a checkpoint never runs code.
-    """
+    """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`, which
+    holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`."""
     from steadylm.model import GPT, GPTConfig  # the model is only needed here, not to resume
 
     path = Path(path)
@@ -125,8 +104,7 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, 
     except CheckpointError as e:
         raise SteadyError(f"ckpt={e}") from None
     try:
-        model_cfg = ckpt["hyper_parameters"]["model"]
-        meta = ckpt["steadylm"]
+        model_cfg, meta = ckpt["hyper_parameters"]["model"], ckpt["steadylm"]
         state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     except (KeyError, TypeError, AttributeError) as e:
         raise SteadyError(
@@ -151,16 +129,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return safe_load(path, map_location=map_location)
 
 
-# --- finding what to resume from ----------------------------------------------------------------
-
-
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The most recently written complete `*.ckpt` in `folder` (temp files and broken files skipped)."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    candidates = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-    for path in candidates:
+    for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True):
         if is_complete(path):
             return path
         log.warning("resume=auto: skipping %s (incomplete or corrupt)", path)
@@ -184,10 +158,8 @@ def resolve_ckpt_path(cfg) -> str | None:
         # it continues by itself, from its own progress rather than from where it first started.
         log.info("submitit requeued this job: continuing from %s", found)
         return str(found)
-    if ckpt_path:
-        return str(ckpt_path)
-    if resume != "auto":
-        return None
+    if ckpt_path or resume != "auto":
+        return str(ckpt_path) if ckpt_path else None
     found = latest_checkpoint(folder)
     if found is None:
         log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
@@ -204,28 +176,16 @@ def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Modul
     ours = module.state_dict()
     missing = [k for k in ours if k not in theirs]  # state_dict order: the model's own names first
     unexpected = [k for k in theirs if k not in ours]
-    wrong = [
-        f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}"
-        for k in ours
-        if k in theirs and theirs[k].shape != ours[k].shape
-    ]
-    if not (missing or unexpected or wrong):
+    wrong = [k for k in ours if k in theirs and theirs[k].shape != ours[k].shape]
+    wrong = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in wrong]
+    named = (("shape mismatch (checkpoint vs config)", wrong), ("missing", missing), ("unexpected", unexpected))
+    parts = [f"{what}: " + ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "") for what, keys in named if keys]
+    if not parts:
         return
-    parts = []
-    if wrong:
-        parts.append(
-            "shape mismatch (checkpoint vs config): " + ", ".join(wrong[:4]) + (" ..." if len(wrong) > 4 else "")
-        )
-    if missing:
-        parts.append("missing: " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))
-    if unexpected:
-        parts.append("unexpected: " + ", ".join(unexpected[:4]) + (" ..." if len(unexpected) > 4 else ""))
     model = (ckpt.get("steadylm") or {}).get("config", {}).get("model")
-    fix = (
-        "use the model overrides it was trained with: " + " ".join(f"model.{k}={v}" for k, v in model.items())
-        if isinstance(model, dict)
-        else "use the model config it was trained with"
-    )
+    fix = "use the model config it was trained with"
+    if isinstance(model, dict):
+        fix = "use the model overrides it was trained with: " + " ".join(f"model.{k}={v}" for k, v in model.items())
     raise CheckpointError(f"{path}: was written for a different model shape ({'; '.join(parts)}); {fix}")
 
 
@@ -242,14 +202,9 @@ def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
     return path
 
 
-# --- callbacks ------------------------------------------------------------------------------------
-
-
 class SaveOnException(L.Callback):
     """Save `<dirpath>/exception.ckpt` when training (not setup or a failed restore) dies of an exception.
-
-    Single-process only: under DDP the other ranks may be stuck in a collective, and a save is one.
-    """
+    Single-process only: under DDP the other ranks may be stuck in a collective, and a save is one."""
 
     def __init__(self, dirpath: str, filename: str = "exception.ckpt"):
         self.path = Path(dirpath) / filename
@@ -265,50 +220,29 @@ class SaveOnException(L.Callback):
         if not self._training or trainer.world_size > 1 or getattr(exception, "state_saved", False):
             return  # (a preemption has already saved its own checkpoint)
         self._training = False
+        what = type(exception).__name__
         try:
             trainer.save_checkpoint(self.path)
         except Exception as err:  # never mask the exception that ended training
-            log.error("%s: could not save on %s (%s)", self.path, type(exception).__name__, err)
+            log.error("%s: could not save on %s (%s)", self.path, what, err)
             return
-        log.warning(
-            "%s: saved on %s at step %d; resume with resume=auto",
-            self.path,
-            type(exception).__name__,
-            trainer.global_step,
-        )
+        log.warning("%s: saved on %s at step %d; resume with resume=auto", self.path, what, trainer.global_step)
 
 
 def rng_state() -> dict:
     """Every global RNG (torch, numpy, python, CUDA), in types a weights-only checkpoint can hold."""
-    np_state = np.random.get_state(legacy=False)
-    state = {
-        "torch": torch.get_rng_state(),
-        # numpy's key array is stored as a tensor: weights_only loading accepts tensors, not ndarrays.
-        "numpy": {
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "python": random.getstate(),
-    }
+    _, key, pos, has_gauss, gauss = np.random.get_state()  # numpy's key is kept as a tensor, not an ndarray
+    numpy = {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": has_gauss, "gauss": gauss}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy, "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    n, (version, internal, gauss) = state["numpy"], state["python"]
     torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": "MT19937",
-            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-            "has_gauss": n["has_gauss"],
-            "gauss": n["gauss"],
-        }
-    )
-    version, internal, gauss = state["python"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -317,17 +251,14 @@ def set_rng_state(state: dict) -> None:
 class RNGState(L.Callback):
     """Carry the global RNGs through checkpoints, for a bitwise-identical resume.
 
-    The restored state is applied at the first training batch after the restore, because building
-    the resumed DataLoader iterator draws from the torch generator. Validation builds its own iterator,
-    which draws one seed from the torch CPU generator; that generator is handed back as it was after
-    the last training step, so validation never shifts the training stream and a resume right after a
-    validation matches the uninterrupted run. Only that generator is kept per step (a few µs; all of
-    them, numpy's especially, cost far more).
+    The saved state is applied once, at `on_train_start`, after the resumed loaders are built and before any
+    batch. Nothing per step is needed: our loaders have their own `torch.Generator` (data/datamodule.py,
+    data/stream.py), so neither building a train or validation iterator nor validation itself (no dropout in
+    eval) draws from the global generators, and a validation never shifts the training stream.
     """
 
     def __init__(self) -> None:
         self._pending: dict | None = None
-        self._after_step: torch.Tensor | None = None
 
     def state_dict(self) -> dict:
         return rng_state()
@@ -335,15 +266,7 @@ class RNGState(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self._pending = state_dict
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         if self._pending is not None:
             set_rng_state(self._pending)
             self._pending = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._after_step = torch.get_rng_state()  # 5 KB copied on the host; no device sync
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if self._after_step is not None:
-            torch.set_rng_state(self._after_step)
-            self._after_step = None

@@ -1,10 +1,10 @@
 """`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders.
 
-It validates every shard against the model config before training starts (vocabulary,
-tokenizer, context length) and refuses with one `DataError` naming the shard file and the
-config key, so a mismatch never surfaces as a CUDA index error or a traceback through
-Lightning. Batching is done by `EpochBatchSampler` (the Trainer runs with
-`use_distributed_sampler=False`): exact epochs across ranks, static shapes, resumable.
+Every shard is checked against the model config before training (vocabulary, tokenizer, context length): a
+mismatch is one `DataError` naming the shard and the config key, never a CUDA index error. Batches come from
+`EpochBatchSampler` (the Trainer runs with `use_distributed_sampler=False`): exact epochs across ranks, static
+shapes, resumable. Each loader has its own `torch.Generator`, so building its iterator (which draws a seed)
+never draws from the global generator: validation cannot shift the training RNG stream (checkpointing.RNGState).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
@@ -32,7 +33,11 @@ def _same_tokenizer(recorded: str, configured) -> bool:
 
 
 class ShardDataModule(L.LightningDataModule):
-    """The shard `DataSource` (data/source.py): every member answered from the shards' attributes."""
+    """The shard `DataSource` (data/source.py): every member answered from the shards' attributes.
+
+    `input`, `val_fraction`, `text_field`, `vocab_size`, `num_proc`, `on_bad_record` are read by prepare and
+    `global_batch_tokens` by startup, from the config; they are accepted so one `data:` config says it all.
+    """
 
     def __init__(
         self,
@@ -56,39 +61,24 @@ class ShardDataModule(L.LightningDataModule):
     ):
         super().__init__()
         self.dir = Path(dir).expanduser()
-        self.batch_size = int(batch_size)
-        self.num_workers = int(num_workers)
-        self.context_length = int(context_length)
+        self.batch_size, self.num_workers, self.context_length = int(batch_size), int(num_workers), int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
-        self.tokenizer = tokenizer
-        # Read by prepare only; kept so one `data:` config describes the data end to end.
-        self.input, self.val_fraction, self.text_field = input, val_fraction, text_field
-        self.bpe_vocab_size, self.num_proc, self.on_bad_record = vocab_size, num_proc, on_bad_record
-        self.global_batch_tokens = global_batch_tokens
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.pin_memory = bool(pin_memory)
+        self.tokenizer, self.seed = tokenizer, int(seed)
+        self.shuffle, self.drop_last, self.pin_memory = bool(shuffle), bool(drop_last), bool(pin_memory)
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
         self.infos: dict[str, list[ShardInfo]] = {}
         self._train_sampler: EpochBatchSampler | None = None
         self._pending_state: dict | None = None
 
-    # --- discovery and validation ---------------------------------------------------------
-
     def _validate(self, infos: list[ShardInfo]) -> None:
-        first = infos[0]
+        # read_shard_info refused a max_token_id >= its shard's vocab_size: vocab_size <= V covers every id
+        first, V = infos[0], self.model_vocab_size
         for info in infos:
-            if self.model_vocab_size is not None and info.vocab_size > self.model_vocab_size:
+            if V is not None and info.vocab_size > V:
                 raise DataError(
                     f"{info.path}: shard vocab_size {info.vocab_size} exceeds model.vocab_size "
-                    f"{self.model_vocab_size}; set model.vocab_size >= {info.vocab_size}"
-                )
-            if self.model_vocab_size is not None and info.max_token_id >= self.model_vocab_size:
-                raise DataError(
-                    f"{info.path}: holds token id {info.max_token_id} >= model.vocab_size "
-                    f"{self.model_vocab_size}; set model.vocab_size >= {info.vocab_size}"
+                    f"{V}; set model.vocab_size >= {info.vocab_size}"
                 )
             if self.tokenizer is not None and not _same_tokenizer(info.tokenizer, self.tokenizer):
                 raise DataError(
@@ -102,46 +92,45 @@ class ShardDataModule(L.LightningDataModule):
                     "re-run prepare so all shards share one tokenizer"
                 )
 
-    def _check_windows(self, split: str, infos: list[ShardInfo]) -> None:
-        if any(i.n_tokens >= self.context_length + 1 for i in infos):
-            return
-        longest = max(infos, key=lambda i: i.n_tokens)
-        raise DataError(
-            f"{longest.path}: the longest {split} shard has {longest.n_tokens} tokens, fewer than "
-            f"model.context_length + 1 = {self.context_length + 1}; lower model.context_length or prepare more data"
-            + (" (or a larger data.val_fraction)" if split == "val" else "")
-        )
-
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        paths = {split: shard_files(self.dir, split) for split in ("train", "val")}
-        infos = {split: [read_shard_info(p) for p in ps] for split, ps in paths.items()}
+        infos = {split: [read_shard_info(p) for p in shard_files(self.dir, split)] for split in ("train", "val")}
         self._validate(infos["train"] + infos["val"])
         for split, inf in infos.items():
-            self._check_windows(split, inf)
+            if all(i.n_tokens < self.context_length + 1 for i in inf):
+                longest = max(inf, key=lambda i: i.n_tokens)
+                raise DataError(
+                    f"{longest.path}: the longest {split} shard has {longest.n_tokens} tokens, fewer than "
+                    f"model.context_length + 1 = {self.context_length + 1}; lower model.context_length or prepare "
+                    "more data" + (" (or a larger data.val_fraction)" if split == "val" else "")
+                )
         self.infos = infos
-        self.train_set = TokenWindows(
-            paths["train"], self.context_length, infos=infos["train"], model_vocab_size=self.model_vocab_size
-        )
-        self.val_set = TokenWindows(
-            paths["val"], self.context_length, infos=infos["val"], model_vocab_size=self.model_vocab_size
+        self.train_set, self.val_set = (
+            TokenWindows(
+                [i.path for i in infos[s]], self.context_length, infos=infos[s], model_vocab_size=self.model_vocab_size
+            )
+            for s in ("train", "val")
         )
         if self.drop_last and len(self.train_set) < self.batch_size * self._world()[1]:
             raise DataError(
-                f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch "
-                f"({self.batch_size} x {self._world()[1]} ranks) with drop_last=True; lower data.batch_size or set drop_last=False"
+                f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch ({self.batch_size}"
+                f" x {self._world()[1]} ranks) with drop_last=True; lower data.batch_size or set drop_last=False"
             )
-
-    # --- loaders --------------------------------------------------------------------------
 
     def _world(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 0, 1
-        return int(trainer.global_rank), int(trainer.world_size)
+        return (0, 1) if trainer is None else (int(trainer.global_rank), int(trainer.world_size))
 
-    def _loader(self, dataset: TokenWindows, sampler: EpochBatchSampler) -> DataLoader:
+    def _loader(self, dataset: TokenWindows, train: bool) -> DataLoader:
+        rank, world = self._world()
+        order = {"shuffle": self.shuffle, "drop_last": self.drop_last} if train else {"shuffle": False}
+        sampler = EpochBatchSampler(len(dataset), self.batch_size, rank=rank, world_size=world, seed=self.seed, **order)
+        if train:
+            self._train_sampler = sampler
+            if self._pending_state is not None:
+                sampler.load_state_dict(self._pending_state)
+                self._pending_state = None
         # Several ranks: a bad window on one of them stops all of them with its one-line error (consensus.py).
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         return (ConsensusLoader if distributed else DataLoader)(
@@ -150,79 +139,38 @@ class ShardDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        rank, world = self._world()
-        self._train_sampler = EpochBatchSampler(
-            len(self.train_set),
-            self.batch_size,
-            rank=rank,
-            world_size=world,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-        )
-        if self._pending_state is not None:
-            self._train_sampler.load_state_dict(self._pending_state)
-            self._pending_state = None
-        return self._loader(self.train_set, self._train_sampler)
+        return self._loader(self.train_set, train=True)
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
-        rank, world = self._world()
-        sampler = EpochBatchSampler(
-            len(self.val_set),
-            self.batch_size,
-            rank=rank,
-            world_size=world,
-            seed=self.seed,
-            shuffle=False,
-            drop_last=False,
-        )
-        return self._loader(self.val_set, sampler)
+        return self._loader(self.val_set, train=False)
 
-    # --- facts from the shards ------------------------------------------------------------
-
-    def _first(self) -> ShardInfo:
+    def _infos(self, split: str) -> list[ShardInfo]:
         self.setup(None)
-        return self.infos["train"][0]
+        return self.infos[split]
 
-    @property
-    def vocab_size(self) -> int:
-        return self._first().vocab_size
-
-    @property
-    def eos_id(self) -> int:
-        return self._first().eos_id
-
-    @property
-    def tokenizer_name(self) -> str:
-        return self._first().tokenizer
+    vocab_size = property(lambda self: self._infos("train")[0].vocab_size)
+    eos_id = property(lambda self: self._infos("train")[0].eos_id)
+    tokenizer_name = property(lambda self: self._infos("train")[0].tokenizer)
 
     @property
     def n_train_windows(self) -> int:
         self.setup(None)
         return len(self.train_set)
 
-    @property
-    def n_train_tokens(self) -> int:
-        self.setup(None)
-        return sum(i.n_tokens for i in self.infos["train"])
-
-    @property
-    def val_n_tokens(self) -> int:
-        """Tokens in the val shards (end-of-text separators included)."""
-        self.setup(None)
-        return sum(i.n_tokens for i in self.infos["val"])
+    n_train_tokens = property(lambda self: sum(i.n_tokens for i in self._infos("train")))
+    val_n_tokens = property(lambda self: sum(i.n_tokens for i in self._infos("val")))  # end-of-text ids included
 
     @property
     def val_n_bytes(self) -> int | None:
         """UTF-8 bytes of the text behind the val shards' tokens; None if any val shard is format 1."""
-        self.setup(None)
-        sizes = [i.n_bytes for i in self.infos["val"]]
-        return None if any(b is None for b in sizes) else int(sum(sizes))
+        sizes = [i.n_bytes for i in self._infos("val")]
+        return None if None in sizes else int(sum(sizes))
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -235,44 +183,29 @@ class ShardDataModule(L.LightningDataModule):
         if window < 0:
             return {}
         self.setup(None)
-        shard_no, offset = self.train_set.locate(window)
+        shard_no, start = self.train_set.locate(window)
         path = self.train_set.paths[shard_no]
-        return {
-            "shard": Path(path).name,
-            "shard_path": str(path),
-            "start": int(offset),
-            "end": int(offset) + self.context_length + 1,
-        }
+        return {"shard": path.name, "shard_path": str(path), "start": start, "end": start + self.context_length + 1}
 
     def window_ids(self, batch_idx: int) -> list[int]:
         """This rank's window ids at `batch_idx` of the current epoch, one per row (-1: padding)."""
-        if self._train_sampler is None:
-            return []
-        return [int(i) for i in self._train_sampler.batch_windows(batch_idx)]
-
-    # --- resume ---------------------------------------------------------------------------
+        return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)
 
     def state_dict(self) -> dict:
         """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume.
 
-        The sampler itself runs ahead of training (Lightning fetches one batch early, workers
-        prefetch more), so while a Trainer is fitting, the count of batches the loop has actually
-        processed is taken from the Trainer instead.
+        The sampler runs ahead of training (Lightning fetches a batch early, workers prefetch more), so while a
+        Trainer is fitting, the batches the loop has actually processed are taken from the Trainer.
         """
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
-        state = self._train_sampler.state_dict()
         trainer = getattr(self, "trainer", None)
         if trainer is not None and getattr(trainer, "training", False):
-            state = {
-                "epoch": int(trainer.current_epoch),
-                "batches_done": batches_processed(trainer),
-            }
-        return {"train_sampler": state}
+            return {"train_sampler": {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}}
+        return {"train_sampler": self._train_sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state = state_dict.get("train_sampler")
-        if not state:
+        if not (state := state_dict.get("train_sampler")):
             return
         if self._train_sampler is not None:
             self._train_sampler.load_state_dict(state)

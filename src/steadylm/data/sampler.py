@@ -1,19 +1,13 @@
 """Epoch-exact, rank-aware batch sampler with static batch shapes and mid-epoch resume.
 
-Every window is visited exactly once per epoch across all ranks; the last global batch is
-padded with -1 (see `TokenWindows`) rather than dropped or wrapped around, so every rank yields
-the same number of equally shaped batches and no rank waits alone in a collective.
-It must never depend on anything but (seed, epoch, rank, world_size) for its order.
-
-The epoch's order is a keyed bijection of [0, n_windows) computed per position (`FeistelPermutation`),
-never a materialised permutation: per-rank memory is O(1) in the corpus size, so a corpus of billions of
-tokens costs no more to shuffle than a small one, and any batch's windows can be recomputed on demand
-(`batch_windows`) for resume and forensics.
+Every window is visited once per epoch across all ranks; the last global batch is padded with -1
+(see `TokenWindows`), so every rank yields as many equally shaped batches and none waits alone in a
+collective. The order depends only on (seed, epoch, rank, world_size): a keyed Feistel bijection of
+[0, n_windows), evaluated on any positions, so memory stays O(1) in the corpus size and any batch's
+windows can be recomputed (`batch_windows`) for resume and forensics.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -21,6 +15,7 @@ from torch.utils.data import Sampler
 
 PAD_INDEX = -1
 _M64 = (1 << 64) - 1
+_BLOCK = 1 << 13  # epoch positions `__iter__` computes at a time (a few global batches at least)
 
 
 def _mix64(x: int) -> int:
@@ -32,12 +27,10 @@ def _mix64(x: int) -> int:
 
 
 class FeistelPermutation:
-    """A pseudo-random bijection of [0, n) keyed by `key`, evaluated on any positions in O(len) time and O(1) state.
+    """A keyed pseudo-random bijection of [0, n), evaluated on any positions in O(len) time and O(1) state.
 
-    A balanced Feistel network permutes [0, 4^k) (the smallest even-bit domain >= n, so < 4n); positions that
-    land outside [0, n) are encrypted again until they fall inside ("cycle walking"), which keeps it a
-    bijection of [0, n). Six rounds of a multiply-xorshift round function give an order with no visible
-    structure for shuffling purposes (it is not a cipher).
+    A balanced six-round Feistel network permutes [0, 4^k), the smallest even-bit domain >= n; a position that
+    lands outside [0, n) is encrypted again until it falls inside (cycle walking). For shuffling, not secrecy.
     """
 
     ROUNDS = 6
@@ -45,8 +38,7 @@ class FeistelPermutation:
     def __init__(self, n: int, key: int):
         self.n = int(n)
         bits = max(2, (max(self.n, 1) - 1).bit_length())
-        bits += bits % 2
-        self.half = bits // 2
+        self.half = (bits + bits % 2) // 2
         self.mask = np.uint64((1 << self.half) - 1)
         self.keys = [np.uint64(_mix64((int(key) & _M64) ^ _mix64(r))) for r in range(self.ROUNDS)]
 
@@ -67,22 +59,9 @@ class FeistelPermutation:
             raise IndexError(f"position {int(x.max())} outside [0, {self.n})")
         with np.errstate(over="ignore"):
             out = self._encrypt(x)
-            out_of_range = out >= np.uint64(self.n)
-            while out_of_range.any():
-                out[out_of_range] = self._encrypt(out[out_of_range])
-                out_of_range = out >= np.uint64(self.n)
+            while (outside := out >= np.uint64(self.n)).any():
+                out[outside] = self._encrypt(out[outside])
         return out.astype(np.int64)
-
-
-class _EpochHook:
-    """Lightning calls `set_epoch` on `loader.sampler` and `loader.batch_sampler.sampler`, never on
-    the batch sampler itself; exposing this as `.sampler` routes that call to us."""
-
-    def __init__(self, owner: EpochBatchSampler):
-        self.owner = owner
-
-    def set_epoch(self, epoch: int) -> None:
-        self.owner.set_epoch(epoch)
 
 
 class EpochBatchSampler(Sampler[list[int]]):
@@ -101,69 +80,59 @@ class EpochBatchSampler(Sampler[list[int]]):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
-        self.n_windows = int(n_windows)
-        self.batch_size = int(batch_size)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
+        self.n_windows, self.batch_size = int(n_windows), int(batch_size)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        self.global_batch = self.batch_size * self.world_size
         self.epoch = 0
         self.batches_done = 0  # batches handed out in the current epoch
         self.start_batch = 0  # batches to skip on the next iteration (resume), then reset
-        self.sampler = _EpochHook(self)
-        self.global_batch = self.batch_size * self.world_size
-        self._orders: dict[int, FeistelPermutation] = {}  # the epoch's order, built once (its keys are hashed)
+        self._order: tuple[int, FeistelPermutation] | None = None  # (epoch, its order), keys hashed once
+        # Lightning calls `set_epoch` on `loader.batch_sampler.sampler`, never on the batch sampler itself.
+        self.sampler = self
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.n_windows // self.global_batch
-        return math.ceil(self.n_windows / self.global_batch)
+        return (self.n_windows + (0 if self.drop_last else self.global_batch - 1)) // self.global_batch
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) != self.epoch:
-            self.epoch = int(epoch)
-            self.start_batch = 0
-            self.batches_done = 0
-
-    def _order(self, epoch: int) -> FeistelPermutation | None:
-        if not self.shuffle:
-            return None
-        if epoch not in self._orders:
-            self._orders = {epoch: FeistelPermutation(self.n_windows, _mix64(self.seed) ^ int(epoch))}
-        return self._orders[epoch]
+            self.epoch, self.start_batch, self.batches_done = int(epoch), 0, 0
 
     def global_windows(self, positions, epoch: int | None = None) -> np.ndarray:
         """Window ids at epoch positions (`PAD_INDEX` past the last window); the same on every rank."""
         epoch = self.epoch if epoch is None else int(epoch)
         pos = np.asarray(positions, dtype=np.int64)
         real = pos < self.n_windows
-        order = self._orders.get(epoch) or self._order(epoch)
-        ids = pos[real] if order is None else order(pos[real])
         out = np.full(pos.shape, PAD_INDEX, dtype=np.int64)
-        out[real] = ids
+        if not self.shuffle:
+            out[real] = pos[real]
+            return out
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, FeistelPermutation(self.n_windows, _mix64(self.seed) ^ epoch))
+        out[real] = self._order[1](pos[real])
         return out
 
     def batch_windows(self, batch_idx: int, epoch: int | None = None) -> list[int]:
         """This rank's window ids of global batch `batch_idx` (-1 = padding): what `__iter__` yields there."""
         G = self.global_batch
-        chunk = self.global_windows(np.arange(batch_idx * G, (batch_idx + 1) * G), epoch)
-        return chunk[self.rank :: self.world_size].tolist()
+        ids = self.global_windows(np.arange(batch_idx * G, (batch_idx + 1) * G), epoch)
+        return ids[self.rank :: self.world_size].tolist()
 
     def permutation(self, epoch: int | None = None) -> torch.Tensor:
-        """The whole epoch's global order, cut or padded to len(self) * global_batch.
-
-        Materialises O(n_windows) ids: for tests and small corpora; training uses `batch_windows`.
-        """
+        """The whole epoch's global order, cut or padded to len(self) * global_batch (O(n_windows): for tests)."""
         return torch.from_numpy(self.global_windows(np.arange(len(self) * self.global_batch), epoch))
 
     def __iter__(self):
+        # The order is computed a block of batches at a time, so a step only slices it (no call per batch).
         start, self.start_batch = self.start_batch, 0
-        self.batches_done = start
-        for s in range(start, len(self)):
-            batch = self.batch_windows(s)
-            self.batches_done = s + 1
-            yield batch
+        self.batches_done, G, n = start, self.global_batch, len(self)
+        per_block = max(1, _BLOCK // G)
+        for first in range(start, n, per_block):
+            last = min(first + per_block, n)
+            block = self.global_windows(np.arange(first * G, last * G)).reshape(last - first, G)
+            for row in block[:, self.rank :: self.world_size]:
+                self.batches_done += 1
+                yield row.tolist()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done}

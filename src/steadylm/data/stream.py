@@ -158,7 +158,8 @@ class StreamDataModule(L.LightningDataModule):
     def _loader(self, ds: PackedWindows, skip: int) -> DataLoader:
         ds.rank, ds.world = self._world()
         ds.skip = skip
-        return DataLoader(ds, batch_size=self.batch_size)
+        # Its own generator: building the iterator never draws from the global one (checkpointing.RNGState).
+        return DataLoader(ds, batch_size=self.batch_size, generator=torch.Generator())
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
