@@ -1,7 +1,5 @@
-"""What the console shows, in one place: the third-party messages steadylm silences, and the copy of a run's
-console in `<run>/train.log`.
-
-Each silenced message is named here with the reason a user cannot act on it; anything else still shows.
+"""What the console shows: the third-party messages steadylm silences, each with the reason a user cannot act
+on it (anything else still shows), and the copy of a run's console in `<run>/train.log`.
 """
 
 from __future__ import annotations
@@ -34,34 +32,27 @@ SILENCED_WARNINGS = (
 )
 # (logger, message start, why)
 SILENCED_LOGS = (
-    (
-        "lightning.pytorch.utilities.rank_zero",
-        "💡 Tip: For seamless cloud logging",
-        "an advertisement for a hosted logger, printed by every Trainer",
-    ),
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging", "an ad for a hosted logger"),
 )
 
 
 class _DropMessages(logging.Filter):
-    def __init__(self, starts: tuple[str, ...]) -> None:
+    def __init__(self, start: str) -> None:
         super().__init__()
-        self.starts = starts
+        self.start = start
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
+        return not str(record.msg).startswith(self.start)
 
 
 def quiet() -> None:
     """Install the filters above (idempotent: the same filter is never added twice)."""
     for category, message, _why in SILENCED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    by_logger: dict[str, tuple[str, ...]] = {}
     for name, start, _why in SILENCED_LOGS:
-        by_logger[name] = (*by_logger.get(name, ()), start)
-    for name, starts in by_logger.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(starts))
+        if not any(getattr(f, "start", None) == start for f in logger.filters):
+            logger.addFilter(_DropMessages(start))
 
 
 class _Tee:
@@ -86,9 +77,7 @@ class _Tee:
 @contextmanager
 def copy_console(path: Path) -> Iterator[None]:
     """Everything printed to stdout and stderr (and by logging handlers bound to them) also goes to `path`.
-
-    A folder that cannot be written gets no copy: the run's own check names the key and exits 2.
-    """
+    A folder that cannot be written gets no copy: the run's own check names the key and exits 2."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file = path.open("a", encoding="utf-8")
@@ -96,22 +85,22 @@ def copy_console(path: Path) -> Iterator[None]:
         yield
         return
     with file:
-        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-        tees = {name: _Tee(stream, file) for name, stream in streams.items()}
-        handlers = [
-            h
-            for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        streams = (sys.stdout, sys.stderr)
+        tees = {id(s): _Tee(s, file) for s in streams}
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        bound = [
+            (h, h.stream)
+            for logger in loggers
             if isinstance(logger, logging.Logger)
             for h in logger.handlers
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and id(h.stream) in tees
         ]
-        bound = [(h, h.stream) for h in handlers if any(h.stream is s for s in streams.values())]
-        sys.stdout, sys.stderr = tees["stdout"], tees["stderr"]
+        sys.stdout, sys.stderr = (tees[id(s)] for s in streams)
         for h, stream in bound:
-            h.setStream(tees["stdout"] if stream is streams["stdout"] else tees["stderr"])
+            h.setStream(tees[id(stream)])
         try:
             yield
         finally:
-            sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
+            sys.stdout, sys.stderr = streams
             for h, stream in bound:
                 h.setStream(stream)

@@ -1,6 +1,5 @@
-"""Keys left `null` that follow from something else: the rules, as functions that return the values.
-
-A user who sets one of these keys gets exactly that value; `null` (the default) means:
+"""Keys left `null` that follow from something else: the rules, as functions that return the values. A key
+the user sets keeps that value; `null` (the default) means:
 
 | key | null means |
 | --- | --- |
@@ -9,11 +8,10 @@ A user who sets one of these keys gets exactly that value; `null` (the default) 
 | `optim.warmup_steps` | `min(100, trainer.max_steps // 10)` |
 | `trainer.val_check_interval` | every `min(200, ceil(trainer.max_steps / 5))` optimizer steps, in micro-batches |
 
-The data's facts come from the DataModule that `data:` names, through its `DataSource` members
-(data/source.py), never from its config keys: any data source fills them. So `prepare` then
-`train.py data.dir=...` needs no other key, and a 50-step run warms up and validates like a long one,
-scaled. An explicit value that contradicts the data is refused by the DataModule, naming the shard.
-Nothing here writes the config: `resolve.py` writes what these return, once, before anything is built.
+The data's facts come from the DataModule's `DataSource` members (data/source.py), never its config keys, so
+any data source fills them and `train.py data.dir=...` needs no other key; a 50-step run warms up and validates
+like a long one, scaled. The DataModule refuses an explicit value that contradicts the data. Nothing here writes
+the config: `resolve.py` writes what these return, once.
 """
 
 from __future__ import annotations
@@ -73,27 +71,23 @@ def data_source(cfg: DictConfig) -> Any:
 
 
 def from_data(cfg: DictConfig, dm: Any | None) -> dict[str, Any]:
-    """A null vocabulary from `dm`, and a null tokenizer with it (a null tokenizer alone: the DataModule takes any);
-    `dm` is only asked when the vocabulary is null.
-
-    Data keys that interpolate `data.tokenizer` keep the value they had while it was null (the default data.dir's
-    name follows it: filling the tokenizer must not move the folder just read)."""
+    """A null vocabulary from `dm` (asked only then), and a null tokenizer with it (a null tokenizer alone: the
+    DataModule takes any). Data keys that interpolate `data.tokenizer` (the default data.dir) keep the value
+    they had while it was null: filling the tokenizer must not move the folder just read."""
     if cfg.model.get("vocab_size") is not None:
         return {}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"model.vocab_size": padded_vocab(dm.vocab_size)}
     if cfg.data.get("tokenizer") is None:
-        for name, raw in OmegaConf.to_container(cfg.data, resolve=False).items():
-            if isinstance(raw, str) and "{data.tokenizer}" in raw:
-                values[f"data.{name}"] = cfg.data[name]
+        raw = OmegaConf.to_container(cfg.data, resolve=False)
+        values |= {f"data.{k}": cfg.data[k] for k, v in raw.items() if isinstance(v, str) and "{data.tokenizer}" in v}
         values["data.tokenizer"] = dm.tokenizer_name
-    return {"model.vocab_size": padded_vocab(dm.vocab_size), **values}
+    return values
 
 
 def from_run_length(cfg: DictConfig) -> dict[str, Any]:
     """A null `optim.warmup_steps` from `trainer.max_steps` (nothing for a bad one: validate_config names it)."""
     max_steps = cfg.trainer.max_steps
-    valid = isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1
-    if cfg.optim.get("warmup_steps") is not None or not valid:
+    if cfg.optim.get("warmup_steps") is not None or type(max_steps) is not int or max_steps < 1:
         return {}
     return {"optim.warmup_steps": warmup_steps(max_steps)}
 

@@ -1,10 +1,9 @@
 """Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep.
 
-Lightning's DDP launcher re-runs `train.py` for each extra local process and passes it rank 0's
-`hydra.run.dir` (and `hydra.output_subdir=null`, so `.hydra/` is written once). This module adds
-what that leaves open: Hydra's job log file is written by rank 0 only, FSDP gets norm clipping the
-FSDP way, and a multirun that would make every child re-run the whole sweep is refused up front.
-It must never start processes itself: launching stays with Lightning, torchrun or submitit.
+Lightning's DDP launcher re-runs `train.py` for each extra local process with rank 0's `hydra.run.dir` (and
+`hydra.output_subdir=null`). What that leaves open is here: rank 0 alone writes Hydra's job log, FSDP clips
+norms the FSDP way, and a multirun whose children would each re-run the sweep is refused. It never starts
+processes: launching stays with Lightning, torchrun or submitit.
 """
 
 from __future__ import annotations
@@ -35,11 +34,10 @@ def in_multirun() -> bool:
 
 def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
     """Refuse `-m` with a strategy whose launcher re-runs the script (the children would re-run the sweep)."""
-    if not in_multirun():
-        return
     strategy = trainer.strategy
-    relaunches = relaunches_script(strategy) and trainer.num_devices > 1
-    if relaunches and not strategy.cluster_environment.creates_processes_externally:
+    if not in_multirun() or not relaunches_script(strategy) or trainer.num_devices <= 1:
+        return
+    if not strategy.cluster_environment.creates_processes_externally:
         raise ConfigError(
             f"Hydra multirun (-m) cannot start trainer.devices={trainer.num_devices} processes itself "
             f"({type(strategy).__name__}): Lightning re-runs train.py for each extra process, which would re-run "
@@ -54,11 +52,8 @@ def block_wrap_policy() -> set[type]:
 
 
 class FSDPClipping(L.Callback):
-    """Global-norm clipping for FSDP, which shards gradients so only the wrapped module can compute the norm.
-
-    Lightning refuses `gradient_clip_algorithm=norm` under FSDP, so `use_fsdp_clipping` moves the clip value
-    here; appended last, it runs after the other callbacks' `on_before_optimizer_step` (they see pre-clip grads).
-    """
+    """Global-norm clipping for FSDP (sharded gradients: only the wrapped module can compute the norm), which
+    Lightning refuses there; appended last, so the other callbacks' `on_before_optimizer_step` see pre-clip grads."""
 
     def __init__(self, max_norm: float):
         self.max_norm = float(max_norm)

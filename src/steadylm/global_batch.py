@@ -1,11 +1,9 @@
-"""`data.global_batch_tokens`: tokens per optimizer step, the number a recipe is written in.
+"""`data.global_batch_tokens`: tokens per optimizer step, the number a recipe is written in ("0.5M tokens").
 
-A recipe says "0.5M tokens per step" (GPT-2, nanoGPT, llm.c); how that is reached depends on the
-machine: devices × `data.batch_size` × `model.context_length` tokens per micro-step, and gradient
-accumulation for the rest. `accumulation` gives the `trainer.accumulate_grad_batches` that follows from it,
-which the config's resolution (resolve.py) writes before the Trainer is built, so the same recipe gives the
-same optimisation on 1 GPU or 64. It refuses (ConfigError) a total that is not a whole number of micro-steps,
-and an `accumulate_grad_batches` set by hand to something else: it never rounds and never overrides silently.
+Devices × `data.batch_size` × `model.context_length` tokens per micro-step, and gradient accumulation for the
+rest: `accumulation` gives the `trainer.accumulate_grad_batches` that resolve.py writes, so a recipe optimises the
+same on 1 GPU or 64. It never rounds and never overrides silently: a total that is not a whole number of
+micro-steps, or a hand-set `accumulate_grad_batches` that disagrees, is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ def accumulation(cfg: DictConfig, world_size: int) -> int:
     B, T = int(cfg.data.batch_size), int(cfg.model.context_length)
     micro = world_size * B * T
     shown = f"devices×batch×context = {world_size}×{B}×{T} = {micro:,}"
-    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+    if type(total) is not int or total <= 0:
         raise ConfigError(
             f"data.global_batch_tokens={total!r} must be a whole number of tokens > 0 (e.g. 524288), or null"
         )

@@ -1,12 +1,11 @@
-"""Will the run fit? One memory estimate per process, checked against what this machine has, before launch.
+"""Will the run fit? One memory estimate per process, against what this machine has, before launch: `train.py`
+refuses a run that cannot fit and `doctor` prints the same numbers.
 
-`train.py` refuses a run that cannot fit and `doctor` prints the same numbers, so the two never disagree.
-The estimate is deliberately simple and says what it counts: fp32 weights, gradients and both AdamW moments
-(sharded across ranks under FSDP); activations after Korthikanti et al. (2022), ~34·d values per token per
-layer with a fused attention kernel (no T×T scores), at the precision's activation width; and the logits with their
-gradient: whole under `optim.loss=plain` (they dominate small models with large vocabularies), one chunk of
-`optim.loss_chunk` tokens plus the head's fp32 weight gradient under the default chunked loss. What is available: each GPU's
-memory (every process has its own), or the RAM that all CPU processes on this machine share.
+Deliberately simple, and it says what it counts: fp32 weights, gradients and both AdamW moments (sharded under
+FSDP); activations after Korthikanti et al. (2022), ~34·d values per token per layer with a fused attention
+kernel (no T×T scores), at the precision's width; the logits and their gradient, whole under `optim.loss=plain`,
+else one chunk of `optim.loss_chunk` tokens plus the head's fp32 weight gradient. Against each GPU's memory, or
+the RAM all CPU processes on this machine share.
 """
 
 from __future__ import annotations
@@ -91,12 +90,11 @@ def ram_available() -> int | None:
 
 def logits_bytes(cfg: DictConfig, tokens: int, elem: int) -> int:
     """The head + loss's peak: the logits (matmul dtype), their fp32 log-softmax and its gradient, for every token
-    (plain) or one chunk of tokens, plus the fp32 weight gradient the chunks add into (chunked, the default)."""
-    m, optim = cfg.model, cfg.get("optim") or {}
+    (plain) or one chunk, plus the fp32 weight gradient the chunks add into (chunked, the default)."""
+    vocab, optim = int(cfg.model.vocab_size), cfg.get("optim") or {}
     if optim.get("loss", "chunked") == "plain":
-        return tokens * int(m.vocab_size) * (elem + 8)
-    chunk = min(tokens, int(optim.get("loss_chunk", 1024)))
-    return chunk * int(m.vocab_size) * (elem + 8) + int(m.vocab_size) * int(m.d_model) * 4
+        return tokens * vocab * (elem + 8)
+    return min(tokens, int(optim.get("loss_chunk", 1024))) * vocab * (elem + 8) + vocab * int(cfg.model.d_model) * 4
 
 
 def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
@@ -112,13 +110,9 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
         "logits": logits_bytes(cfg, tokens, elem),
     }
     if devices.on_cuda:
-        available, where = (
-            torch.cuda.get_device_properties(0).total_memory,
-            f"GPU memory on {torch.cuda.get_device_name(0)}",
-        )
-    else:
-        available, where = ram_available(), "RAM available"
-    return MemoryPlan(parts, devices.per_node, available, where)
+        gpu = torch.cuda.get_device_properties(0)
+        return MemoryPlan(parts, devices.per_node, gpu.total_memory, f"GPU memory on {torch.cuda.get_device_name(0)}")
+    return MemoryPlan(parts, devices.per_node, ram_available(), "RAM available")
 
 
 def check_fits(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
