@@ -1,6 +1,5 @@
 """Where the Hydra config lives, how to compose it outside `@hydra.main`, and the startup refusals that need
-nothing but the config (a second context length, a bad value, a schedule that cannot run); those that need the
-data (shard vocab, window length) live in the DataModule.
+nothing but the config (those that need the data live in the DataModule).
 """
 
 from __future__ import annotations
@@ -10,6 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from steadylm.compat import config_child
@@ -28,11 +31,6 @@ CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
     """Compose the real config as `train.py` would (for tests, doctor and notebooks)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=True)
@@ -63,6 +61,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     """(key, value, ok, what is allowed) for every value a user sets that could not train."""
     d, t, o = cfg.data, cfg.trainer, cfg.optim
     betas = list(o.betas) if OmegaConf.is_list(o.betas) else o.betas
+    betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas)
     clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
     accumulate = t.accumulate_grad_batches
     val_fraction, fused, name = d.get("val_fraction", 0.01), o.get("fused", "auto"), o.get("name", "adamw")
@@ -75,24 +74,14 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("trainer.max_steps", t.max_steps, _whole(t.max_steps, 1), "a whole number of optimizer steps > 0"),
         ("trainer.accumulate_grad_batches", accumulate, _whole(accumulate, 1), "a whole number >= 1"),
         ("trainer.log_every_n_steps", t.log_every_n_steps, _whole(t.log_every_n_steps, 1), "a whole number >= 1"),
-        (
-            "trainer.gradient_clip_val",
-            clip,
-            clip is None or _num(clip) >= 0,
-            "a norm >= 0 (1.0 is the default; 0 or null: off)",
-        ),
+        ("trainer.gradient_clip_val", clip, _num(clip or 0) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
         ("trainer.gradient_clip_algorithm", algorithm, algorithm in ("norm", "value", None), "norm or value"),
         ("trainer.devices", t.devices, parse_devices(t.devices) is not None, ALLOWED_DEVICES),
         ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
         ("optim.eps", o.eps, _num(o.eps) > 0, "a number > 0, e.g. 1e-8"),
-        (
-            "optim.betas",
-            betas,
-            isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas),
-            "two numbers in [0, 1), e.g. [0.9, 0.95]",
-        ),
+        ("optim.betas", betas, betas_ok, "two numbers in [0, 1), e.g. [0.9, 0.95]"),
         (
             "optim.warmup_steps",
             o.warmup_steps,
@@ -148,15 +137,14 @@ def _num(v: Any) -> float:
 
 
 def validate_values(cfg: DictConfig, prefix: str = "") -> None:
-    """The value rules of the keys under `prefix` (all: ""); startup checks `data.` alone before it builds the
-    DataModule that fills the vocabulary, so a bad data value is its rule's line, not the DataModule's."""
+    """The value rules of the keys under `prefix` (`data.` alone first: its rule's line, not the DataModule's)."""
     for key, value, ok, allowed in _value_rules(cfg):
         if key.startswith(prefix) and not ok:
             raise ConfigError(f"{key}={value!r} is not allowed; it must be {allowed}")
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Raise ConfigError for a config that would train wrongly; one sentence naming the key, the value, what is allowed."""
+    """ConfigError for a config that would train wrongly: one sentence naming the key, the value, what is allowed."""
     ctx = cfg.model.context_length
     for key, value in context_length_copies(cfg):
         if value != ctx:

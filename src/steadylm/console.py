@@ -12,28 +12,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-# (warning category, message start as a regex, why nobody running steadylm can act on it)
+# (warning category, message start as a regex), each with why nobody running steadylm can act on it
 SILENCED_WARNINGS = (
-    (
-        FutureWarning,
-        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        "Lightning's own pytree helper under torch >= 2.10; fixed in Lightning, not in user code",
-    ),
-    (
-        UserWarning,
-        r"Precision .* is not supported by the model summary",
-        "the summary's size column under bf16-mixed; the memory estimate at startup is steadylm's number",
-    ),
-    (
-        UserWarning,
-        r"You're resuming from a checkpoint that ended before the epoch ended",
-        "steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see",
-    ),
+    # Lightning's own pytree helper under torch >= 2.10; fixed in Lightning, not in user code
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # the summary's size column under bf16-mixed; the memory estimate at startup is steadylm's number
+    (UserWarning, r"Precision .* is not supported by the model summary"),
+    # steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see
+    (UserWarning, r"You're resuming from a checkpoint that ended before the epoch ended"),
 )
 # (logger, message start, why)
-SILENCED_LOGS = (
-    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging", "an ad for a hosted logger"),
-)
+SILENCED_LOGS = (("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging", "a logger's ad"),)
 
 
 class _DropMessages(logging.Filter):
@@ -47,7 +36,7 @@ class _DropMessages(logging.Filter):
 
 def quiet() -> None:
     """Install the filters above (idempotent: the same filter is never added twice)."""
-    for category, message, _why in SILENCED_WARNINGS:
+    for category, message in SILENCED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, start, _why in SILENCED_LOGS:
         logger = logging.getLogger(name)
@@ -76,8 +65,8 @@ class _Tee:
 
 @contextmanager
 def copy_console(path: Path) -> Iterator[None]:
-    """Everything printed to stdout and stderr (and by logging handlers bound to them) also goes to `path`.
-    A folder that cannot be written gets no copy: the run's own check names the key and exits 2."""
+    """Everything printed to stdout/stderr (logging handlers too) also goes to `path`; none for an unwritable folder
+    (the run's own check names the key and exits 2)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file = path.open("a", encoding="utf-8")
@@ -88,13 +77,8 @@ def copy_console(path: Path) -> Iterator[None]:
         streams = (sys.stdout, sys.stderr)
         tees = {id(s): _Tee(s, file) for s in streams}
         loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-        bound = [
-            (h, h.stream)
-            for logger in loggers
-            if isinstance(logger, logging.Logger)
-            for h in logger.handlers
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and id(h.stream) in tees
-        ]
+        handlers = [h for logger in loggers if isinstance(logger, logging.Logger) for h in logger.handlers]
+        bound = [(h, h.stream) for h in handlers if isinstance(h, logging.StreamHandler) and id(h.stream) in tees]
         sys.stdout, sys.stderr = (tees[id(s)] for s in streams)
         for h, stream in bound:
             h.setStream(tees[id(stream)])

@@ -8,10 +8,8 @@ the user sets keeps that value; `null` (the default) means:
 | `optim.warmup_steps` | `min(100, trainer.max_steps // 10)` |
 | `trainer.val_check_interval` | every `min(200, ceil(trainer.max_steps / 5))` optimizer steps, in micro-batches |
 
-The data's facts come from the DataModule's `DataSource` members (data/source.py), never its config keys, so
-any data source fills them and `train.py data.dir=...` needs no other key; a 50-step run warms up and validates
-like a long one, scaled. The DataModule refuses an explicit value that contradicts the data. Nothing here writes
-the config: `resolve.py` writes what these return, once.
+The data's facts come from its `DataSource` members (data/source.py), so any source fills them; a 50-step run
+warms up and validates like a long one, scaled. `resolve.py` writes what these return, once.
 """
 
 from __future__ import annotations
@@ -27,22 +25,17 @@ from steadylm.config import validate_values
 from steadylm.data.source import missing_members
 from steadylm.errors import ConfigError, SteadyError, one_line
 
-VOCAB_MULTIPLE = 64
-MAX_WARMUP, WARMUP_FRACTION = 100, 10  # at most 100 steps, at most a tenth of the run
-MAX_VAL_EVERY, MIN_VALIDATIONS = 200, 5  # every 200 steps at most, at least 5 times a run
-
 
 def padded_vocab(vocab_size: int) -> int:
-    """The smallest multiple of 64 that holds `vocab_size` ids."""
-    return -(-int(vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return -(-int(vocab_size) // 64) * 64  # the smallest multiple of 64 that holds `vocab_size` ids
 
 
 def warmup_steps(max_steps: int) -> int:
-    return min(MAX_WARMUP, int(max_steps) // WARMUP_FRACTION)
+    return min(100, int(max_steps) // 10)  # at most 100 steps, at most a tenth of the run
 
 
 def val_every_steps(max_steps: int) -> int:
-    return max(1, min(MAX_VAL_EVERY, math.ceil(int(max_steps) / MIN_VALIDATIONS)))
+    return max(1, min(200, math.ceil(int(max_steps) / 5)))  # every 200 steps at most, at least 5 times a run
 
 
 def data_source(cfg: DictConfig) -> Any:
@@ -60,20 +53,16 @@ def data_source(cfg: DictConfig) -> Any:
             f"data: cannot build {cfg.data.get('_target_')} ({type(cause).__name__}: {one_line(cause)}); "
             "check the data.* keys"
         ) from None
-    missing = missing_members(dm)
-    if missing:
-        raise ConfigError(
-            f"data._target_={cfg.data.get('_target_')} lacks {', '.join(missing)}: a data source needs the members "
-            "of steadylm.data.source.DataSource (src/steadylm/data/source.py)"
-        )
+    if missing := missing_members(dm):
+        need = "a data source needs the members of steadylm.data.source.DataSource (src/steadylm/data/source.py)"
+        raise ConfigError(f"data._target_={cfg.data.get('_target_')} lacks {', '.join(missing)}: {need}")
     dm.setup("fit")  # the source's own checks, before anything else is built
     return dm
 
 
 def from_data(cfg: DictConfig, dm: Any | None) -> dict[str, Any]:
-    """A null vocabulary from `dm` (asked only then), and a null tokenizer with it (a null tokenizer alone: the
-    DataModule takes any). Data keys that interpolate `data.tokenizer` (the default data.dir) keep the value
-    they had while it was null: filling the tokenizer must not move the folder just read."""
+    """A null vocabulary from `dm`, and a null tokenizer with it; data keys that interpolate `data.tokenizer` (the
+    default data.dir) keep their value: filling the tokenizer must not move the folder just read."""
     if cfg.model.get("vocab_size") is not None:
         return {}
     values: dict[str, Any] = {"model.vocab_size": padded_vocab(dm.vocab_size)}

@@ -1,11 +1,6 @@
-"""How many processes a run starts, and on what: `trainer.accelerator` and `trainer.devices`, read once.
-
-The Trainer resolves them only when built, but the global batch, the memory estimate, the precision, the
-preflight refusals and `doctor` need the same answer before, so it is resolved here by Lightning's rules:
-accelerator `auto` is mps where usable, else cuda where visible, else cpu (`gpu`: mps, else cuda); devices
-`auto` is every visible CUDA GPU (one interactively) and 1 on a CPU or MPS, `-1` every visible GPU, `N` N, a list
-or `"0,1"` GPU ids. A CPU takes only a number of processes, a GPU run only visible devices: Lightning refuses
-the rest, so they are refused here.
+"""How many processes a run starts, and on what: `trainer.accelerator` and `trainer.devices` resolved once by
+Lightning's rules, since the global batch, memory estimate, precision, preflight and `doctor` need the answer before
+the Trainer exists. `auto`: mps, else cuda, else cpu; devices `auto`: every visible CUDA GPU (one interactively).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep.
-
-Lightning's DDP launcher re-runs `train.py` for each extra local process with rank 0's `hydra.run.dir` (and
-`hydra.output_subdir=null`). What that leaves open is here: rank 0 alone writes Hydra's job log, FSDP clips
-norms the FSDP way, and a multirun whose children would each re-run the sweep is refused. It never starts
-processes: launching stays with Lightning, torchrun or submitit.
+"""Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep. Lightning's
+DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir`; this adds FSDP's own clipping and
+refuses a multirun whose children would each re-run the sweep. Launching stays with Lightning, torchrun, submitit.
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ def in_multirun() -> bool:
 def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
     """Refuse `-m` with a strategy whose launcher re-runs the script (the children would re-run the sweep)."""
     strategy = trainer.strategy
-    if not in_multirun() or not relaunches_script(strategy) or trainer.num_devices <= 1:
-        return
-    if not strategy.cluster_environment.creates_processes_externally:
+    relaunches = relaunches_script(strategy) and not strategy.cluster_environment.creates_processes_externally
+    if in_multirun() and relaunches and trainer.num_devices > 1:
         raise ConfigError(
             f"Hydra multirun (-m) cannot start trainer.devices={trainer.num_devices} processes itself "
             f"({type(strategy).__name__}): Lightning re-runs train.py for each extra process, which would re-run "
@@ -52,8 +48,7 @@ def block_wrap_policy() -> set[type]:
 
 
 class FSDPClipping(L.Callback):
-    """Global-norm clipping for FSDP (sharded gradients: only the wrapped module can compute the norm), which
-    Lightning refuses there; appended last, so the other callbacks' `on_before_optimizer_step` see pre-clip grads."""
+    """Global-norm clipping by the FSDP module (Lightning refuses it there); last: callbacks see pre-clip grads."""
 
     def __init__(self, max_norm: float):
         self.max_norm = float(max_norm)

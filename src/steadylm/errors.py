@@ -1,6 +1,4 @@
-"""Errors a user can cause: one sentence naming the file or key and the fix. Entry points print the message of
-a `SteadyError` and exit non-zero: no traceback through Lightning internals for a mistake in the user's input.
-"""
+"""Errors a user can cause: one sentence naming the file or key and the fix, printed (no traceback), exit non-zero."""
 
 import sys
 

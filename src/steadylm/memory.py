@@ -1,17 +1,14 @@
-"""Will the run fit? One memory estimate per process, against what this machine has, before launch: `train.py`
-refuses a run that cannot fit and `doctor` prints the same numbers.
-
-Deliberately simple, and it says what it counts: fp32 weights, gradients and both AdamW moments (sharded under
-FSDP); activations after Korthikanti et al. (2022), ~34·d values per token per layer with a fused attention
-kernel (no T×T scores), at the precision's width; the logits and their gradient, whole under `optim.loss=plain`,
-else one chunk of `optim.loss_chunk` tokens plus the head's fp32 weight gradient. Against each GPU's memory, or
-the RAM all CPU processes on this machine share.
+"""Will the run fit? One simple estimate per process (`train.py` refuses, `doctor` prints it): fp32 weights, grads
+and AdamW moments (sharded under FSDP), activations after Korthikanti et al. (2022) (~34·d values per token per
+layer, fused attention), the logits and their gradient; against each GPU's memory, or the RAM CPU processes share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -69,28 +66,18 @@ def count_params(model_cfg: DictConfig | dict) -> int:
         return sum(p.numel() for p in GPT(model_config(model_cfg)).parameters())
 
 
-def activation_bytes(precision: str) -> int:
-    return 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2
-
-
 def ram_available() -> int | None:
     """MemAvailable (what new processes can get without swapping), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError, StopIteration):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(x.split()[1]) * 1024 for x in lines if x.startswith("MemAvailable:"))
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return None
 
 
 def logits_bytes(cfg: DictConfig, tokens: int, elem: int) -> int:
-    """The head + loss's peak: the logits (matmul dtype), their fp32 log-softmax and its gradient, for every token
-    (plain) or one chunk, plus the fp32 weight gradient the chunks add into (chunked, the default)."""
+    """The logits, their fp32 log-softmax and its gradient: every token's (plain), or a chunk's + the head's grad."""
     vocab, optim = int(cfg.model.vocab_size), cfg.get("optim") or {}
     if optim.get("loss", "chunked") == "plain":
         return tokens * vocab * (elem + 8)
@@ -102,7 +89,7 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
     require_understood(m, "memory")  # a switch this estimate does not count is refused, not under-counted
     n_params = count_params(cfg.model) if n_params is None else n_params
     shards = devices.world_size if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
-    elem = activation_bytes(precision)
+    elem = 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2  # activation width
     tokens = int(cfg.data.batch_size) * m.context_length
     parts = {
         "weights+grads+adamw": n_params * ADAMW_BYTES_PER_PARAM // shards,
@@ -116,7 +103,7 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
 
 
 def check_fits(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
-    """Raise ConfigError, with the estimate, what is there and what to change, when the run cannot fit."""
+    """ConfigError, with the estimate, what is there and what to change, when the run cannot fit."""
     p = plan(cfg, precision, devices, n_params)
     if not p.fits:
         raise ConfigError(

@@ -1,6 +1,4 @@
-"""Which precision a run trains in: `auto` resolved for this machine, Lightning's legacy names normalised, in one
-place so `train.py`, the memory check and `doctor` agree.
-"""
+"""Which precision a run trains in (`auto` resolved, legacy names normalised): one place, so all agree."""
 
 from __future__ import annotations
 
@@ -16,12 +14,8 @@ LEGACY = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-tru
 
 
 def resolve_precision(precision: Any, accelerator: str) -> str:
-    """`auto`: bf16-mixed where the hardware (the resolved `accelerator`) has bf16 units, else fp32.
-
-    A CPU without native bf16 (no AVX512-BF16/AMX) emulates it ~10x slower (`make bench`), so bf16 is chosen only
-    where oneDNN reports support. `STEADYLM_AUTO_PRECISION` overrides the choice, so the tests can run as a
-    machine of the other kind would.
-    """
+    """`auto`: bf16-mixed where the resolved `accelerator` has bf16 units (a CPU without them emulates it ~10x
+    slower), else fp32; `STEADYLM_AUTO_PRECISION` overrides it, so tests can run as the other kind of machine."""
     precision = str(precision)
     if precision != "auto":
         return LEGACY.get(precision, precision)

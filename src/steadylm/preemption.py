@@ -1,11 +1,8 @@
-"""Preemption: a signal ends the run at a step boundary, checkpointed, with exit code 75 and a record.
-
-SLURM (SIGTERM; SIGUSR1 before the time limit), Kubernetes (SIGTERM) and Ctrl-C stop jobs with a signal. Every
-rank stops at the same optimizer-step boundary with `checkpoints/preempted.ckpt`; `finish_preempted` writes
-`result.json` (`status: preempted`), prints the resume command, requeues after a pre-timeout signal (submitit's,
-SIGUSR2, through submitit's own handler) and exits 75, `EX_TEMPFAIL`: not failure (1), bad input (2), divergence
-(3) or a kill (128+N, nothing saved), so a scheduler can requeue on it (`RequeueExit=75`). Never stop one rank
-alone: the others would hang in a collective.
+"""Preemption: a signal (SLURM's SIGTERM, or SIGUSR1 before the time limit; Kubernetes' SIGTERM; Ctrl-C) stops
+every rank at the same optimizer-step boundary with `checkpoints/preempted.ckpt` (never one rank alone: the others
+would hang in a collective); `finish_preempted` writes `result.json` (`status: preempted`), prints the resume
+command, requeues after a pre-timeout signal (submitit's SIGUSR2 through its own handler) and exits 75,
+`EX_TEMPFAIL`: not failure (1), bad input (2), divergence (3) or a kill (128+N), so a scheduler can requeue on it.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL (see the module docstring)
 
 def submitit_signal(env: dict[str, str]) -> int | None:
     """The signal submitit sends this job before its time limit (None outside a submitit job)."""
-    if not env.get("SUBMITIT_EXECUTOR"):
-        return None
-    return int(getattr(signal, "SIG" + env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")))
+    names = [env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+    return signal_numbers(names, "SUBMITIT_PREEMPT_SIGNAL")[0] if env.get("SUBMITIT_EXECUTOR") else None
 
 
 def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
@@ -68,8 +64,7 @@ class CollectiveFlag:
     lies between): one poll late but the same on every rank, with no stall on the slowest rank, no device sync."""
 
     def __init__(self) -> None:
-        self.group = None  # None with one process: the local flag is the answer
-        self._work = None
+        self.group = self._work = None  # no group with one process: the local flag is the answer
         self._buffer: torch.Tensor | None = None
 
     def setup(self) -> None:
@@ -95,14 +90,11 @@ class CollectiveFlag:
 
 
 class Preemption(L.Callback):
-    """Stop every rank at one optimizer-step boundary after SIGTERM/SIGINT/SIGUSR1, with a checkpoint.
-
-    Last of the callbacks (`place_last`, even with `callbacks=none`), it saves in `on_train_batch_end` after their
+    """Last of the callbacks (`place_last`, even with `callbacks=none`), it saves in `on_train_batch_end` after their
     step bookkeeping, as `ModelCheckpoint` would, and only then arms `on_train_batch_start` (a quiet step calls one
     hook here) to raise `Preempted` as the next batch starts, after Lightning logged the step: not `should_stop`,
     whose early-stopping validation and end-of-epoch last.ckpt resume=auto would prefer. Its handlers replace
-    Lightning's (a mid-loop `SIGTERMException`, exit 0) from `on_train_start`. A second Ctrl-C interrupts at once.
-    """
+    Lightning's (a mid-loop `SIGTERMException`, exit 0) from `on_train_start`. A second Ctrl-C interrupts at once."""
 
     def __init__(
         self,
@@ -150,12 +142,8 @@ class Preemption(L.Callback):
         agreed = self.flag.poll(self.received) if self.flag.group is not None else self.received
         if agreed:  # collective: every rank is at this step
             trainer.save_checkpoint(self.path, weights_only=False)
-            self.record = {
-                "signal": signal.Signals(agreed).name,
-                "step": step,
-                "checkpoint": str(self.path),
-                "requeue": self.requeuer(agreed),  # who asks the cluster to requeue the job, if anyone
-            }
+            name, path = signal.Signals(agreed).name, str(self.path)
+            self.record = {"signal": name, "step": step, "checkpoint": path, "requeue": self.requeuer(agreed)}
             if not 0 <= trainer.max_steps <= step:  # no scheduled validation on the way out (the grace is short)
                 trainer.limit_val_batches = 0
             self.on_train_batch_start = self._stop
@@ -217,8 +205,7 @@ def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
     """Ask SLURM to requeue this job when the signal was a pre-timeout one; a note for the user's line."""
     if record["requeue"] == "submitit":
         return "; submitit requeues the job, and it resumes by itself"
-    command = slurm_requeue_command(env) if record["requeue"] == "scontrol" else None
-    if command is None:
+    if record["requeue"] != "scontrol" or (command := slurm_requeue_command(env)) is None:
         return ""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=60)
@@ -239,12 +226,8 @@ def finish_preempted(cfg, preemption: Preemption) -> None:
         script = "train.py" if record["requeue"] == "submitit" else sys.argv[0] or "train.py"  # not submitit's
         command = resume_command(str(cfg.paths.output_dir), overrides, script)
         saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
-        note = requeue(record, dict(os.environ))
-        print(
-            f"preempted: {record['signal']} at step {record['step']}, {saved}; resume with: {command}{note}",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = f"preempted: {record['signal']} at step {record['step']}, {saved}; resume with: {command}"
+        print(line + requeue(record, dict(os.environ)), file=sys.stderr, flush=True)
         if in_multirun() and record["requeue"] != "submitit":
             config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
             for node in reversed(list((config.hydra.get("callbacks") or {}).values())):

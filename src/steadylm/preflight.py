@@ -1,7 +1,5 @@
-"""Refuse, before anything is written, a run that cannot work on this machine, with one message: the
-environment (more GPUs than are visible, an output folder that cannot be written) and the command line (an
-unknown preset, a typo'd key, a run folder Hydra cannot create: otherwise Hydra's multi-line dump or a
-traceback). It never changes the config or touches a file other than its own probe file.
+"""Refuse, before anything is written and with one line, a run this machine cannot run, and a command line
+Hydra would answer with a dump or a traceback (an unknown preset, a typo'd key, a run folder it cannot create).
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ from steadylm.memory import MemoryPlan, check_fits
 
 
 def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> MemoryPlan:
-    """Refuse what Lightning would quietly run otherwise (more devices than GPUs with `auto` and no GPU: that many
-    CPU processes; fp16 with a loss scaler off CUDA: bf16), a run that does not fit, an output folder that
-    cannot be written; the memory plan that fits."""
+    """Refuse what Lightning would run quietly otherwise (`auto` devices without a GPU: CPU processes; fp16 off CUDA:
+    bf16), a run that does not fit, an output folder that cannot be written; the memory plan that fits."""
     n, accelerator, fp = devices.per_node, cfg.trainer.accelerator, str(cfg.trainer.precision)
     if str(accelerator) == "auto" and devices.accelerator == "cpu" and n > 1:
         raise ConfigError(
@@ -53,11 +50,9 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> Memo
 
 def _struct_key_message(err: HydraException) -> str | None:
     """`trainer.max_stepz=3` -> name the key, the closest real keys, and the `+` escape hatch."""
-    cause = err.__cause__
-    full_key = getattr(cause, "full_key", None)
+    full_key, parent = getattr(err.__cause__, "full_key", None), getattr(err.__cause__, "parent_node", None)
     if not full_key:
         return None
-    parent = getattr(cause, "parent_node", None)
     known = list(parent.keys()) if isinstance(parent, DictConfig) else []
     leaf = full_key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, [str(k) for k in known], n=2)
@@ -80,9 +75,8 @@ def hydra_error_message(err: Exception) -> str:
 
 @contextlib.contextmanager
 def hydra_errors_as_messages(started: list[bool]) -> Iterator[None]:
-    """Hydra's composition/run-folder errors as `error: <one line>`, exit 2. Hydra lets them escape (instead of
-    its own dump) only under HYDRA_FULL_ERROR, set for the call; a user who set it gets Hydra's traceback.
-    The task sets `started[0]` once it runs, so errors from training are never relabelled."""
+    """Hydra's composition/run-folder errors as `error: <one line>`, exit 2: they escape only under HYDRA_FULL_ERROR
+    (set for the call unless the user set it); `started[0]`, set once the task runs, keeps training's errors as is."""
     if os.environ.get("HYDRA_FULL_ERROR"):
         yield
         return

@@ -1,11 +1,7 @@
-"""What a run prints while it trains: one plain line per logging step and one per validation.
-
-    step 50/300 | loss 3.2140 | 41.2k tok/s | stability: ok
-    step 60/300 | loss 3.1990 | 40.8k tok/s | stability: 1 event(s), last forecast -> log at step 57 | forecast: residual_rms 31.4 -> 100 by step ~71
-    val  50/300 | loss 3.1872 | bpb 1.931
-
-Lines, not a redrawn bar, so the console, `train.log` and a SLURM log read the same. As a Lightning
-`ProgressBar` it replaces Lightning's own; `trainer.enable_progress_bar=false` turns it off.
+"""What a run prints while it trains: plain lines, not a redrawn bar, so the console, `train.log` and a SLURM log
+read the same; one per logging step (`step 60/300 | loss 3.1990 | 40.8k tok/s | stability: ok`, then any live
+forecast) and one per validation (`val  60/300 | loss 3.1872 | bpb 1.931`). As a `ProgressBar` it replaces
+Lightning's own (`trainer.enable_progress_bar=false`: none).
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ class ProgressLines(ProgressBar):
         self._enabled = True
 
     @property
-    def is_enabled(self) -> bool:
+    def is_enabled(self) -> bool:  # read by LightningModule.print
         return self._enabled
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -60,8 +56,7 @@ class ProgressLines(ProgressBar):
         if rate:
             parts.append(f"{rate / 1e3:.1f}k tok/s")
         parts.append(f"stability: {self._stability(trainer)}")
-        if self._live is not None and step <= self._live.get("by_step", self._live["expected_step"]):
-            d = self._live
+        if (d := self._live) is not None and step <= d.get("by_step", d["expected_step"]):
             parts.append(
                 f"forecast: {d['signal']} {d['value']:.3g} -> {d['threshold']:g} by step ~{d['expected_step']}"
             )

@@ -1,24 +1,17 @@
-"""The config resolved once, before anything is built, then made read-only: `resolve(cfg) -> Resolved`.
-
-Every value that follows from another is settled here, so the model, the Trainer and the callbacks never
-re-derive one, and none can change `cfg` afterwards. In order, each from what is final before it:
+"""The config resolved once, before anything is built, then read-only: nothing re-derives or changes a value.
 
 1. null `model.vocab_size`, `data.tokenizer` (from the DataModule) and `optim.warmup_steps` (derived.py);
 2. the config's refusals (config.py `validate_config`);
 3. the devices (devices.py), `trainer.accumulate_grad_batches` (global_batch.py), a null `val_check_interval`;
 4. the precision (precision.py), this machine's refusals and the memory plan (preflight.py).
 
-Steps 1 and 3 write the config, so every checkpoint's run config shows the filled values; the devices and
-precision stay `auto` there (a resume on another machine resolves them again) and `Resolved` carries them. The
-DataModule is built once: at step 1 when the vocabulary needs it, else after step 4 (a config refusal comes
-before a missing data folder).
+Steps 1 and 3 write the config (so checkpoints record them); devices and precision stay `auto` for a resume elsewhere.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,8 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from steadylm.config import set_key, validate_config
 from steadylm.derived import data_source, from_data, from_run_length, val_interval
 from steadylm.devices import Devices, devices_of
-from steadylm.global_batch import KEY as ACCUMULATE
-from steadylm.global_batch import accumulation
+from steadylm.global_batch import KEY, accumulation
 from steadylm.memory import MemoryPlan
 from steadylm.precision import resolve_precision
 from steadylm.preflight import check_environment
@@ -35,8 +27,6 @@ from steadylm.preflight import check_environment
 
 @dataclass(frozen=True)
 class Resolved:
-    """What the build reads: the read-only config and what was resolved beside it."""
-
     cfg: DictConfig
     datamodule: Any  # set up, a `DataSource` (data/source.py)
     devices: Devices
@@ -59,12 +49,12 @@ def fill_derived(cfg: DictConfig) -> Any | None:
 
 
 def resolve(cfg: DictConfig) -> Resolved:
-    """Fill, check and freeze `cfg` in place (steps 1-4 above)."""
+    """Fill, check and freeze `cfg` in place (steps 1-4 above); the DataModule is built once, last unless step 1."""
     dm = fill_derived(cfg)
     validate_config(cfg)
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size)
-    fill(cfg, {ACCUMULATE: accumulate, **val_interval(cfg, accumulate)})
+    fill(cfg, {KEY: accumulate, **val_interval(cfg, accumulate)})
     precision = resolve_precision(cfg.trainer.precision, devices.accelerator)
     memory = check_environment(cfg, devices, precision)
     datamodule = dm if dm is not None else data_source(cfg)
@@ -79,4 +69,4 @@ def with_keys(run: Resolved, keys: dict[str, Any]) -> Resolved:
     OmegaConf.set_readonly(cfg, False)
     fill(cfg, keys)
     OmegaConf.set_readonly(cfg, True)
-    return dataclasses.replace(run, cfg=cfg)
+    return replace(run, cfg=cfg)

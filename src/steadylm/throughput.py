@@ -1,7 +1,5 @@
-"""Tokens/s and MFU, logged every `log_every_n_steps` from the wall-clock time between logging steps.
-
-A window of steps, not each step, keeps the hot path free of host syncs: a step only adds its batch's token
-count (a shape, never a device value) and compares its step number.
+"""Tokens/s and MFU, logged every `log_every_n_steps` from the wall-clock time between logging steps: a step only
+adds its batch's token count (a shape, never a device value, so no host sync) and compares its step number.
 """
 
 from __future__ import annotations
@@ -25,10 +23,7 @@ class Throughput(L.Callback):
     """`peak_flops` overrides the table (FLOP/s per device), e.g. for a GPU it lacks; MFU is logged when known."""
 
     def __init__(self, peak_flops: float | None = None) -> None:
-        self.peak_flops = peak_flops
-        self._tokens = 0
-        self._t0: float | None = None
-        self._last_step = -1
+        self.peak_flops, self._tokens, self._t0, self._last_step = peak_flops, 0, None, -1
         self.tokens_per_sec: float | None = None  # the last measurement (the progress line shows it)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -41,11 +36,8 @@ class Throughput(L.Callback):
         if self._t0 is not None and now > self._t0:
             self.tokens_per_sec = tps = self._tokens * trainer.world_size / (now - self._t0)
             metrics = {"perf/tokens_per_sec": tps}
-            device = pl_module.device
-            peak = self.peak_flops or (
-                peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-            )
-            if peak:
+            name = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else ""
+            if peak := self.peak_flops or peak_flops(name):
                 metrics["perf/mfu"] = tps / trainer.world_size * pl_module.net.flops_per_token() / peak
             write_metrics(trainer, metrics)
         self._t0, self._tokens = now, 0

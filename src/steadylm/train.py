@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,7 @@ def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
-    """Resolve `cfg` (resolve.py: filled, checked, read-only, before any process group or logger exists), then
-    build the module and the Trainer from what it resolved."""
+    """Resolve `cfg` (resolve.py, before any process group or logger exists), then build the module and Trainer."""
     quiet()
     run = resolve(cfg)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32 on Ampere+, as nanoGPT
@@ -111,9 +111,8 @@ _task_started = [False]
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
-    if not is_rank_zero_process():
-        return _run(cfg)
-    with copy_console(Path(cfg.paths.output_dir) / "train.log"):  # the run folder keeps what the console showed
+    log_copy = copy_console(Path(cfg.paths.output_dir) / "train.log")  # the run folder keeps what the console showed
+    with log_copy if is_rank_zero_process() else nullcontext():
         return _run(cfg)
 
 
@@ -136,11 +135,8 @@ def _run(cfg: DictConfig) -> float | None:
     if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
         print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
     if status == "diverged" and not in_multirun():
-        print(
-            f"error: training diverged ({reason}); see {run}/stability/events.jsonl "
-            f"or `python -m steadylm.diagnose {run}`",
-            file=sys.stderr,
-        )
+        see = f"see {run}/stability/events.jsonl or `python -m steadylm.diagnose {run}`"
+        print(f"error: training diverged ({reason}); {see}", file=sys.stderr)
         sys.exit(3)
     return value
 
