@@ -1,8 +1,5 @@
-"""Where the Hydra config lives, how to compose it outside `@hydra.main`, and the startup refusals.
-
-The refusals here are the ones that need nothing but the config: a second context length that
-differs from `model.context_length`, a vocabulary that is not padded, a schedule that cannot run.
-Checks that need the data (shard vocab, window length) live in the DataModule.
+"""Where the Hydra config lives, how to compose it outside `@hydra.main`, and the startup refusals that need
+nothing but the config (those that need the data live in the DataModule).
 """
 
 from __future__ import annotations
@@ -12,6 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from steadylm.compat import config_child
@@ -30,11 +31,6 @@ CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
     """Compose the real config as `train.py` would (for tests, doctor and notebooks)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=True)
@@ -42,107 +38,66 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
     return cfg
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, DictConfig):
-        for key in node.keys():
-            if key == "hydra":
-                continue
-            yield from _leaves(config_child(node, key), f"{prefix}{key}.")
-    elif isinstance(node, ListConfig):
-        for i in range(len(node)):
-            yield from _leaves(config_child(node, i), f"{prefix}{i}.")
+def _leaves(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, (DictConfig, ListConfig)):
+        for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+            if key != "hydra":
+                yield from _leaves(config_child(node, key), f"{prefix}{key}.")
     else:
-        yield prefix[:-1], node
+        yield prefix[:-1]
 
 
 def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
     """Every key named `context_length` outside `model`, with its resolved value."""
-    copies = []
-    for key, _node in _leaves(cfg):
-        if key.split(".")[-1] == "context_length" and key != "model.context_length":
-            copies.append((key, OmegaConf.select(cfg, key)))
-    return copies
+    keys = [k for k in _leaves(cfg) if k.rsplit(".", 1)[-1] == "context_length" and k != "model.context_length"]
+    return [(k, OmegaConf.select(cfg, k)) for k in keys]
 
 
 PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     """(key, value, ok, what is allowed) for every value a user sets that could not train."""
     d, t, o = cfg.data, cfg.trainer, cfg.optim
     betas = list(o.betas) if OmegaConf.is_list(o.betas) else o.betas
-    clip = t.get("gradient_clip_val")
+    betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas)
+    clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
+    accumulate = t.accumulate_grad_batches
+    val_fraction, fused, name = d.get("val_fraction", 0.01), o.get("fused", "auto"), o.get("name", "adamw")
     rules = [
-        ("data.batch_size", d.batch_size, _int(d.batch_size) and d.batch_size > 0, "a whole number > 0"),
-        ("data.num_workers", d.num_workers, _int(d.num_workers) and d.num_workers >= 0, "a whole number >= 0"),
-        (
-            "data.val_fraction",
-            d.get("val_fraction", 0.01),
-            0 < _num(d.get("val_fraction", 0.01)) <= 0.5,
-            "a fraction in (0, 0.5]",
-        ),
+        ("data.batch_size", d.batch_size, _whole(d.batch_size, 1), "a whole number > 0"),
+        ("data.num_workers", d.num_workers, _whole(d.num_workers, 0), "a whole number >= 0"),
+        ("data.val_fraction", val_fraction, 0 < _num(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.accelerator", t.accelerator, str(t.accelerator) in ACCELERATORS, f"one of {', '.join(ACCELERATORS)}"),
-        (
-            "trainer.max_steps",
-            t.max_steps,
-            _int(t.max_steps) and t.max_steps > 0,
-            "a whole number of optimizer steps > 0",
-        ),
-        (
-            "trainer.accumulate_grad_batches",
-            t.accumulate_grad_batches,
-            _int(t.accumulate_grad_batches) and t.accumulate_grad_batches >= 1,
-            "a whole number >= 1",
-        ),
-        (
-            "trainer.log_every_n_steps",
-            t.log_every_n_steps,
-            _int(t.log_every_n_steps) and t.log_every_n_steps >= 1,
-            "a whole number >= 1",
-        ),
-        (
-            "trainer.gradient_clip_val",
-            clip,
-            clip is None or _num(clip) >= 0,
-            "a norm >= 0 (1.0 is the default; 0 or null: off)",
-        ),
-        (
-            "trainer.gradient_clip_algorithm",
-            t.get("gradient_clip_algorithm"),
-            t.get("gradient_clip_algorithm") in ("norm", "value", None),
-            "norm or value",
-        ),
+        ("trainer.max_steps", t.max_steps, _whole(t.max_steps, 1), "a whole number of optimizer steps > 0"),
+        ("trainer.accumulate_grad_batches", accumulate, _whole(accumulate, 1), "a whole number >= 1"),
+        ("trainer.log_every_n_steps", t.log_every_n_steps, _whole(t.log_every_n_steps, 1), "a whole number >= 1"),
+        ("trainer.gradient_clip_val", clip, _num(clip or 0) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
+        ("trainer.gradient_clip_algorithm", algorithm, algorithm in ("norm", "value", None), "norm or value"),
         ("trainer.devices", t.devices, parse_devices(t.devices) is not None, ALLOWED_DEVICES),
         ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
         ("optim.eps", o.eps, _num(o.eps) > 0, "a number > 0, e.g. 1e-8"),
-        (
-            "optim.betas",
-            betas,
-            isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas),
-            "two numbers in [0, 1), e.g. [0.9, 0.95]",
-        ),
+        ("optim.betas", betas, betas_ok, "two numbers in [0, 1), e.g. [0.9, 0.95]"),
         (
             "optim.warmup_steps",
             o.warmup_steps,
             _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps),
             f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)",
         ),
-        ("optim.fused", o.get("fused", "auto"), o.get("fused", "auto") in ("auto", True, False), "auto, true or false"),
-        ("optim.name", o.get("name", "adamw"), o.get("name", "adamw") in OPTIMIZERS, " or ".join(OPTIMIZERS)),
+        ("optim.fused", fused, fused in ("auto", True, False), "auto, true or false"),
+        ("optim.name", name, name in OPTIMIZERS, " or ".join(OPTIMIZERS)),
     ]
-    if o.get("name") == "muon" and o.get("muon") is None:
+    if name == "muon" and o.get("muon") is None:
         rules.append(
             ("optim.name", "muon", False, "chosen with the group, optim=muon (it brings the optim.muon.* keys)")
         )
-    elif o.get("name") == "muon":
+    elif name == "muon":
         rules += _muon_rules(o.muon, t)
     return rules
-
-
-OPTIMIZERS = ("adamw", "muon")
 
 
 def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]]:
@@ -172,21 +127,24 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _whole(v: Any, least: int) -> bool:
+    return _int(v) and v >= least
+
+
 def _num(v: Any) -> float:
     """The value as a float, or NaN (which fails every comparison) when it is not a number."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
+    return float(v) if _int(v) or isinstance(v, float) else float("nan")
 
 
 def validate_values(cfg: DictConfig, prefix: str = "") -> None:
-    """The value rules of the keys under `prefix` (all: ""); startup checks `data.` alone before it builds the
-    DataModule that fills the vocabulary, so a bad data value is its rule's line, not the DataModule's."""
+    """The value rules of the keys under `prefix` (`data.` alone first: its rule's line, not the DataModule's)."""
     for key, value, ok, allowed in _value_rules(cfg):
         if key.startswith(prefix) and not ok:
             raise ConfigError(f"{key}={value!r} is not allowed; it must be {allowed}")
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Raise ConfigError for a config that would train wrongly; one sentence naming the key, the value, what is allowed."""
+    """ConfigError for a config that would train wrongly: one sentence naming the key, the value, what is allowed."""
     ctx = cfg.model.context_length
     for key, value in context_length_copies(cfg):
         if value != ctx:
@@ -206,13 +164,8 @@ def validate_config(cfg: DictConfig) -> None:
 
 def plain_config(cfg: DictConfig) -> dict:
     """The resolved run config as plain containers (safe for `weights_only` checkpoints), minus `hydra`."""
-    return {
-        key: OmegaConf.to_container(cfg[key], resolve=True)
-        if isinstance(cfg[key], (DictConfig, ListConfig))
-        else cfg[key]
-        for key in cfg.keys()
-        if key != "hydra"
-    }
+    plain = {k: cfg[k] for k in cfg.keys() if k != "hydra"}
+    return {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in plain.items()}
 
 
 def set_key(cfg: DictConfig, key: str, value: Any) -> None:

@@ -1,7 +1,5 @@
-"""What the console shows, in one place: the third-party messages steadylm silences, and the copy of a run's
-console in `<run>/train.log`.
-
-Each silenced message is named here with the reason a user cannot act on it; anything else still shows.
+"""What the console shows: the third-party messages steadylm silences, each with the reason a user cannot act
+on it (anything else still shows), and the copy of a run's console in `<run>/train.log`.
 """
 
 from __future__ import annotations
@@ -14,54 +12,36 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-# (warning category, message start as a regex, why nobody running steadylm can act on it)
+# (warning category, message start as a regex), each with why nobody running steadylm can act on it
 SILENCED_WARNINGS = (
-    (
-        FutureWarning,
-        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        "Lightning's own pytree helper under torch >= 2.10; fixed in Lightning, not in user code",
-    ),
-    (
-        UserWarning,
-        r"Precision .* is not supported by the model summary",
-        "the summary's size column under bf16-mixed; the memory estimate at startup is steadylm's number",
-    ),
-    (
-        UserWarning,
-        r"You're resuming from a checkpoint that ended before the epoch ended",
-        "steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see",
-    ),
+    # Lightning's own pytree helper under torch >= 2.10; fixed in Lightning, not in user code
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # the summary's size column under bf16-mixed; the memory estimate at startup is steadylm's number
+    (UserWarning, r"Precision .* is not supported by the model summary"),
+    # steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see
+    (UserWarning, r"You're resuming from a checkpoint that ended before the epoch ended"),
 )
 # (logger, message start, why)
-SILENCED_LOGS = (
-    (
-        "lightning.pytorch.utilities.rank_zero",
-        "💡 Tip: For seamless cloud logging",
-        "an advertisement for a hosted logger, printed by every Trainer",
-    ),
-)
+SILENCED_LOGS = (("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging", "a logger's ad"),)
 
 
 class _DropMessages(logging.Filter):
-    def __init__(self, starts: tuple[str, ...]) -> None:
+    def __init__(self, start: str) -> None:
         super().__init__()
-        self.starts = starts
+        self.start = start
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
+        return not str(record.msg).startswith(self.start)
 
 
 def quiet() -> None:
     """Install the filters above (idempotent: the same filter is never added twice)."""
-    for category, message, _why in SILENCED_WARNINGS:
+    for category, message in SILENCED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    by_logger: dict[str, tuple[str, ...]] = {}
     for name, start, _why in SILENCED_LOGS:
-        by_logger[name] = (*by_logger.get(name, ()), start)
-    for name, starts in by_logger.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(starts))
+        if not any(getattr(f, "start", None) == start for f in logger.filters):
+            logger.addFilter(_DropMessages(start))
 
 
 class _Tee:
@@ -85,10 +65,8 @@ class _Tee:
 
 @contextmanager
 def copy_console(path: Path) -> Iterator[None]:
-    """Everything printed to stdout and stderr (and by logging handlers bound to them) also goes to `path`.
-
-    A folder that cannot be written gets no copy: the run's own check names the key and exits 2.
-    """
+    """Everything printed to stdout/stderr (logging handlers too) also goes to `path`; none for an unwritable folder
+    (the run's own check names the key and exits 2)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file = path.open("a", encoding="utf-8")
@@ -96,22 +74,17 @@ def copy_console(path: Path) -> Iterator[None]:
         yield
         return
     with file:
-        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-        tees = {name: _Tee(stream, file) for name, stream in streams.items()}
-        handlers = [
-            h
-            for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-            if isinstance(logger, logging.Logger)
-            for h in logger.handlers
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-        ]
-        bound = [(h, h.stream) for h in handlers if any(h.stream is s for s in streams.values())]
-        sys.stdout, sys.stderr = tees["stdout"], tees["stderr"]
+        streams = (sys.stdout, sys.stderr)
+        tees = {id(s): _Tee(s, file) for s in streams}
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        handlers = [h for logger in loggers if isinstance(logger, logging.Logger) for h in logger.handlers]
+        bound = [(h, h.stream) for h in handlers if isinstance(h, logging.StreamHandler) and id(h.stream) in tees]
+        sys.stdout, sys.stderr = (tees[id(s)] for s in streams)
         for h, stream in bound:
-            h.setStream(tees["stdout"] if stream is streams["stdout"] else tees["stderr"])
+            h.setStream(tees[id(stream)])
         try:
             yield
         finally:
-            sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
+            sys.stdout, sys.stderr = streams
             for h, stream in bound:
                 h.setStream(stream)

@@ -1,6 +1,5 @@
-"""Keys left `null` that follow from something else: the rules, as functions that return the values.
-
-A user who sets one of these keys gets exactly that value; `null` (the default) means:
+"""Keys left `null` that follow from something else: the rules, as functions that return the values. A key
+the user sets keeps that value; `null` (the default) means:
 
 | key | null means |
 | --- | --- |
@@ -9,11 +8,8 @@ A user who sets one of these keys gets exactly that value; `null` (the default) 
 | `optim.warmup_steps` | `min(100, trainer.max_steps // 10)` |
 | `trainer.val_check_interval` | every `min(200, ceil(trainer.max_steps / 5))` optimizer steps, in micro-batches |
 
-The data's facts come from the DataModule that `data:` names, through its `DataSource` members
-(data/source.py), never from its config keys: any data source fills them. So `prepare` then
-`train.py data.dir=...` needs no other key, and a 50-step run warms up and validates like a long one,
-scaled. An explicit value that contradicts the data is refused by the DataModule, naming the shard.
-Nothing here writes the config: `resolve.py` writes what these return, once, before anything is built.
+The data's facts come from its `DataSource` members (data/source.py), so any source fills them; a 50-step run
+warms up and validates like a long one, scaled. `resolve.py` writes what these return, once.
 """
 
 from __future__ import annotations
@@ -29,22 +25,17 @@ from steadylm.config import validate_values
 from steadylm.data.source import missing_members
 from steadylm.errors import ConfigError, SteadyError, one_line
 
-VOCAB_MULTIPLE = 64
-MAX_WARMUP, WARMUP_FRACTION = 100, 10  # at most 100 steps, at most a tenth of the run
-MAX_VAL_EVERY, MIN_VALIDATIONS = 200, 5  # every 200 steps at most, at least 5 times a run
-
 
 def padded_vocab(vocab_size: int) -> int:
-    """The smallest multiple of 64 that holds `vocab_size` ids."""
-    return -(-int(vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return -(-int(vocab_size) // 64) * 64  # the smallest multiple of 64 that holds `vocab_size` ids
 
 
 def warmup_steps(max_steps: int) -> int:
-    return min(MAX_WARMUP, int(max_steps) // WARMUP_FRACTION)
+    return min(100, int(max_steps) // 10)  # at most 100 steps, at most a tenth of the run
 
 
 def val_every_steps(max_steps: int) -> int:
-    return max(1, min(MAX_VAL_EVERY, math.ceil(int(max_steps) / MIN_VALIDATIONS)))
+    return max(1, min(200, math.ceil(int(max_steps) / 5)))  # every 200 steps at most, at least 5 times a run
 
 
 def data_source(cfg: DictConfig) -> Any:
@@ -62,38 +53,30 @@ def data_source(cfg: DictConfig) -> Any:
             f"data: cannot build {cfg.data.get('_target_')} ({type(cause).__name__}: {one_line(cause)}); "
             "check the data.* keys"
         ) from None
-    missing = missing_members(dm)
-    if missing:
-        raise ConfigError(
-            f"data._target_={cfg.data.get('_target_')} lacks {', '.join(missing)}: a data source needs the members "
-            "of steadylm.data.source.DataSource (src/steadylm/data/source.py)"
-        )
+    if missing := missing_members(dm):
+        need = "a data source needs the members of steadylm.data.source.DataSource (src/steadylm/data/source.py)"
+        raise ConfigError(f"data._target_={cfg.data.get('_target_')} lacks {', '.join(missing)}: {need}")
     dm.setup("fit")  # the source's own checks, before anything else is built
     return dm
 
 
 def from_data(cfg: DictConfig, dm: Any | None) -> dict[str, Any]:
-    """A null vocabulary from `dm`, and a null tokenizer with it (a null tokenizer alone: the DataModule takes any);
-    `dm` is only asked when the vocabulary is null.
-
-    Data keys that interpolate `data.tokenizer` keep the value they had while it was null (the default data.dir's
-    name follows it: filling the tokenizer must not move the folder just read)."""
+    """A null vocabulary from `dm`, and a null tokenizer with it; data keys that interpolate `data.tokenizer` (the
+    default data.dir) keep their value: filling the tokenizer must not move the folder just read."""
     if cfg.model.get("vocab_size") is not None:
         return {}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"model.vocab_size": padded_vocab(dm.vocab_size)}
     if cfg.data.get("tokenizer") is None:
-        for name, raw in OmegaConf.to_container(cfg.data, resolve=False).items():
-            if isinstance(raw, str) and "{data.tokenizer}" in raw:
-                values[f"data.{name}"] = cfg.data[name]
+        raw = OmegaConf.to_container(cfg.data, resolve=False)
+        values |= {f"data.{k}": cfg.data[k] for k, v in raw.items() if isinstance(v, str) and "{data.tokenizer}" in v}
         values["data.tokenizer"] = dm.tokenizer_name
-    return {"model.vocab_size": padded_vocab(dm.vocab_size), **values}
+    return values
 
 
 def from_run_length(cfg: DictConfig) -> dict[str, Any]:
     """A null `optim.warmup_steps` from `trainer.max_steps` (nothing for a bad one: validate_config names it)."""
     max_steps = cfg.trainer.max_steps
-    valid = isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1
-    if cfg.optim.get("warmup_steps") is not None or not valid:
+    if cfg.optim.get("warmup_steps") is not None or type(max_steps) is not int or max_steps < 1:
         return {}
     return {"optim.warmup_steps": warmup_steps(max_steps)}
 

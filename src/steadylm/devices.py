@@ -1,14 +1,6 @@
-"""How many processes a run starts, and on what: `trainer.accelerator` and `trainer.devices`, read once.
-
-The Trainer resolves these only when it is built, but the global batch, the memory estimate, the precision,
-the preflight refusals and `doctor` need the answer before that, and must all get the same one. So it is
-resolved here, by Lightning's rules (`_AcceleratorConnector`, `parse_devices`, `auto_device_count`):
-
-- accelerator `auto` is mps where Apple's GPU is usable, else cuda where a CUDA GPU is visible, else cpu;
-  `gpu` is mps, else cuda, else an error; `cpu`, `cuda`, `mps` are what they say.
-- devices `auto` is every visible CUDA GPU (one in an interactive session), and 1 on a CPU or MPS; `-1` is
-  every visible GPU; `N` (or `"N"`) is N; a list or `"0,1"` names GPU ids. A CPU takes only a number of
-  processes, and a GPU run only devices that are visible: Lightning refuses the rest, so they are refused here.
+"""How many processes a run starts, and on what: `trainer.accelerator` and `trainer.devices` resolved once by
+Lightning's rules, since the global batch, memory estimate, precision, preflight and `doctor` need the answer before
+the Trainer exists. `auto`: mps, else cuda, else cpu; devices `auto`: every visible CUDA GPU (one interactively).
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ def parse_devices(value: Any) -> str | int | list[int] | None:
     """`trainer.devices` as "auto", -1, a count > 0, or a list of distinct GPU ids; None when it is none of those."""
     if OmegaConf.is_list(value) or isinstance(value, (list, tuple)):
         ids = list(value)
-        ok = ids and all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids)
-        return ids if ok else None
+        return ids if ids and all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids) else None
     if isinstance(value, str):
         value = value.strip()
         if value == "auto":

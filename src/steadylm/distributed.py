@@ -1,10 +1,6 @@
-"""Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep.
-
-Lightning's DDP launcher re-runs `train.py` for each extra local process and passes it rank 0's
-`hydra.run.dir` (and `hydra.output_subdir=null`, so `.hydra/` is written once). This module adds
-what that leaves open: Hydra's job log file is written by rank 0 only, FSDP gets norm clipping the
-FSDP way, and a multirun that would make every child re-run the whole sweep is refused up front.
-It must never start processes itself: launching stays with Lightning, torchrun or submitit.
+"""Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep. Lightning's
+DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir`; this adds FSDP's own clipping and
+refuses a multirun whose children would each re-run the sweep. Launching stays with Lightning, torchrun, submitit.
 """
 
 from __future__ import annotations
@@ -35,11 +31,9 @@ def in_multirun() -> bool:
 
 def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
     """Refuse `-m` with a strategy whose launcher re-runs the script (the children would re-run the sweep)."""
-    if not in_multirun():
-        return
     strategy = trainer.strategy
-    relaunches = relaunches_script(strategy) and trainer.num_devices > 1
-    if relaunches and not strategy.cluster_environment.creates_processes_externally:
+    relaunches = relaunches_script(strategy) and not strategy.cluster_environment.creates_processes_externally
+    if in_multirun() and relaunches and trainer.num_devices > 1:
         raise ConfigError(
             f"Hydra multirun (-m) cannot start trainer.devices={trainer.num_devices} processes itself "
             f"({type(strategy).__name__}): Lightning re-runs train.py for each extra process, which would re-run "
@@ -54,11 +48,7 @@ def block_wrap_policy() -> set[type]:
 
 
 class FSDPClipping(L.Callback):
-    """Global-norm clipping for FSDP, which shards gradients so only the wrapped module can compute the norm.
-
-    Lightning refuses `gradient_clip_algorithm=norm` under FSDP, so `use_fsdp_clipping` moves the clip value
-    here; appended last, it runs after the other callbacks' `on_before_optimizer_step` (they see pre-clip grads).
-    """
+    """Global-norm clipping by the FSDP module (Lightning refuses it there); last: callbacks see pre-clip grads."""
 
     def __init__(self, max_norm: float):
         self.max_norm = float(max_norm)

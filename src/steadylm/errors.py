@@ -1,8 +1,6 @@
-"""Errors a user can cause: one sentence naming the file or key and the fix.
+"""Errors a user can cause: one sentence naming the file or key and the fix, printed (no traceback), exit non-zero."""
 
-Entry points catch `SteadyError`, print its message and exit non-zero, so a user never
-reads a traceback through Lightning internals for a mistake in their own input.
-"""
+import sys
 
 
 class SteadyError(Exception):
@@ -18,12 +16,8 @@ class DataError(SteadyError):
 
 
 def one_line(err: BaseException) -> str:
-    """The user's one line for an error: ours as written, even when a DataLoader worker re-raised it.
-
-    torch re-raises a worker's exception as the same type with the worker's traceback folded into the
-    message ("Caught DataError in DataLoader worker process 0. Original Traceback ... DataError: <msg>");
-    the user needs only <msg>.
-    """
+    """The user's one line for an error: ours as written, even when torch re-raised it from a DataLoader worker
+    ("Caught DataError in DataLoader worker process 0. Original Traceback ... DataError: <msg>": only <msg>)."""
     text = str(err).strip()
     if text.startswith("Caught ") and "Original Traceback" in text:
         last = text.splitlines()[-1]
@@ -33,7 +27,5 @@ def one_line(err: BaseException) -> str:
 
 def exit_with(err: BaseException, code: int = 2) -> None:
     """Print `error: <one line>` on stderr and exit: how every entry point reports a user's mistake."""
-    import sys
-
     print(f"error: {one_line(err)}", file=sys.stderr)
     sys.exit(code)

@@ -1,18 +1,14 @@
-"""Will the run fit? One memory estimate per process, checked against what this machine has, before launch.
-
-`train.py` refuses a run that cannot fit and `doctor` prints the same numbers, so the two never disagree.
-The estimate is deliberately simple and says what it counts: fp32 weights, gradients and both AdamW moments
-(sharded across ranks under FSDP); activations after Korthikanti et al. (2022), ~34·d values per token per
-layer with a fused attention kernel (no T×T scores), at the precision's activation width; and the logits with their
-gradient: whole under `optim.loss=plain` (they dominate small models with large vocabularies), one chunk of
-`optim.loss_chunk` tokens plus the head's fp32 weight gradient under the default chunked loss. What is available: each GPU's
-memory (every process has its own), or the RAM that all CPU processes on this machine share.
+"""Will the run fit? One simple estimate per process (`train.py` refuses, `doctor` prints it): fp32 weights, grads
+and AdamW moments (sharded under FSDP), activations after Korthikanti et al. (2022) (~34·d values per token per
+layer, fused attention), the logits and their gradient; against each GPU's memory, or the RAM CPU processes share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -70,33 +66,22 @@ def count_params(model_cfg: DictConfig | dict) -> int:
         return sum(p.numel() for p in GPT(model_config(model_cfg)).parameters())
 
 
-def activation_bytes(precision: str) -> int:
-    return 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2
-
-
 def ram_available() -> int | None:
     """MemAvailable (what new processes can get without swapping), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError, StopIteration):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(x.split()[1]) * 1024 for x in lines if x.startswith("MemAvailable:"))
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return None
 
 
 def logits_bytes(cfg: DictConfig, tokens: int, elem: int) -> int:
-    """The head + loss's peak: the logits (matmul dtype), their fp32 log-softmax and its gradient, for every token
-    (plain) or one chunk of tokens, plus the fp32 weight gradient the chunks add into (chunked, the default)."""
-    m, optim = cfg.model, cfg.get("optim") or {}
+    """The logits, their fp32 log-softmax and its gradient: every token's (plain), or a chunk's + the head's grad."""
+    vocab, optim = int(cfg.model.vocab_size), cfg.get("optim") or {}
     if optim.get("loss", "chunked") == "plain":
-        return tokens * int(m.vocab_size) * (elem + 8)
-    chunk = min(tokens, int(optim.get("loss_chunk", 1024)))
-    return chunk * int(m.vocab_size) * (elem + 8) + int(m.vocab_size) * int(m.d_model) * 4
+        return tokens * vocab * (elem + 8)
+    return min(tokens, int(optim.get("loss_chunk", 1024))) * vocab * (elem + 8) + vocab * int(cfg.model.d_model) * 4
 
 
 def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
@@ -104,7 +89,7 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
     require_understood(m, "memory")  # a switch this estimate does not count is refused, not under-counted
     n_params = count_params(cfg.model) if n_params is None else n_params
     shards = devices.world_size if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
-    elem = activation_bytes(precision)
+    elem = 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2  # activation width
     tokens = int(cfg.data.batch_size) * m.context_length
     parts = {
         "weights+grads+adamw": n_params * ADAMW_BYTES_PER_PARAM // shards,
@@ -112,17 +97,13 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
         "logits": logits_bytes(cfg, tokens, elem),
     }
     if devices.on_cuda:
-        available, where = (
-            torch.cuda.get_device_properties(0).total_memory,
-            f"GPU memory on {torch.cuda.get_device_name(0)}",
-        )
-    else:
-        available, where = ram_available(), "RAM available"
-    return MemoryPlan(parts, devices.per_node, available, where)
+        gpu = torch.cuda.get_device_properties(0)
+        return MemoryPlan(parts, devices.per_node, gpu.total_memory, f"GPU memory on {torch.cuda.get_device_name(0)}")
+    return MemoryPlan(parts, devices.per_node, ram_available(), "RAM available")
 
 
 def check_fits(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
-    """Raise ConfigError, with the estimate, what is there and what to change, when the run cannot fit."""
+    """ConfigError, with the estimate, what is there and what to change, when the run cannot fit."""
     p = plan(cfg, precision, devices, n_params)
     if not p.fits:
         raise ConfigError(

@@ -1,9 +1,5 @@
-"""Refuse, before anything is written, a run that cannot work on this machine, with one message.
-
-Two kinds of mistakes are caught here: the environment (more GPUs asked for than are visible, an
-output folder that cannot be written) and the command line itself (an unknown preset, a typo'd key,
-a run folder Hydra cannot create), which Hydra would otherwise report as a multi-line dump or a
-traceback. It must never change the config or touch files other than its own probe file.
+"""Refuse, before anything is written and with one line, a run this machine cannot run, and a command line
+Hydra would answer with a dump or a traceback (an unknown preset, a typo'd key, a run folder it cannot create).
 """
 
 from __future__ import annotations
@@ -24,62 +20,43 @@ from steadylm.errors import ConfigError
 from steadylm.memory import MemoryPlan, check_fits
 
 
-def check_devices(cfg: DictConfig, devices: Devices) -> None:
-    """More devices than GPUs is refused unless the user chose the CPU on purpose (`trainer.accelerator=cpu`):
-    with `auto` on a machine without a GPU, Lightning would quietly start that many CPU processes instead."""
-    if str(cfg.trainer.accelerator) == "auto" and devices.accelerator == "cpu" and devices.per_node > 1:
-        n = devices.per_node
+def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> MemoryPlan:
+    """Refuse what Lightning would run quietly otherwise (`auto` devices without a GPU: CPU processes; fp16 off CUDA:
+    bf16), a run that does not fit, an output folder that cannot be written; the memory plan that fits."""
+    n, accelerator, fp = devices.per_node, cfg.trainer.accelerator, str(cfg.trainer.precision)
+    if str(accelerator) == "auto" and devices.accelerator == "cpu" and n > 1:
         raise ConfigError(
             f"trainer.devices={cfg.trainer.devices} asks for {n} GPUs but 0 are visible on this machine; "
             f"set trainer.devices=1, or trainer.accelerator=cpu to run {n} CPU processes on purpose"
         )
-
-
-def check_precision_supported(cfg: DictConfig, devices: Devices) -> None:
-    """fp16 with a loss scaler runs on CUDA only: on a CPU Lightning would quietly train in bf16 instead."""
-    precision = str(cfg.trainer.precision)
-    if precision in ("16-mixed", "16") and not devices.on_cuda:
+    if fp in ("16-mixed", "16") and not devices.on_cuda:
         raise ConfigError(
-            f"trainer.precision={precision} (fp16 with a loss scaler) needs a CUDA GPU and none is in use here "
-            f"(trainer.accelerator={cfg.trainer.accelerator}); use trainer.precision=bf16-mixed or 32-true"
+            f"trainer.precision={fp} (fp16 with a loss scaler) needs a CUDA GPU and none is in use here "
+            f"(trainer.accelerator={accelerator}); use trainer.precision=bf16-mixed or 32-true"
         )
-
-
-def check_writable(folder: Path, key: str) -> None:
+    memory = check_fits(cfg, precision, devices)
+    folder = Path(cfg.paths.output_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".steadylm-probe-"):
             pass
     except OSError as e:
         raise ConfigError(
-            f"{key}={folder} is not writable ({e.strerror or e}); point it (or hydra.run.dir) at a folder you can write"
+            f"paths.output_dir={folder} is not writable ({e.strerror or e}); "
+            "point it (or hydra.run.dir) at a folder you can write"
         ) from None
-
-
-def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> MemoryPlan:
-    """The refusals above for the resolved `devices` and `precision`; the memory plan that fits."""
-    check_devices(cfg, devices)
-    check_precision_supported(cfg, devices)
-    memory = check_fits(cfg, precision, devices)
-    check_writable(Path(cfg.paths.output_dir), "paths.output_dir")
     return memory
-
-
-# --- the command line --------------------------------------------------------------------------
 
 
 def _struct_key_message(err: HydraException) -> str | None:
     """`trainer.max_stepz=3` -> name the key, the closest real keys, and the `+` escape hatch."""
-    cause = err.__cause__
-    full_key = getattr(cause, "full_key", None)
+    full_key, parent = getattr(err.__cause__, "full_key", None), getattr(err.__cause__, "parent_node", None)
     if not full_key:
         return None
-    parent = getattr(cause, "parent_node", None)
     known = list(parent.keys()) if isinstance(parent, DictConfig) else []
     leaf = full_key.rsplit(".", 1)[-1]
-    prefix = full_key[: -len(leaf)]
     close = difflib.get_close_matches(leaf, [str(k) for k in known], n=2)
-    hint = f"did you mean {' or '.join(prefix + c for c in close)}? " if close else ""
+    hint = f"did you mean {' or '.join(full_key[: -len(leaf)] + c for c in close)}? " if close else ""
     return f"{full_key} is not a config key; {hint}(to add a new key on purpose, write +{full_key}=...)"
 
 
@@ -98,12 +75,8 @@ def hydra_error_message(err: Exception) -> str:
 
 @contextlib.contextmanager
 def hydra_errors_as_messages(started: list[bool]) -> Iterator[None]:
-    """Turn Hydra's composition/run-folder errors into `error: <one line>` and exit 2.
-
-    Hydra only lets such errors escape (instead of printing its own dump) when HYDRA_FULL_ERROR is
-    set, so it is set for the call; a user who set it themselves gets Hydra's full traceback.
-    `started[0]` is flipped by the task once it runs, so errors from training are never relabelled.
-    """
+    """Hydra's composition/run-folder errors as `error: <one line>`, exit 2: they escape only under HYDRA_FULL_ERROR
+    (set for the call unless the user set it); `started[0]`, set once the task runs, keeps training's errors as is."""
     if os.environ.get("HYDRA_FULL_ERROR"):
         yield
         return

@@ -1,11 +1,7 @@
-"""What a run prints while it trains: one line per logging step and one per validation, plain text.
-
-    step 50/300 | loss 3.2140 | 41.2k tok/s | stability: ok
-    step 60/300 | loss 3.1990 | 40.8k tok/s | stability: 1 event(s), last forecast -> log at step 57 | forecast: residual_rms 31.4 -> 100 by step ~71
-    val  50/300 | loss 3.1872 | bpb 1.931
-
-Plain lines, not a redrawn bar, so the console, `train.log` and a SLURM log read the same. It is a Lightning
-`ProgressBar`, so Lightning adds no bar of its own; `trainer.enable_progress_bar=false` turns it off.
+"""What a run prints while it trains: plain lines, not a redrawn bar, so the console, `train.log` and a SLURM log
+read the same; one per logging step (`step 60/300 | loss 3.1990 | 40.8k tok/s | stability: ok`, then any live
+forecast) and one per validation (`val  60/300 | loss 3.1872 | bpb 1.931`). As a `ProgressBar` it replaces
+Lightning's own (`trainer.enable_progress_bar=false`: none).
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ProgressBar
 
-from steadylm.logging_steps import is_logging_step
 from steadylm.stability.events import events_path, read_events
 from steadylm.throughput import Throughput
 
@@ -45,12 +40,12 @@ class ProgressLines(ProgressBar):
         self._enabled = True
 
     @property
-    def is_enabled(self) -> bool:
+    def is_enabled(self) -> bool:  # read by LightningModule.print
         return self._enabled
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step  # a line on the steps whose loss is logged: the value shown is this step's
-        if not self._enabled or step == self._last_step or not is_logging_step(step - 1, trainer.log_every_n_steps):
+        step = trainer.global_step  # a line on the steps whose loss is logged (`is_logging_step(step - 1)`)
+        if not self._enabled or step == self._last_step or step % max(1, trainer.log_every_n_steps):
             return
         self._last_step = step
         parts = [f"step {step}/{trainer.max_steps}"]
@@ -61,8 +56,7 @@ class ProgressLines(ProgressBar):
         if rate:
             parts.append(f"{rate / 1e3:.1f}k tok/s")
         parts.append(f"stability: {self._stability(trainer)}")
-        if self._live is not None and step <= self._live.get("by_step", self._live["expected_step"]):
-            d = self._live
+        if (d := self._live) is not None and step <= d.get("by_step", d["expected_step"]):
             parts.append(
                 f"forecast: {d['signal']} {d['value']:.3g} -> {d['threshold']:g} by step ~{d['expected_step']}"
             )
@@ -82,12 +76,8 @@ class ProgressLines(ProgressBar):
         size = path.stat().st_size if path.exists() else 0
         if size != self._events[0]:
             events = read_events(path.parent.parent)
-            last = events[-1] if events else None
             self._live = live_forecast(events)
-            status = (
-                f"{len(events)} event(s), last {last['kind']} -> {last['action']} at step {last['step']}"
-                if last
-                else "ok"
-            )
+            e = events[-1] if events else {}
+            status = f"{len(events)} event(s), last {e['kind']} -> {e['action']} at step {e['step']}" if e else "ok"
             self._events = (size, status)
         return self._events[1]

@@ -1,13 +1,12 @@
-"""`train(cfg) -> (metrics, objects)`: build everything from the composed config and fit.
-
-Tests call `train` directly with a composed config; `main` is the thin `@hydra.main` wrapper that
-turns a user's mistake (`SteadyError`) into one message and a non-zero exit.
+"""`train(cfg) -> (metrics, objects)`: build everything from the composed config and fit (tests call it with a
+composed config); `main` is the `@hydra.main` wrapper that turns a user's mistake into one line and an exit code.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from steadylm.console import copy_console, quiet
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
-from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback, preemption_of
+from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback
 from steadylm.preflight import hydra_errors_as_messages
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
@@ -35,12 +34,6 @@ from steadylm.stability.events import start_events
 from steadylm.validate_at_end import ValidateAtEnd
 
 log = logging.getLogger("steadylm")
-
-
-def enable_fast_matmul() -> None:
-    """TF32 tensor cores for fp32 matmuls on Ampere+ (what nanoGPT does); a no-op on CPU."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
 
 
 def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
@@ -54,7 +47,7 @@ def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
                 f"(e.g. callbacks.stability.{name}.*) or give it a _target_"
             )
     try:
-        return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+        return [instantiate(node) for node in group.values() if node is not None]
     except InstantiationException as err:
         if isinstance(err.__cause__, SteadyError):  # a callback refused its settings: that message, not Hydra's wrapper
             raise err.__cause__ from None
@@ -62,11 +55,10 @@ def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
-    """Resolve `cfg` (resolve.py: filled, checked, read-only; the data's checks run there, before any process
-    group or logger exists), then build the module and the Trainer from what it resolved."""
+    """Resolve `cfg` (resolve.py, before any process group or logger exists), then build the module and Trainer."""
     quiet()
     run = resolve(cfg)
-    enable_fast_matmul()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32 on Ampere+, as nanoGPT
     L.seed_everything(cfg.seed, workers=True)
     module = LMModule(
         model=cfg.model,
@@ -80,9 +72,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(run: Resolved) -> L.Trainer:
-    # ValidateAtEnd and Preemption (last of all) are there even with callbacks=none: a final val/loss; exit 75
-    # with a checkpoint on a signal (docs/resume.md).
-    cfg = run.cfg
+    cfg = run.cfg  # ValidateAtEnd and Preemption (last) even with callbacks=none: a final val/loss, exit 75 on a signal
     named = [*instantiate_named(cfg.get("callbacks"), "callbacks"), ValidateAtEnd()]
     callbacks = place_last(named, f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -121,9 +111,8 @@ _task_started = [False]
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
-    if not is_rank_zero_process():
-        return _run(cfg)
-    with copy_console(Path(cfg.paths.output_dir) / "train.log"):  # the run folder keeps what the console showed
+    log_copy = copy_console(Path(cfg.paths.output_dir) / "train.log")  # the run folder keeps what the console showed
+    with log_copy if is_rank_zero_process() else nullcontext():
         return _run(cfg)
 
 
@@ -138,19 +127,16 @@ def _run(cfg: DictConfig) -> float | None:
         # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
         log.exception("job failed: %s", cfg.paths.output_dir)
         return finish_job(cfg, {}, err)[0]
-    preempted = preemption_of(objects["trainer"])
-    value, status, reason = finish_job(cfg, metrics, preempted=preempted)
-    if preempted:
-        finish_preempted(cfg, preemption_callback(objects["trainer"]))  # exits 75 (or submitit requeues)
+    preemption = preemption_callback(objects["trainer"])
+    value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
+    if preemption.record:
+        finish_preempted(cfg, preemption)  # exits 75 (or submitit requeues)
     run = cfg.paths.output_dir
     if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
         print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
     if status == "diverged" and not in_multirun():
-        print(
-            f"error: training diverged ({reason}); see {run}/stability/events.jsonl "
-            f"or `python -m steadylm.diagnose {run}`",
-            file=sys.stderr,
-        )
+        see = f"see {run}/stability/events.jsonl or `python -m steadylm.diagnose {run}`"
+        print(f"error: training diverged ({reason}); {see}", file=sys.stderr)
         sys.exit(3)
     return value
 
