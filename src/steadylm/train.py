@@ -31,7 +31,6 @@ from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
 from steadylm.stability.events import start_events
-from steadylm.validate_at_end import ValidateAtEnd
 
 log = logging.getLogger("steadylm")
 
@@ -72,8 +71,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(run: Resolved) -> L.Trainer:
-    cfg = run.cfg  # ValidateAtEnd and Preemption (last) even with callbacks=none: a final val/loss, exit 75 on a signal
-    named = [*instantiate_named(cfg.get("callbacks"), "callbacks"), ValidateAtEnd()]
+    cfg = run.cfg  # Preemption (last) even with callbacks=none: exit 75 on a signal (the module ends on a val/loss)
+    named = [*instantiate_named(cfg.get("callbacks"), "callbacks")]
     callbacks = place_last(named, f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
