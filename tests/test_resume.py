@@ -5,12 +5,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from steadylm.checkpointing import latest_checkpoint, safe_load
 from steadylm.train import train
+from tests.helpers import fit
 
 K = 8
 # Dropout makes the loss depend on the RNG stream, so a resume that lost the RNG state shows up;
@@ -106,3 +108,27 @@ def test_latest_checkpoint_skips_partial_and_temp_files(tmp_path):
     broken = folder / "last.ckpt"
     broken.write_bytes(good.read_bytes()[:-40])  # truncated by something other than us
     assert latest_checkpoint(folder) == good
+
+
+class RNGAroundValidation(L.Callback):
+    """torch's global CPU generator after the training batch a validation follows, and after that validation."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._batch_end: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._batch_end = torch.get_rng_state()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._batch_end is not None:  # not the sanity check before the first batch
+            self.pairs.append((self._batch_end, torch.get_rng_state()))
+
+
+def test_a_validation_never_shifts_the_training_rng_stream(make_cfg):
+    """Building the val loader's iterator, and validating, draw nothing from the global generator (the loaders
+    have their own): dropout after a validation sees the stream it would have seen without one."""
+    seen = RNGAroundValidation()
+    fit(make_cfg(*RESUME, "trainer.max_steps=8"), seen)
+    assert len(seen.pairs) >= 2
+    assert all(torch.equal(a, b) for a, b in seen.pairs)
