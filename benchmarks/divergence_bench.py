@@ -15,8 +15,11 @@ Its healthy twin (the scenario's fix, e.g. the default LR) runs at three seeds; 
 - false forecasts: any forecast on a healthy run, and a forecast on an unstable run whose horizon (`by_step`)
   passed with neither an alarm nor the loss's onset.
 
+With `--act F` each scenario also runs with `callbacks.stability.signals.forecast_lr=F` (the forecast lowers the
+LR until its horizon passes), compared against the default suite (the alarm acts) by the final val loss.
+
 Usage: python benchmarks/divergence_bench.py [--steps 200] [--jobs 2] [--json out.json] [--only NAME ...]
-       [--reuse DIR] [overrides for every run...]
+       [--reuse DIR] [--act F] [overrides for every run...]
 """
 
 from __future__ import annotations
@@ -174,6 +177,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", action="append", help="a scenario's name (repeatable; their twins run too)")
     ap.add_argument("--reuse", type=Path, help="a previous work folder: runs already there are not run again")
+    ap.add_argument("--act", type=float, help="also run each scenario with signals.forecast_lr=ACT and compare")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     scenarios = {n: s for n, s in SCENARIOS.items() if not args.only or n in args.only}
@@ -190,6 +194,13 @@ def main() -> None:
     for name, (_, o, _) in scenarios.items():
         jobs[("observed", name, 1)] = [*SHAPE, *o, *OBSERVE, "seed=1"]
         jobs[("default suite", name, 1)] = [*SHAPE, *o, "seed=1"]
+        if args.act:
+            jobs[("forecast acts", name, 1)] = [
+                *SHAPE,
+                *o,
+                f"callbacks.stability.signals.forecast_lr={args.act}",
+                "seed=1",
+            ]
     folder = {key: work / slug(key) for key in jobs}
     print(f"{len(jobs)} runs in {work}", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -198,8 +209,35 @@ def main() -> None:
             f.result()
     rows = {k: judge(folder[k], folder[("twin", scenarios[k[1]][2], 1)] if k[1] in scenarios else None) for k in jobs}
     report(scenarios, rows, folder)
+    if args.act:
+        compare(scenarios, rows, args.act)
     if args.json:
         args.json.write_text(json.dumps({" | ".join(map(str, k)): r for k, r in rows.items()}, indent=1))
+
+
+def gap(row: dict, twin: dict) -> float:
+    """The final val loss over the twin's, less 1 (inf when either has none)."""
+    return row["val_loss"] / twin["val_loss"] - 1 if row["val_loss"] and twin["val_loss"] else math.inf
+
+
+def compare(scenarios: dict, rows: dict, act: float) -> None:
+    """Acting on the forecast (`forecast_lr`) against acting on the alarm only, by the unstable runs' final val."""
+    print(f"\n| scenario | alarm only: val vs twin | forecast acts (forecast_lr={act:g}) | better |")
+    print("| --- | --- | --- | --- |")
+    alarm, acted = [], []
+    for name, (_, _, twin) in scenarios.items():
+        t = rows[("twin", twin, 1)]
+        a, f = gap(rows[("default suite", name, 1)], t), gap(rows[("forecast acts", name, 1)], t)
+        alarm.append(a)
+        acted.append(f)
+        better = "forecast" if f < a - 0.005 else "alarm" if a < f - 0.005 else "level"
+        print(f"| {name} | {a:+.1%} | {f:+.1%} | {better} |")
+    wins = sum(f < a - 0.005 for a, f in zip(alarm, acted))
+    losses = sum(a < f - 0.005 for a, f in zip(alarm, acted))
+    print(
+        f"median val vs twin: alarm only {statistics.median(alarm):+.1%}, forecast acts {statistics.median(acted):+.1%};"
+        f" forecast better on {wins}, worse on {losses} of {len(alarm)} (0.5 % either way is level)"
+    )
 
 
 def slug(key: tuple) -> str:

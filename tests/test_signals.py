@@ -172,3 +172,56 @@ def test_a_signal_read_every_step_is_forecast_from_its_fit_within_its_horizon():
     slow = Precursors()
     climb = [(s, 20.0 + 0.05 * s) for s in range(400)]  # 20 -> 40 in 400 steps: the level is 1,500+ steps away
     assert [v for s, x in climb for v in slow.watch(s, {"attn_logit": x})] == []
+
+
+def test_a_forecast_that_acts_holds_the_lr_until_its_horizon_and_then_gives_it_back():
+    """`forecast_lr`: the forecast's step also lowers the LR scale (a temporary backoff that pins the snapshot from
+    before the growth); once its horizon passed with nothing, the same factor is given back. A backoff in the
+    meantime (an alarm's, which lowers the LR for good) ends the hold at the next verdict."""
+    from types import SimpleNamespace
+
+    def verdicts(check, step, value):
+        m = SimpleNamespace(step=step, values={"signals": {"residual_rms": value}})
+        return check.verdict(m, SimpleNamespace(model_cfg=None))
+
+    check = Precursors(forecast_lr=0.5)
+    seen = [(s, v) for s in range(20) for v in verdicts(check, s, 2.0 * 2 ** (s / 3))]
+    (s0, forecast), (s1, hold) = [(s, v) for s, v in seen if v.kind in ("forecast", "forecast_hold")]
+    assert forecast.kind == "forecast" and (hold.kind, hold.action, s1) == ("forecast_hold", "backoff", s0)
+    assert hold.context == {"temporary": True, "factor": 0.5, "pin_before": check.onset["residual_rms"] - 1}
+    assert hold.detail["until"] == forecast.detail["by_step"]
+    quiet = [v for s in range(20, forecast.detail["by_step"] + 1) for v in verdicts(check, s, 1.0)]
+    assert not [v for v in quiet if v.kind == "forecast_hold"]  # held to the horizon
+    (release,) = verdicts(check, forecast.detail["by_step"] + 1, 1.0)
+    assert release.kind == "forecast_hold" and release.context == {"temporary": True, "factor": 2.0, "unpin": True}
+    assert Precursors().forecast_lr is None  # the default: a forecast only logs
+    with pytest.raises(ConfigError, match="forecast_lr"):
+        Precursors(forecast_lr=1.5)
+    superseded = Precursors(forecast_lr=0.5)
+    for s in range(16):
+        verdicts(superseded, s, 2.0 * 2 ** (s / 3))
+    assert superseded.holding is not None
+    superseded.restart()
+    assert [v.context["factor"] for v in verdicts(superseded, 16, 1.0) if v.kind == "forecast_hold"] == [2.0]
+
+
+def test_a_forecast_that_acts_lowers_the_lr_only_until_the_backoff_that_follows(make_cfg, tmp_path):
+    """A real too-high LR with `forecast_lr`: the forecast lowers the LR scale at once (`forecast_hold`), the
+    alarm's backoff then lowers it for good, and the hold's factor is given back: the run ends at the backoffs'
+    scale alone."""
+    cfg = make_cfg(
+        "model.qk_norm=true",
+        "optim.lr=0.06",
+        "trainer.max_steps=60",
+        "trainer.limit_val_batches=1",
+        "callbacks.stability.signals.forecast_lr=0.5",
+    )
+    _, objects = train(cfg)
+    events = read_events(tmp_path / "run")
+    holds = [e for e in events if e["kind"] == "forecast_hold"]
+    forecast = next(e for e in events if e["kind"] == "forecast")
+    assert holds[0]["action"] == "backoff" and holds[0]["step"] == forecast["step"]
+    assert holds[0]["detail"]["lr_scale"] == pytest.approx(0.5)
+    backoffs = [e for e in events if e["kind"] == "lr_backoff"]
+    assert backoffs and holds[1]["detail"]["released"] and holds[1]["step"] > backoffs[0]["step"]
+    assert objects["module"].lr_scale == pytest.approx(0.1 ** len(backoffs))  # no factor of the hold is left

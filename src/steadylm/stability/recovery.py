@@ -169,6 +169,7 @@ class Recovery:
         # The fit's first known-good snapshot, held beyond `keep` while the caller may rewind to it (`rewind`).
         self.hold_first = False
         self.first: Snapshot | None = None
+        self.pinned: Snapshot | None = None  # held beyond `keep` for a forecast (`pin`)
         self.rollbacks = 0
         self.strikes = 0  # rollbacks in a row at the same place
         self.last_onset: int | None = None
@@ -257,7 +258,9 @@ class Recovery:
 
     def close(self) -> None:
         """The fit is over: every snapshot's file is removed (`good` stays, as a record of the steps)."""
-        for snap in {id(s): s for s in [*self.good, self.candidate, self._spare, self.first] if s}.values():
+        for snap in {
+            id(s): s for s in [*self.good, self.candidate, self._spare, self.first, self.pinned] if s
+        }.values():
             snap.store.close()
         self.candidate = self._spare = None
         if self._flusher is not None:
@@ -347,13 +350,24 @@ class Recovery:
         return {"source": source, "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
 
     def _drop(self, snap: Snapshot) -> None:
-        if snap is not self.first:  # the held first snapshot keeps its storage
+        if snap is not self.first and snap is not self.pinned:  # a held snapshot keeps its storage
             self._set_spare(snap)
+
+    def pin(self, before: int) -> None:
+        """Hold the newest good snapshot taken at or before `before` beyond `keep` (a forecast's: a rewind for the
+        alarm that may follow finds the weights from before the growth), until `unpin`."""
+        self.unpin()
+        self.pinned = self.newest_good(before=before)
+
+    def unpin(self) -> None:
+        pinned, self.pinned = self.pinned, None
+        if pinned is not None and pinned not in self.good and pinned is not self.first:
+            self._set_spare(pinned)
 
     def release_first(self) -> None:
         """Stop holding the first snapshot beyond `keep` (its buffers serve the next snapshot)."""
         first, self.first, self.hold_first = self.first, None, False
-        if first is not None and first not in self.good:
+        if first is not None and first not in self.good and first is not self.pinned:
             self._set_spare(first)
 
     def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
@@ -362,7 +376,7 @@ class Recovery:
         held first one whenever there is one (growth that began at the start). Outside the spike escalation: no
         strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff). None when memory
         holds none (after a resume, or without snapshots): the caller keeps its weights."""
-        kept = [s for s in (self.first, *self.good) if s is not None and s.step <= latest]
+        kept = [s for s in (self.first, self.pinned, *self.good) if s is not None and s.step <= latest]
         earliest = min(kept, key=lambda s: s.step, default=None)
         first = self.first if self.first is not None and self.first.step <= latest else None
         snap = (first if to_first else None) or self.newest_good(before=before) or earliest

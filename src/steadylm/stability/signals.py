@@ -133,8 +133,13 @@ class Precursors(Check):
         rewind: bool = True,
         rewarm_steps: int = 100,
         watch: dict | None = None,
+        forecast_lr: float | None = None,
     ) -> None:
         where = "callbacks.stability.signals"
+        if forecast_lr is not None and not 0 < forecast_lr < 1:
+            raise ConfigError(f"{where}.forecast_lr={forecast_lr} must be in (0, 1), or null for a forecast that logs")
+        self.forecast_lr = forecast_lr
+        self.holding: dict | None = None  # a forecast's LR hold under way (`_hold`)
         self.levels = {"residual_rms": residual_rms, "update_ratio": update_ratio, "log_z": log_z}
         self.levels["attn_logit"] = attn_logit
         self.watched = _watched(watch or {}, where)  # your own signals: {name: (check, key)}, read every step
@@ -196,10 +201,10 @@ class Precursors(Check):
             got = m.values.get(check, {}).get(key)
             if got is not None:
                 values[name] = float(max(_flat(got)))
-        out = self.watch(m.step, values)
+        out = self._release(m.step) + self.watch(m.step, values)
         stats = m.values.get("stats")
         if not stats:
-            return out
+            return self._hold(out)
         parts = []  # (stats step, its signal values): the update of the step before `m.step`, then `m.step`'s own
         if "delta" in stats:
             parts.append(
@@ -214,7 +219,34 @@ class Precursors(Check):
             )
         for step, values in parts:
             out += self._judge_stats(step, values, view)
-        return out
+        return self._hold(out)
+
+    def _hold(self, out: list[Verdict]) -> list[Verdict]:
+        """`forecast_lr`: a forecast acts before the loss turns. The snapshot from before the precursor's growth is
+        pinned (an alarm's rewind then finds it) and the LR scale is lowered until the forecast's horizon passes
+        (`_release`): a forecast that did not come true lowers no LR for good. One hold at a time."""
+        if self.forecast_lr is None or self.holding is not None or any(v.action == "backoff" for v in out):
+            return out
+        first = next((v for v in out if v.kind == "forecast"), None)
+        if first is None:
+            return out
+        d = first.detail
+        self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}
+        pin = self.onset[d["signal"]] - 1
+        detail = {**self.holding, "value": d["value"], "expected_step": d["expected_step"], "pinned_before": pin}
+        context = {"temporary": True, "factor": self.forecast_lr, "pin_before": pin}
+        return [*out, Verdict("backoff", "forecast_hold", detail, onset=first.onset, context=context)]
+
+    def _release(self, step: int) -> list[Verdict]:
+        """The hold's end: its horizon passed with nothing (while the alarm it forecast is under way it holds on),
+        or a backoff, which lowers the LR for good, came."""
+        h = self.holding
+        if h is None or not (h.get("superseded") or (step > h["until"] and self.streak[h["signal"]] == 0)):
+            return []
+        self.holding = None
+        detail = {"signal": h["signal"], "until": h["until"], "factor": 1 / h["factor"], "released": True}
+        context = {"temporary": True, "factor": 1 / h["factor"], "unpin": True}
+        return [Verdict("log", "forecast_hold", detail, onset=step, context=context)]
 
     def _judge_stats(self, step: int, values: dict[str, float], view) -> list[Verdict]:
         """One stats step's signals: alarms, a backoff, the stats-step forecasts."""
@@ -346,6 +378,8 @@ class Precursors(Check):
 
     def restart(self) -> None:
         """After a backoff (this check's or QK-clip's) the LR, the weights and so the trends start again."""
+        if self.holding is not None:
+            self.holding["superseded"] = True  # the backoff's LR now rules: the hold ends at the next verdict
         for name in SIGNALS:
             self.history[name].clear()
             self.streak[name], self.onset[name], self.forecast[name] = 0, -1, False
@@ -360,6 +394,7 @@ class Precursors(Check):
             "onset": dict(self.onset),
             "forecast": dict(self.forecast),
             "alarms": self.alarms,
+            "holding": self.holding,
             **self.backoff.state_dict(),
         }
 
@@ -375,4 +410,5 @@ class Precursors(Check):
             points = state.get("series", {}).get(name, [])
             self.series[name] = deque((tuple(p) for p in points), maxlen=self.trend_window)
         self.alarms = int(state["alarms"])
+        self.holding = state.get("holding")
         self.backoff.load_state_dict(state)

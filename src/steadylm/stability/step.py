@@ -254,6 +254,14 @@ class Stability(L.Callback):
         episode = v.context.get("episode")
         if episode is not None:
             detail["batch"] = self._windows(trainer, episode["batch_idx"])
+        if v.context.get("temporary"):  # a forecast's LR hold, or its end: no rewind, no restart, not counted
+            pl_module.scale_lr(v.context["factor"])
+            if "pin_before" in v.context:
+                self.recovery.pin(v.context["pin_before"])
+            if v.context.get("unpin"):
+                self.recovery.unpin()
+            emit(trainer, v.onset, v.kind, v.action, {**detail, "lr_scale": pl_module.lr_scale})
+            return False
         if v.action == "backoff":
             emit(trainer, v.onset, v.kind, v.context.get("event_action", "log"), detail)
             c = v.context
