@@ -207,7 +207,7 @@ def test_two_process_ddp_nan_loss_on_rank_1_skips_the_same_step_on_both_ranks(sh
 
 
 def test_debug_anomaly_raises_naming_the_first_non_finite_module(make_cfg):
-    from steadylm.stability import NonFiniteError
+    from steadylm.stability.anomaly import NonFiniteError
 
     cfg = make_cfg(*FAST, "debug=anomaly", faults({"kind": "nan_weight", "step": 2, "param": "blocks.1.mlp.fc.weight"}))
     with pytest.raises(NonFiniteError, match=r"non-finite output in module blocks\.1\.mlp\.fc at step 2"):

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
-from steadylm.data.consensus import ConsensusLoader
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info, shard_files
@@ -131,9 +130,11 @@ class ShardDataModule(L.LightningDataModule):
             if self._pending_state is not None:
                 sampler.load_state_dict(self._pending_state)
                 self._pending_state = None
-        # Several ranks: a bad window on one of them stops all of them with its one-line error (consensus.py).
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        return (ConsensusLoader if distributed else DataLoader)(
+        loader = DataLoader
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Several ranks: a bad window on one stops all of them with its one-line error (loaded only then).
+            from steadylm.data.consensus import ConsensusLoader as loader
+        return loader(
             dataset,
             batch_sampler=sampler,
             num_workers=self.num_workers,

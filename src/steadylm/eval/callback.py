@@ -13,10 +13,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError
-from steadylm.eval.score import correct, loglikelihoods, requests
-from steadylm.eval.tasks import load_task
 
 
 class DownstreamEval(L.Callback):
@@ -33,6 +30,11 @@ class DownstreamEval(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.specs or self._work is not None:
             return
+        # Loaded only when a run names tasks: the default in-training eval is off and needs none of them.
+        from steadylm.data.tokenizer import tokenizer_of_run
+        from steadylm.eval.score import requests
+        from steadylm.eval.tasks import load_task
+
         tok = tokenizer_of_run({"tokenizer": pl_module.tokenizer_name, "config": pl_module.run_config})
         context = pl_module.net.cfg.context_length
         self._work = []
@@ -47,6 +49,8 @@ class DownstreamEval(L.Callback):
         self.runs += 1
         if (self.runs - 1) % self.every:
             return
+        from steadylm.eval.score import correct, loglikelihoods
+
         counts = []
         with trainer.precision_plugin.forward_context():
             for _, items, reqs in self._work:
