@@ -1,11 +1,9 @@
 """`DownstreamEval`: multiple-choice accuracy (`eval/<task>/acc`, `eval/<task>/acc_norm`) at validation time.
 
-Off while `tasks` is empty. Each task's first `limit` items are split over the ranks (item i on rank i % world);
-every rank scores its share through the module's own head + loss path (`LMModule.target_losses`, chunked by
-default, under the run's precision), then the per-task counts [acc, acc_norm, items] are summed across ranks in
-one all-reduce, so the logged accuracy is over all `limit` items whatever the number of ranks. `every`: run on
-every N-th validation (sanity checks excluded), to bound its share of the run. Under FSDP the head's weight is
-sharded outside the forward: this callback is meant for single-device and DDP runs.
+Off while `tasks` is empty. Each task's first `limit` items are split over the ranks (item i on rank i % world),
+scored through `LMModule.target_losses` under the run's precision; the counts [acc, acc_norm, items] are summed
+across ranks in one all-reduce. `every`: every N-th validation (sanity checks excluded). Single-device and DDP
+runs only (under FSDP the head's weight is sharded outside the forward).
 """
 
 from __future__ import annotations

@@ -32,15 +32,10 @@ MAD_TO_STD = 1.4826
 
 
 class RobustWindow(deque):
-    """The last `size` values (log space); their median and robust scale (a deque: `append`, `len` cost no call)."""
+    """The last `size` values (log space), as a deque: `append`, `len` cost no Python call."""
 
     def __init__(self, size: int, values=()) -> None:
         super().__init__(values, maxlen=size)
-
-    def center_scale(self) -> tuple[float, float]:
-        # `statistics` rather than numpy (22 against 76 us on 128 values); builtins in `map`: no Python call.
-        med = statistics.median(self)
-        return med, MAD_TO_STD * statistics.median(map(abs, map(operator.sub, self, repeat(med))))
 
 
 class SpikeDetector(Check):
@@ -85,7 +80,9 @@ class SpikeDetector(Check):
         stats = self.stats[signal]
         if len(stats) < self.warmup:
             return None
-        med, scale = stats.center_scale()
+        # Median and 1.4826·MAD: `statistics` rather than numpy (22 against 76 us on 128 values); builtins in `map`.
+        med = statistics.median(stats)
+        scale = MAD_TO_STD * statistics.median(map(abs, map(operator.sub, stats, repeat(med))))
         if signal == "loss":
             return math.exp(med + self.sigma * max(scale, self.noise_floor / math.sqrt(self.sequences)))
         return math.exp(med + max(self.sigma * scale, math.log(self.grad_ratio)))
