@@ -71,8 +71,7 @@ class LMModule(L.LightningModule):
         self.loss_path, self.loss_chunk = loss_path(optim)
         self.net = GPT(GPTConfig(**model))
         if compile:
-            # In place, so the state_dict keys stay `net.*` (a wrapper attribute would store every weight twice).
-            self.net.compile()
+            self.net.compile()  # in place: the state_dict keys stay `net.*`, no weight stored twice
         # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
         self.run_config = run_config
         self.tokenizer_name = tokenizer
@@ -83,7 +82,6 @@ class LMModule(L.LightningModule):
         self.lr_scale = 1.0
         # After a rewind the LR warms up again from the restored step: (applied step it began, its length).
         self.rewarm: tuple[int, int] = (0, 0)
-        # This step's total grad norm, when `grad_norms` has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
 
@@ -205,8 +203,7 @@ class LMModule(L.LightningModule):
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
-        kept for this step's clipping, so the gradients are walked once. Loops, not comprehensions: a quiet step
-        calls as few functions as it can."""
+        kept for this step's clipping, so the gradients are walked once (loops: no comprehension call a step)."""
         params: list = []
         for opt in self.trainer.optimizers:
             for group in opt.param_groups:
@@ -256,7 +253,7 @@ class LMModule(L.LightningModule):
         if not gradient_clip_val:
             return
         params = []
-        for group in optimizer.param_groups:  # loops, not comprehensions: a quiet step calls fewer functions
+        for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     params.append(p)

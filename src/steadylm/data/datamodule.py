@@ -1,10 +1,9 @@
 """`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders.
 
 Every shard is checked against the model config before training (vocabulary, tokenizer, context length): a
-mismatch is one `DataError` naming the shard and the config key, never a CUDA index error. Batches come from
-`EpochBatchSampler` (the Trainer runs with `use_distributed_sampler=False`): exact epochs across ranks, static
-shapes, resumable. Each loader has its own `torch.Generator`, so building its iterator (which draws a seed)
-never draws from the global generator: validation cannot shift the training RNG stream (checkpointing.RNGState).
+mismatch is one `DataError` naming the shard and the key, never a CUDA index error. Batches come from
+`EpochBatchSampler`: exact epochs across ranks, static shapes, resumable. Each loader has its own
+`torch.Generator`, so validation never draws from the global one (checkpointing.RNGState).
 """
 
 from __future__ import annotations
@@ -32,11 +31,8 @@ def _same_tokenizer(recorded: str, configured) -> bool:
 
 
 class ShardDataModule(L.LightningDataModule):
-    """The shard `DataSource` (data/source.py): every member answered from the shards' attributes.
-
-    `input`, `val_fraction`, `text_field`, `vocab_size`, `num_proc`, `on_bad_record` are read by prepare and
-    `global_batch_tokens` by startup, from the config; they are accepted so one `data:` config says it all.
-    """
+    """The shard `DataSource` (data/source.py), answered from the shards' attributes. `input` .. `on_bad_record`
+    are prepare's keys and `global_batch_tokens` startup's, accepted so one `data:` config says it all."""
 
     def __init__(
         self,
@@ -193,11 +189,8 @@ class ShardDataModule(L.LightningDataModule):
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)
 
     def state_dict(self) -> dict:
-        """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume.
-
-        The sampler runs ahead of training (Lightning fetches a batch early, workers prefetch more), so while a
-        Trainer is fitting, the batches the loop has actually processed are taken from the Trainer.
-        """
+        """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume; while fitting, the batches
+        done are the Trainer's (the sampler runs ahead by prefetch)."""
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         trainer = getattr(self, "trainer", None)

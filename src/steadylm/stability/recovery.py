@@ -267,10 +267,6 @@ class Recovery:
             if len(self.recent) == self.recent.maxlen:
                 self.best = min(self.best, statistics.median(self.recent))
 
-    def in_skip_window(self, step: int) -> bool:
-        """Step `step` lies in the longer data window skipped after a repeated rollback."""
-        return step < self.skip_until
-
     def newest_good(self, before: int | None = None, older: bool = False) -> Snapshot | None:
         found = [s for s in self.good if before is None or s.step <= before]
         if older and len(found) > 1:
