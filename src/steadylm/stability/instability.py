@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from steadylm.stability.events import read_events
-from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix
 
 MATERIAL_CLIPS = 10
 PERSISTENT_ALARMS = 5
@@ -30,6 +29,8 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
     events = read_events(run_dir)
     init = [e["detail"] for e in events if e.get("kind") == "init_loss"]
     if init:
+        from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix  # only a run with the check writes these
+
         d = init[0]
         return (
             f"the initial loss was {d['loss']:.3g} nats, ln({d['vocab_size']}) = {d['expected']:.3g} expected: the "

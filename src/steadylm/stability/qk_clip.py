@@ -141,36 +141,22 @@ class QKClip(Check):
         """Steps a clipping streak takes to ask for a backoff."""
         return (self.backoff_after or 0) * self.every_n_steps
 
-    def factors(self, head_max: torch.Tensor, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query-row factor per query head, key-row factor per key head) from per-head max logits (..., n_head):
-        one layer's, or every layer's at once (L, n_head)."""
-        s = head_max.float()
-        g = torch.where(torch.isfinite(s) & (s > self.tau), self.tau / s, torch.ones_like(s))
-        g = g.clamp(min=self.min_factor)
-        k = g.unflatten(-1, (n_kv_head, -1)).amin(dim=-1).sqrt()
-        return g / k.repeat_interleave(g.shape[-1] // n_kv_head, dim=-1), k
-
-    @staticmethod
-    def _scale_rows(attn, rows: torch.Tensor) -> None:
-        """Scale one `CausalSelfAttention`'s first rows.numel() `qkv` rows (its query and key heads, weight and
-        bias) in place."""
-        for p in (attn.qkv.weight, attn.qkv.bias):
-            if p is not None:
-                scale = rows.to(p.device, p.dtype)
-                p[: rows.numel()].mul_(scale.view(-1, *([1] * (p.dim() - 1))))
-
     @torch.no_grad()
     def clip(self, head_max: torch.Tensor, attns: list) -> None:
         """Rescale, on the device, every head whose max logit (row i of `head_max` for layer i, all-reduced)
         exceeds tau; a head below it is multiplied by exactly 1. No host read."""
         if self.exhausted or not attns:
             return
-        # Every layer's factors at once (the layers share their head shape): a few ops, then two per layer.
-        D = attns[0].head_dim
-        q, k = self.factors(head_max, attns[0].n_kv_head)
+        D, kv = attns[0].head_dim, attns[0].n_kv_head  # the layers share their head shape: all at once
+        s = head_max.float()
+        g = torch.where(torch.isfinite(s) & (s > self.tau), self.tau / s, torch.ones_like(s)).clamp(min=self.min_factor)
+        k = g.unflatten(-1, (kv, -1)).amin(dim=-1).sqrt()  # each key head: sqrt(min g of its group)
+        q = g / k.repeat_interleave(g.shape[-1] // kv, dim=-1)
         rows = torch.cat([q.repeat_interleave(D, dim=-1), k.repeat_interleave(D, dim=-1)], dim=-1)
         for attn, row in zip(attns, rows):
-            self._scale_rows(attn, row)
+            for p in (attn.qkv.weight, attn.qkv.bias):  # its query and key rows, in place
+                if p is not None:
+                    p[: row.numel()].mul_(row.to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1))))
 
     def step(self, step: int, head_max: list[torch.Tensor], attns: list) -> dict | None:
         """`clip` then `account` at once (the host reads the logits now)."""
@@ -184,7 +170,7 @@ class QKClip(Check):
         finite = logits[torch.isfinite(logits)]
         if finite.numel():
             self.history.append((int(step), float(finite.max())))
-        hit = torch.isfinite(logits) & (logits > self.tau)  # `factors`' own test, in its precision
+        hit = torch.isfinite(logits) & (logits > self.tau)  # `clip`'s own test, in its precision
         if not bool(hit.any()):  # a healthy step: one read
             self.streak = 0
             return None
