@@ -70,24 +70,27 @@ class Schedule:
 
     def __call__(self, step: int) -> float:
         """The scheduled LR of applied step `step` (0-based)."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if step >= self.total_steps:
-            return self.min_lr
-        start = self.decay_start
-        if step < start:  # wsd's stable phase
-            return self.lr
-        p = (step - start) / max(1, self.total_steps - start)  # through the decay, in [0, 1]
-        if self.shape == "cosine":
-            return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
-        return self.min_lr + (self.lr - self.min_lr) * (1.0 - (math.sqrt(p) if self.shape == "wsd" else p))
+        return self.lr_of(step)
 
     def lr_of(self, step: int, scale: float = 1.0, rewarm: tuple[int, int] = (0, 0)) -> float:
         """The schedule at applied step `step` x the LR scale x a re-warmup after a rewind, `rewarm = (start,
         length)`: a warmup begun again at applied step `start` over `length` steps."""
         start, length = rewarm
         warm = (step - start + 1) / length if length and 0 <= step - start < length else 1.0
-        return self(step) * warm * scale
+        if step < self.warmup_steps:
+            lr = self.lr * (step + 1) / self.warmup_steps
+        elif step >= self.total_steps:
+            lr = self.min_lr
+        elif step < (begin := self.decay_start):  # wsd's stable phase
+            lr = self.lr
+        else:
+            p = (step - begin) / max(1, self.total_steps - begin)  # through the decay, in [0, 1]
+            if self.shape == "cosine":
+                share = 0.5 * (1.0 + math.cos(math.pi * p))
+            else:
+                share = 1.0 - (math.sqrt(p) if self.shape == "wsd" else p)
+            lr = self.min_lr + (self.lr - self.min_lr) * share  # each shape's share of (lr - min_lr)
+        return lr * warm * scale
 
     def describe(self) -> str:
         """One line: `wsd: warmup 100, flat 0.003 to step 800, 1-sqrt decay to 0.0003 at step 1000`."""

@@ -46,13 +46,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
             _positive(key, getattr(self, key))
-        for key, allowed in (
-            ("pos", POS),
-            ("norm", NORMS),
-            ("mlp", MLPS),
-            ("init", INITS),
-            ("parametrization", PARAMETRIZATIONS),
-        ):
+        choices = {"pos": POS, "norm": NORMS, "mlp": MLPS, "init": INITS, "parametrization": PARAMETRIZATIONS}
+        for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
                     f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}"
