@@ -20,7 +20,7 @@ import torch
 
 from steadylm.errors import ConfigError
 
-SHAPES = ("cosine", "wsd", "linear")
+SHAPES = ("cosine", "wsd", "linear")  # each shape's share of (lr - min_lr) is in `Schedule.lr_of`
 
 
 @dataclass(frozen=True)
