@@ -15,8 +15,9 @@ from steadylm.config import compose, set_key, validate_config
 from steadylm.doctor.check import FAIL, OK
 from steadylm.doctor.coord_check import FLAT, check_coords, coord_check
 from steadylm.errors import ConfigError
+from steadylm.export import sp_state_dict
 from steadylm.model import GPT, GPTConfig
-from steadylm.model.mup import attn_scale, logit_mult, param_groups, sp_state_dict, width_mult
+from steadylm.model.mup import attn_scale, logit_mult, param_groups, width_mult
 from steadylm.module import LMModule
 from steadylm.resolve import fill_derived
 from steadylm.result import divergence, finish_job

@@ -16,7 +16,7 @@ import lightning as L
 from tests.helpers import fit
 
 SRC = str(Path(__file__).resolve().parents[1] / "src" / "steadylm")
-MAX_FUNCTIONS, MAX_FILES = 54, 18
+MAX_FUNCTIONS, MAX_FILES = 45, 18
 
 
 class CountCalls(L.Callback):

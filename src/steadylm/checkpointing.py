@@ -1,10 +1,8 @@
 """Checkpoints that survive crashes and resume bitwise: atomic writes, safe loads, `resume=auto`.
 
-Saves go to a hidden temp file in the same folder, are fsynced and `os.replace`d into place (`AtomicCheckpointIO`),
-so a kill or a full disk mid-save leaves the previous checkpoint intact; loads are `torch.load(weights_only=True)`,
-so a checkpoint carrying pickled code is refused, never run. `SaveOnException` saves `exception.ckpt` when training
-dies, `RNGState` carries the RNGs for dropout after a resume, `resolve_ckpt_path` turns `ckpt_path=`/`resume=auto`
-into a file. This module never overwrites or deletes a checkpoint it did not just write in full.
+Saves go to a hidden temp file, fsynced and `os.replace`d into place (`AtomicCheckpointIO`): a kill or a full
+disk mid-save leaves the previous checkpoint intact. Loads are `torch.load(weights_only=True)`: pickled code is
+refused, never run. It never overwrites or deletes a checkpoint it did not just write in full.
 """
 
 from __future__ import annotations
@@ -142,9 +140,8 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 
 def resolve_ckpt_path(cfg) -> str | None:
-    """`ckpt_path=<file>` resumes from that file; `resume=auto` from the newest good checkpoint in
-    this run's `checkpoints/` (a fresh start if there is none, so one command serves start and restart).
-    A requeued submitit job resumes as if `resume=auto` (the launcher cannot add it to the command)."""
+    """`ckpt_path=<file>`, or `resume=auto`: the newest good checkpoint in this run's `checkpoints/` (a fresh
+    start if none), as a requeued submitit job does by itself (the launcher cannot add it to the command)."""
     ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
     if resume not in (None, "auto"):
         raise CheckpointError(
@@ -154,8 +151,6 @@ def resolve_ckpt_path(cfg) -> str | None:
         raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
     folder = Path(cfg.paths.output_dir) / "checkpoints"
     if resume is None and os.environ.get("SUBMITIT_EXECUTOR") and (found := latest_checkpoint(folder)):
-        # A submitit job that finds checkpoints in its own run dir was requeued (preempted or timed out):
-        # it continues by itself, from its own progress rather than from where it first started.
         log.info("submitit requeued this job: continuing from %s", found)
         return str(found)
     if ckpt_path or resume != "auto":
@@ -190,8 +185,7 @@ def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Modul
 
 
 def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
-    """The checkpoint this run resumes from, already checked to load safely, fit `module`, and to have taken
-    its steps at the LRs `module`'s schedule gives them (a changed length is an anneal, schedule.py)."""
+    """The checkpoint this run resumes from, checked to load safely, fit `module` and match its schedule."""
     path = resolve_ckpt_path(cfg)
     if path is not None:
         ckpt = safe_load(path, mmap=True)  # mmap: no second full read into RAM
@@ -249,13 +243,9 @@ def set_rng_state(state: dict) -> None:
 
 
 class RNGState(L.Callback):
-    """Carry the global RNGs through checkpoints, for a bitwise-identical resume.
-
-    The saved state is applied once, at `on_train_start`, after the resumed loaders are built and before any
-    batch. Nothing per step is needed: our loaders have their own `torch.Generator` (data/datamodule.py,
-    data/stream.py), so neither building a train or validation iterator nor validation itself (no dropout in
-    eval) draws from the global generators, and a validation never shifts the training stream.
-    """
+    """Carry the global RNGs through checkpoints, for a bitwise-identical resume: applied once, at
+    `on_train_start`, after the resumed loaders are built. Our loaders have their own `torch.Generator`, so a
+    validation never draws from the global generators nor shifts the training stream."""
 
     def __init__(self) -> None:
         self._pending: dict | None = None

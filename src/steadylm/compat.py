@@ -1,8 +1,7 @@
 """Every private attribute of Lightning, torch or OmegaConf that steadylm touches, in one place.
 
 Each function borrows one internal, says why no public API does the job, and is exercised by
-`tests/test_compat.py`, so a Lightning or torch upgrade that moves it breaks this file and one named
-test, never a training run halfway through. `pyproject.toml` bounds `lightning` to the tested range.
+`tests/test_compat.py`: an upgrade that moves it breaks this file and one test, never a run halfway through.
 Nothing outside this module may reach a `_private` name of either library.
 """
 
@@ -44,11 +43,8 @@ def attached_trainer(module: Any) -> Any | None:
 
 
 def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
-    """Make the next `step()` skip itself on the device when `flag` (a 0-dim float tensor) is 1.
-
-    GradScaler's protocol with the fused optimizers: `step()` reads `optimizer.found_inf` and leaves weights,
-    moments and step counts alone when it is set, without a host sync. Not a documented API.
-    """
+    """The next `step()` skips itself on the device when `flag` (0-dim float) is 1: GradScaler's undocumented
+    protocol with the fused optimizers (weights, moments and step counts left alone, no host sync)."""
     optimizer.found_inf = flag
 
 

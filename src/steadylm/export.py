@@ -11,13 +11,14 @@ GPT-2 has LayerNorm, a GELU MLP, one k/v head per query head and no QK-norm; Lla
 and SwiGLU; Qwen3 has no MLP biases. What each class does express is mapped exactly: `bias=false` into
 GPT-2 as zero biases, untied embeddings as `tie_word_embeddings=false`, grouped k/v heads and biases
 (`attention_bias`, `mlp_bias`) into Llama, and `model.parametrization=mup` folded into the weights (its
-logit factor into the final norm, its attention factor into the queries: `mup.sp_state_dict`). Our checkpoint stays the source of truth (as litgpt's does);
-this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
+logit factor into the final norm, its attention factor into the queries: `sp_state_dict`). Our checkpoint stays
+the source of truth (as litgpt's does); this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -27,8 +28,7 @@ import torch
 from steadylm.checkpointing import load_checkpoint
 from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError, SteadyError
-from steadylm.model import GPT, GPTConfig
-from steadylm.model.mup import sp_state_dict
+from steadylm.model import GPT, GPTConfig, mup
 from steadylm.model.switches import require_understood
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,6 +83,40 @@ def hf_family(cfg: GPTConfig) -> str:
                 + " with its other switches"
             )
     return family
+
+
+def sp_state_dict(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of an sp model (1/sqrt(d_head) attention, no logit factor) computing the same function:
+    Hugging Face's GPT-2 and Llama have neither muP multiplier. The logit factor
+    goes into the final norm's gain and bias (ln_f is linear in them; the tied embedding cannot carry it
+    without changing the input). The attention factor c = sqrt(b / d_head) goes into the queries: the q
+    rows of `qkv` (rotary positions are linear, so they commute), or the q_norm gain when QK-norm would
+    undo a scaled projection. Under sp (or mup at the base shape) it is `net.state_dict()` unchanged.
+    """
+    cfg = net.cfg
+    sd = dict(net.state_dict())
+    scale, mult = mup.attn_scale(cfg), mup.logit_mult(cfg)
+    if mult != 1.0:
+        for key in ("ln_f.weight", "ln_f.bias"):
+            if key in sd:
+                sd[key] = sd[key] * mult
+    if scale is None or scale == 1.0 / math.sqrt(cfg.head_dim):
+        return sd
+    c = scale * math.sqrt(cfg.head_dim)
+    q_rows = cfg.n_head * cfg.head_dim
+    for i in range(cfg.n_layer):
+        p = f"blocks.{i}.attn."
+        keys = (p + "q_norm.weight", p + "q_norm.bias") if cfg.qk_norm else (p + "qkv.weight", p + "qkv.bias")
+        for key in keys:
+            if key not in sd:
+                continue
+            t = sd[key].clone()
+            if cfg.qk_norm:
+                t *= c
+            else:
+                t[:q_rows] *= c
+            sd[key] = t
+    return sd
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,12 @@
 """The output head and cross-entropy over chunks of tokens: the (tokens x vocab) logits never exist whole.
 
 The plain path (`lm_head(h)` then cross-entropy) keeps the whole logits, their fp32 copy, the softmax and its
-gradient alive at once: 4 x 1024 tokens x 50304 entries are 0.8 GB per fp32 copy, more than the rest of GPT-2
-small's activations. Here the tokens go through the head `chunk` at a time, and each chunk's gradient with respect
-to its hidden states and the head's weight is computed in the forward, while its logits exist (the loss is a
-sum, so the chunks' gradients add up; Liger's and OLMo-core's fused linear cross-entropy do the same). The backward
-only scales the stored gradients: the head's three matmuls run once each, as in the plain path, none is
-recomputed. Peak memory: one chunk's logits and softmax, plus a gradient of the weight in fp32.
-
-Numerics follow the plain path under autocast: the matmuls in the autocast dtype (bf16: fp32 accumulation,
-a bf16 result), the softmax, log Z and losses in fp32. The weight's gradient is summed over chunks in fp32, so
-under bf16 it differs from the plain path's one rounded matmul by bf16 rounding, not more.
-It must never be used where the logits themselves are wanted (generation, the doctor's probes): it returns losses.
+gradient alive at once (4 x 1024 tokens x 50304 entries are 0.8 GB per fp32 copy). Here the tokens go through the
+head `chunk` at a time, and each chunk's gradient with respect to its hidden states and the head's weight is
+computed in the forward, while its logits exist (as Liger's and OLMo-core's fused linear cross-entropy do); the
+backward only scales them, so no matmul is recomputed. Numerics follow the plain path under autocast: matmuls in
+the autocast dtype, softmax, log Z and losses in fp32, the weight's gradient summed in fp32. It returns losses:
+never for where the logits themselves are wanted (generation, the doctor's probes).
 """
 
 from __future__ import annotations
@@ -20,26 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from steadylm.data.dataset import IGNORE_INDEX
-
-
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the head's matmul runs in: autocast's where it is on, else the input's."""
-    dev = t.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
-
-
-def _chunk(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 log-softmax, log Z per token, per-token cross-entropy with 0 at ignored targets) of one chunk.
-
-    One fused log-softmax, as `F.cross_entropy` does; log Z is read back from it at the target's column
-    (logit - log-prob), so no second pass over the chunk computes it."""
-    logits = F.linear(h, w).float()
-    logp = torch.log_softmax(logits, dim=-1)
-    col = t.clamp(min=0)[:, None]
-    picked = logp.gather(1, col).squeeze(1)
-    lse = logits.gather(1, col).squeeze(1) - picked
-    valid = t != IGNORE_INDEX
-    return logp, lse, torch.where(valid, -picked, 0.0)  # as cross_entropy: an ignored row is 0, even if inf
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -58,16 +33,21 @@ class _HeadLoss(torch.autograd.Function):
             z_sum = hidden.new_zeros((), dtype=torch.float32)
             for s in range(0, hidden.shape[0], chunk):
                 h, t = hidden[s : s + chunk].to(dtype), targets[s : s + chunk]
-                logp, lse, ce = _chunk(h, w, t)
+                # One fused log-softmax; log Z read back at the target's column (logit - log-prob).
+                logits = F.linear(h, w).float()
+                logp = torch.log_softmax(logits, dim=-1)
+                col = t.clamp(min=0)[:, None]
+                picked = logp.gather(1, col).squeeze(1)
+                lse = logits.gather(1, col).squeeze(1) - picked
                 valid = t != IGNORE_INDEX
-                ce_sum += ce.sum()
+                ce_sum += torch.where(valid, -picked, 0.0).sum()  # as cross_entropy: an ignored row is 0, even if inf
                 z_sum += torch.where(valid, lse.square(), 0.0).sum()
                 if grad_h is None and grad_w is None:
                     continue
                 # d/dlogits of CE + z (log Z)^2 = softmax * (1 + 2 z log Z) - onehot(target), on valid rows only.
                 row = torch.where(valid, (1 + 2 * z_coeff * lse) * inv, 0.0)
                 g = logp.exp_().mul_(row[:, None])  # the softmax, in the log-softmax's own buffer
-                g.scatter_add_(1, t.clamp(min=0)[:, None], -(valid * inv)[:, None])
+                g.scatter_add_(1, col, -(valid * inv)[:, None])
                 g = g.to(dtype)
                 if grad_h is not None:
                     grad_h[s : s + chunk] = g @ w
@@ -91,10 +71,11 @@ def chunked_head_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CE + z-loss, CE, z-loss), each a mean over non-ignored targets (0 when all are ignored); only the first
     carries a gradient. `hidden` (..., d) is the input of the head `weight` (vocab, d); `targets` (...) int64."""
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h, dev = hidden.reshape(-1, hidden.shape[-1]), hidden.device.type
     if not torch.is_grad_enabled():  # no_grad (validation): skip the gradients the forward would otherwise compute
         h, weight = h.detach(), weight.detach()
-    return _HeadLoss.apply(h, weight, targets.reshape(-1), float(z_coeff), int(chunk), compute_dtype(hidden))
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype  # the matmul's
+    return _HeadLoss.apply(h, weight, targets.reshape(-1), float(z_coeff), int(chunk), dtype)
 
 
 @torch.no_grad()
@@ -102,9 +83,18 @@ def chunked_token_losses(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 at ignored targets), shaped like `targets`, a chunk of logits at a time."""
-    dtype = compute_dtype(hidden)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    with torch.autocast(hidden.device.type, enabled=False):
+    with torch.autocast(dev, enabled=False):
         w = weight.to(dtype)
-        out = [_chunk(h[s : s + chunk].to(dtype), w, t[s : s + chunk])[2] for s in range(0, h.shape[0], chunk)]
+        out = [
+            F.cross_entropy(
+                F.linear(h[s : s + chunk].to(dtype), w).float(),
+                t[s : s + chunk],
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            )
+            for s in range(0, h.shape[0], chunk)
+        ]
     return torch.cat(out).view(targets.shape)

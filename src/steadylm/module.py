@@ -1,8 +1,7 @@
 """The LightningModule: next-token loss, the optimizer (AdamW, or Muon + AdamW) and the LR of each update.
 
-It owns the objective and the optimizer recipe, nothing else: stability checks live in callbacks
-(`steadylm.stability`) so each can be switched off and tested alone. It must never cast targets
-silently: a float or wrongly shaped target is a data bug, and is refused with a clear message.
+Stability checks live in callbacks (`steadylm.stability`). Targets are never cast: a float or wrongly shaped
+target is a data bug, refused with a clear message.
 """
 
 from __future__ import annotations
@@ -72,20 +71,17 @@ class LMModule(L.LightningModule):
         self.loss_path, self.loss_chunk = loss_path(optim)
         self.net = GPT(GPTConfig(**model))
         if compile:
-            # In place, so the state_dict keys stay `net.*` (a wrapper attribute would store every weight twice).
-            self.net.compile()
+            self.net.compile()  # in place: the state_dict keys stay `net.*`, no weight stored twice
         # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
         self.run_config = run_config
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
-        # The LR state. Only this class writes it; the stability suite asks through `skip_step`, `scale_lr` and
-        # `continue_from`. Optimizer steps whose update never reached the weights (skipped or rolled back) do not
-        # count: the LR follows the applied steps. `lr_scale` multiplies the schedule (a backoff lowers it).
+        # The LR state, written only here (the suite asks through `skip_step`, `scale_lr`, `continue_from`): the LR
+        # follows the applied steps, times `lr_scale` (a backoff lowers it).
         self.skipped_steps = 0
         self.lr_scale = 1.0
         # After a rewind the LR warms up again from the restored step: (applied step it began, its length).
         self.rewarm: tuple[int, int] = (0, 0)
-        # This step's total grad norm, when `grad_norms` has already computed it (before clipping).
         self.pre_clip_grad_norm: torch.Tensor | None = None
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
 
@@ -142,10 +138,9 @@ class LMModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss, z = self.head_loss(x, y)
-        # Only on the steps the Trainer writes: `self.log` is milliseconds of Python, a step's worth on small models.
-        # As a host copy: Lightning turns the progress-bar value into a number after every step, and on a
-        # device tensor that `.item()` would be one more host sync per step.
-        self.logs_now = will_log(self.trainer)  # Lightning's rule, read once a batch: the step's hooks reuse it
+        # Only on the steps the Trainer writes (`self.log` costs milliseconds), as a host copy (Lightning reads the
+        # progress-bar value every step: on a device tensor, one more host sync). The step's hooks reuse it.
+        self.logs_now = will_log(self.trainer)
         if self.logs_now:
             self.log("train/loss", loss.detach().cpu(), on_step=True, prog_bar=True)
             if self.z_loss:
@@ -161,12 +156,8 @@ class LMModule(L.LightningModule):
         self._val_totals += torch.stack([ce_sum.double(), count.double()])
 
     def on_validation_epoch_end(self) -> None:
-        """`val/loss`: every non-padding target weighs the same, on any batch size, last batch or rank count.
-
-        Sums travel across ranks before the one division (a mean of per-batch or per-rank means is biased
-        by the padded last batch). `val/bpb` converts nats per token to bits per UTF-8 byte with the val
-        split's own bytes per token, so runs with different tokenizers compare.
-        """
+        """`val/loss`: sums across ranks, then one division, so every non-padding target weighs the same; `val/bpb`:
+        bits per UTF-8 byte of the val split, so runs with different tokenizers compare."""
         ce_sum, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
         loss = ce_sum / max(count, 1.0)
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
@@ -174,13 +165,9 @@ class LMModule(L.LightningModule):
             self.log("val/bpb", loss / math.log(2) / self.val_bytes_per_token, sync_dist=False)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """The LR of this update, set after every callback has judged the step (a skip found a step late is
-        already counted): `Schedule.lr_of` the applied steps and the LR scale, nothing to patch afterwards. At
-        least step 0: a step the suite restored weights under (its gradients dropped) precedes the restored
-        state's first update, so it counts -1 from a restore to step 0; its LR moves nothing.
-
-        The last step asks the Trainer to stop: Lightning validates on a batch after which it was asked to stop,
-        so every run with val data ends with a `val/loss` (once, when `val_check_interval` falls there too)."""
+        """The LR of this update, after every callback judged the step: `Schedule.lr_of` the applied steps (at least
+        0: a step under a restore counts -1) and the LR scale. The last step asks the Trainer to stop, so Lightning
+        validates after it: every run with val data ends with a `val/loss`."""
         trainer = self.trainer
         lr = self.schedule.lr_of(max(0, trainer.global_step - self.skipped_steps), self.lr_scale, self.rewarm)
         set_lr(optimizer, lr)
@@ -191,8 +178,7 @@ class LMModule(L.LightningModule):
 
     @functools.cached_property
     def schedule(self) -> Schedule:
-        """The LR schedule of every update, built once from `optim` (on first use: a module built for its loss
-        alone needs no schedule keys)."""
+        """Built on first use: a module built for its loss alone needs no schedule keys."""
         return Schedule.from_optim(self.optim_cfg)
 
     def applied_steps(self, step: int | None = None) -> int:
@@ -216,11 +202,18 @@ class LMModule(L.LightningModule):
             self.rewarm = (applied, rewarm_steps)
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
-        """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order, as clipping sums
-        them; the total is kept for this step's clipping, so the gradients are walked once."""
-        params = [p for opt in self.trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        with_grad = [p for p in params or self.parameters() if p.grad is not None]
-        norms = per_tensor_norms([p.grad for p in with_grad]) if with_grad else None
+        """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
+        kept for this step's clipping, so the gradients are walked once (loops: no comprehension call a step)."""
+        params: list = []
+        for opt in self.trainer.optimizers:
+            for group in opt.param_groups:
+                params += group["params"]
+        with_grad, grads = [], []
+        for p in params or self.parameters():
+            if p.grad is not None:
+                with_grad.append(p)
+                grads.append(p.grad)
+        norms = per_tensor_norms(grads) if grads else None
         self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
         return norms, with_grad
 
@@ -234,8 +227,7 @@ class LMModule(L.LightningModule):
         return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
 
     def _muon(self) -> torch.optim.Optimizer:
-        """`optim=muon`: Muon on the blocks' matrices, AdamW (the same recipe as `_adamw`) on the rest. Imported
-        here, so a run that never picks Muon never loads it."""
+        """`optim=muon`: Muon on the blocks' matrices, AdamW on the rest (loaded only by a run that picks it)."""
         from steadylm.muon import Muon
         from steadylm.muon import param_groups as muon_groups
 
@@ -245,8 +237,8 @@ class LMModule(L.LightningModule):
         return Muon(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused(), **knobs)
 
     def _use_fused(self) -> bool:
-        """`optim.fused`: auto = fused wherever torch has the kernel (one kernel for all tensors, ~5x faster than the
-        per-tensor loop on CPU too), except under fp16, whose GradScaler must unscale before clipping."""
+        """`optim.fused`: auto = fused wherever torch has the kernel (~5x faster, on CPU too), except under fp16,
+        whose GradScaler must unscale before clipping."""
         choice = self.optim_cfg.get("fused", "auto")
         if choice != "auto":
             return bool(choice)
@@ -255,14 +247,16 @@ class LMModule(L.LightningModule):
         return self.device.type in ("cuda", "cpu") and not fp16
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip here, not through the precision plugin: Lightning's mixed-precision plugin refuses any clipping
-        next to a fused optimizer, even under bf16 where nothing is scaled. Under fp16 the gradients are already
-        unscaled when this runs. The pre-clip norm is the stability measurement's when the suite took it (one pass
-        over the gradients fewer), else computed here, and logged either way."""
+        """Clip here, not through the precision plugin (it refuses any clipping next to a fused optimizer, even under
+        bf16); fp16's gradients are unscaled already. The pre-clip norm is the suite's measurement when taken."""
         norm, self.pre_clip_grad_norm = self.pre_clip_grad_norm, None
         if not gradient_clip_val:
             return
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    params.append(p)
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return

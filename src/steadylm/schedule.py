@@ -1,40 +1,26 @@
 """The learning-rate schedule: one `Schedule` object, built once from `optim`, read by the module, doctor and benchmarks.
 
-Linear warmup, then one of three shapes down to `min_lr` by `total_steps`, per applied optimizer step:
-
-- `cosine` (default): half a cosine from the end of warmup; no abrupt drop anywhere.
-- `linear`: a straight line from the end of warmup.
-- `wsd` (warmup-stable-decay): flat at `lr` until the last `decay_fraction` of the run, then `1 - sqrt` down to
-  `min_lr`. Every step before the decay has the LR of any longer run's, so a checkpoint from the flat part can be
-  annealed to a shorter budget (`ckpt_path=<it> trainer.max_steps=<budget>`): one long run, many budgets.
-  `1 - sqrt` rather than linear: at the same decay length it ends at a lower loss (Hägele et al. 2024,
-  "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", the cooldown-shape comparison).
-
-There is no scheduler object to patch: before each update the module sets every group's LR from the count of
-applied steps (a skipped step does not advance it) times its LR scale (lowered by a backoff) times a re-warmup
-after a rewind (`Schedule.lr_of`), as nanochat and OLMo-core do. Warmup avoids the large early updates that Adam
-makes before its second-moment estimate has settled. This module must never read a config group other than
-`optim`, or hold any state: the LR is a function of its arguments.
+Linear warmup, then down to `min_lr` by `total_steps`, per applied optimizer step: `cosine` (default), `linear`,
+or `wsd` (warmup-stable-decay): flat at `lr` until the last `decay_fraction` of the run, then `1 - sqrt` (a lower
+final loss than linear at the same decay length; Hägele et al. 2024). Every wsd step before the decay has any
+longer run's LR, so a checkpoint from the flat part anneals to a shorter budget (`ckpt_path=<it>
+trainer.max_steps=<budget>`). No scheduler object: before each update the module sets every group's LR from
+the applied steps, the LR scale and a re-warmup after a rewind (`Schedule.lr_of`), as nanochat and OLMo-core do.
+It reads only `optim` and holds no state.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from steadylm.errors import ConfigError
 
-# Each shape's share of (lr - min_lr) at `progress` in [0, 1] through its decay.
-DECAYS: dict[str, Callable[[float], float]] = {
-    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
-    "wsd": lambda p: 1.0 - math.sqrt(p),
-    "linear": lambda p: 1.0 - p,
-}
-SHAPES = tuple(DECAYS)
+SHAPES = ("cosine", "wsd", "linear")  # each shape's share of (lr - min_lr) is in `Schedule.lr_of`
 
 
 @dataclass(frozen=True)
@@ -47,7 +33,7 @@ class Schedule:
     decay_fraction: float = 0.2  # optim.decay_fraction: wsd's decay, as a share of total_steps
 
     def __post_init__(self) -> None:
-        if self.shape not in DECAYS:
+        if self.shape not in SHAPES:
             raise ConfigError(f"optim.schedule={self.shape!r} is not allowed; use one of: {', '.join(SHAPES)}")
         if self.shape != "wsd":
             return
@@ -84,24 +70,27 @@ class Schedule:
 
     def __call__(self, step: int) -> float:
         """The scheduled LR of applied step `step` (0-based)."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if step >= self.total_steps:
-            return self.min_lr
-        start = self.decay_start
-        if step < start:  # wsd's stable phase
-            return self.lr
-        progress = (step - start) / max(1, self.total_steps - start)
-        return self.min_lr + (self.lr - self.min_lr) * DECAYS[self.shape](progress)
+        return self.lr_of(step)
 
     def lr_of(self, step: int, scale: float = 1.0, rewarm: tuple[int, int] = (0, 0)) -> float:
-        """The LR of an update: the schedule at applied step `step` x a re-warmup after a rewind x the LR scale.
-
-        The re-warmup, `rewarm = (start, length)`: a warmup begun again at applied step `start` over `length`
-        steps (after a rewind the restored weights take the restored LR as a fresh start would, not at once)."""
+        """The schedule at applied step `step` x the LR scale x a re-warmup after a rewind, `rewarm = (start,
+        length)`: a warmup begun again at applied step `start` over `length` steps."""
         start, length = rewarm
         warm = (step - start + 1) / length if length and 0 <= step - start < length else 1.0
-        return self(step) * warm * scale
+        if step < self.warmup_steps:
+            lr = self.lr * (step + 1) / self.warmup_steps
+        elif step >= self.total_steps:
+            lr = self.min_lr
+        elif step < (begin := self.decay_start):  # wsd's stable phase
+            lr = self.lr
+        else:
+            p = (step - begin) / max(1, self.total_steps - begin)  # through the decay, in [0, 1]
+            if self.shape == "cosine":
+                share = 0.5 * (1.0 + math.cos(math.pi * p))
+            else:
+                share = 1.0 - (math.sqrt(p) if self.shape == "wsd" else p)
+            lr = self.min_lr + (self.lr - self.min_lr) * share  # each shape's share of (lr - min_lr)
+        return lr * warm * scale
 
     def describe(self) -> str:
         """One line: `wsd: warmup 100, flat 0.003 to step 800, 1-sqrt decay to 0.0003 at step 1000`."""
@@ -128,9 +117,8 @@ class Schedule:
 
 
 def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, where: str) -> None:
-    """Refuse to resume `applied` steps taken under the checkpoint's schedule with one that would have given
-    them other LRs: the run would match no run trained straight through. Changing only the length (or `min_lr`)
-    is an anneal, allowed while every step taken is before both schedules' decay."""
+    """Refuse to resume `applied` steps under a schedule that would have given them other LRs; changing only the
+    length (or `min_lr`) is an anneal, allowed while every step taken is before both schedules' decay."""
     if not saved_optim:
         return
     saved = Schedule.from_optim(saved_optim)

@@ -1,15 +1,11 @@
 """A bad window found on one rank stops every rank, with the same one-line error.
 
-Under DDP a rank that raised while reading its batch would leave the others blocked in the step's
-gradient all-reduce until the transport noticed the dead peer ("Connection closed by peer"), a traceback
-on every other rank. `ConsensusLoader` keeps the ranks in step instead: the failing rank records the
-error and trains that one step on a stand-in batch (its previous batch; padding if it has none), and each
-fetch posts a one-int "did my read fail" flag to an asynchronous all-reduce on a CPU (gloo) group. The next
-fetch (or the end of the epoch) waits for that flag, long complete by then, so ordinary steps never wait
-on it; if any rank failed, every rank gathers the messages, rank 0 raises the first as `ShardReadError`
-and the other ranks exit with status 2 without a message of their own.
-Used only when a process group with more than one rank exists; it must never change which batches a
-healthy run sees.
+Under DDP a rank that raised while reading its batch would leave the others blocked in the gradient all-reduce
+until the transport noticed the dead peer, a traceback on every rank. Here the failing rank records the error and
+trains that step on a stand-in batch (its previous one, else padding), and each fetch posts a one-int "my read
+failed" flag to an asynchronous all-reduce on a CPU (gloo) group, waited for at the next fetch (long complete by
+then). If any rank failed, rank 0 raises the first message as `ShardReadError` and the others exit with status 2.
+Loaded only under several ranks; it never changes which batches a healthy run sees.
 """
 
 from __future__ import annotations

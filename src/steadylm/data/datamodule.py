@@ -1,10 +1,9 @@
 """`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders.
 
 Every shard is checked against the model config before training (vocabulary, tokenizer, context length): a
-mismatch is one `DataError` naming the shard and the config key, never a CUDA index error. Batches come from
-`EpochBatchSampler` (the Trainer runs with `use_distributed_sampler=False`): exact epochs across ranks, static
-shapes, resumable. Each loader has its own `torch.Generator`, so building its iterator (which draws a seed)
-never draws from the global generator: validation cannot shift the training RNG stream (checkpointing.RNGState).
+mismatch is one `DataError` naming the shard and the key, never a CUDA index error. Batches come from
+`EpochBatchSampler`: exact epochs across ranks, static shapes, resumable. Each loader has its own
+`torch.Generator`, so validation never draws from the global one (checkpointing.RNGState).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
-from steadylm.data.consensus import ConsensusLoader
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info, shard_files
@@ -33,11 +31,8 @@ def _same_tokenizer(recorded: str, configured) -> bool:
 
 
 class ShardDataModule(L.LightningDataModule):
-    """The shard `DataSource` (data/source.py): every member answered from the shards' attributes.
-
-    `input`, `val_fraction`, `text_field`, `vocab_size`, `num_proc`, `on_bad_record` are read by prepare and
-    `global_batch_tokens` by startup, from the config; they are accepted so one `data:` config says it all.
-    """
+    """The shard `DataSource` (data/source.py), answered from the shards' attributes. `input` .. `on_bad_record`
+    are prepare's keys and `global_batch_tokens` startup's, accepted so one `data:` config says it all."""
 
     def __init__(
         self,
@@ -131,9 +126,11 @@ class ShardDataModule(L.LightningDataModule):
             if self._pending_state is not None:
                 sampler.load_state_dict(self._pending_state)
                 self._pending_state = None
-        # Several ranks: a bad window on one of them stops all of them with its one-line error (consensus.py).
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        return (ConsensusLoader if distributed else DataLoader)(
+        loader = DataLoader
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Several ranks: a bad window on one stops all of them with its one-line error (loaded only then).
+            from steadylm.data.consensus import ConsensusLoader as loader
+        return loader(
             dataset,
             batch_sampler=sampler,
             num_workers=self.num_workers,
@@ -192,11 +189,8 @@ class ShardDataModule(L.LightningDataModule):
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)
 
     def state_dict(self) -> dict:
-        """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume.
-
-        The sampler runs ahead of training (Lightning fetches a batch early, workers prefetch more), so while a
-        Trainer is fitting, the batches the loop has actually processed are taken from the Trainer.
-        """
+        """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume; while fitting, the batches
+        done are the Trainer's (the sampler runs ahead by prefetch)."""
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         trainer = getattr(self, "trainer", None)

@@ -6,11 +6,10 @@
 - a path to any `tokenizer.json`;
 - a tiktoken encoding name such as `gpt2` (the `tiktoken` extra; needs network once).
 
-Shards record that spec in their `tokenizer` attribute; training, `generate` and export load the tokenizer
-from `tokenizer.json` in the shard folder (`load_tokenizer(dir)`), so a model is never paired with ids from
-another vocabulary. Every tokenizer here exposes `name`, `vocab_size`, `eos_id`, `path`, `encode`,
-`decode`, `encode_batch` and `token_bytes()` (the UTF-8 byte length behind each id, for `n_bytes`).
-This module must never download anything on import.
+Shards record that spec; `generate`, export and the eval load the tokenizer from `tokenizer.json` in the shard
+folder (`load_tokenizer(dir)`), so a model never meets ids of another vocabulary. Each exposes `name`,
+`vocab_size`, `eos_id`, `path`, `encode`, `decode`, `encode_batch` and `token_bytes()` (bytes behind each id).
+Nothing is downloaded on import.
 """
 
 from __future__ import annotations
@@ -65,11 +64,8 @@ def _hf_tokenizers():
 
 
 class ByteTokenizer:
-    """UTF-8 bytes 0..255 plus an end-of-text id 256: lossless, no files, no network.
-
-    `to_hf()` builds the same mapping as a Hugging Face tokenizer (byte-level BPE with no merges), which is
-    what `tokenizer.json` holds, so `tokenizers`/`transformers` encode any text to the same ids.
-    """
+    """UTF-8 bytes 0..255 plus an end-of-text id 256: lossless, no files, no network. `to_hf()`: the same
+    mapping as a merge-free byte-level BPE (what `tokenizer.json` holds), so `transformers` gives the same ids."""
 
     name = "bytes"
     vocab_size = 257
@@ -226,10 +222,8 @@ def _tiktoken_names() -> set[str]:
 
 
 def get_tokenizer(spec) -> Tokenizer:
-    """A tokenizer that needs no training: `bytes`, a `tokenizer.json` path, or a tiktoken name.
-
-    `bpe` is trained by `prepare` (`train_bpe`) and loaded afterwards from the shard folder.
-    """
+    """A tokenizer that needs no training: `bytes`, a `tokenizer.json` path, or a tiktoken name (`bpe` is
+    trained by `prepare` and loaded from the shard folder)."""
     s = str(spec)
     if s == "bytes":
         return ByteTokenizer()
@@ -297,10 +291,8 @@ def _is_bytes_spec(obj: dict) -> bool:
 
 
 def load_tokenizer(dir_or_file) -> Tokenizer:
-    """The tokenizer saved with a set of shards: a folder holding `tokenizer.json`, or that file.
-
-    (A bare name such as `bytes` or `gpt2` also works, for callers that only have the shard attribute.)
-    """
+    """The tokenizer saved with a set of shards: a folder holding `tokenizer.json`, or that file (or a bare
+    name such as `bytes` or `gpt2`, for callers that only have the shard attribute)."""
     p = Path(dir_or_file).expanduser()
     if p.is_dir():
         p = p / TOKENIZER_FILE
@@ -314,10 +306,8 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
         raise SteadyError(f"{p}: not a valid tokenizer.json ({e}); re-run prepare to rewrite it") from None
     if isinstance(obj, dict) and "name" in obj and "model" not in obj:  # the short form (older shards, tiktoken)
         tok = get_tokenizer(obj["name"])
-        if (int(obj.get("vocab_size", tok.vocab_size)), int(obj.get("eos_id", tok.eos_id))) != (
-            tok.vocab_size,
-            tok.eos_id,
-        ):
+        recorded = (int(obj.get("vocab_size", tok.vocab_size)), int(obj.get("eos_id", tok.eos_id)))
+        if recorded != (tok.vocab_size, tok.eos_id):
             raise SteadyError(
                 f"{p}: vocab_size/eos_id {obj.get('vocab_size')}/{obj.get('eos_id')} do not match "
                 f"tokenizer {obj['name']!r} ({tok.vocab_size}/{tok.eos_id}); re-run prepare"
@@ -330,11 +320,8 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
 
 
 def tokenizer_of_run(meta: dict) -> Tokenizer:
-    """The tokenizer a training run used, from its checkpoint's `steadylm` metadata.
-
-    `meta["tokenizer"]` is the `data.tokenizer` spec the shards recorded; `bpe` (and any spec whose file is
-    gone) is loaded from `tokenizer.json` in the run's `data.dir`, where prepare saved it.
-    """
+    """The tokenizer a training run used, from its checkpoint's `steadylm` metadata: the recorded spec, or
+    (`bpe`, or a spec whose file is gone) `tokenizer.json` in the run's `data.dir`, where prepare saved it."""
     spec = str(meta.get("tokenizer") or "bytes")
     data_dir = ((meta.get("config") or {}).get("data") or {}).get("dir")
     saved = Path(str(data_dir)).expanduser() / TOKENIZER_FILE if data_dir else None

@@ -1,11 +1,9 @@
 """`DownstreamEval`: multiple-choice accuracy (`eval/<task>/acc`, `eval/<task>/acc_norm`) at validation time.
 
-Off while `tasks` is empty. Each task's first `limit` items are split over the ranks (item i on rank i % world);
-every rank scores its share through the module's own head + loss path (`LMModule.target_losses`, chunked by
-default, under the run's precision), then the per-task counts [acc, acc_norm, items] are summed across ranks in
-one all-reduce, so the logged accuracy is over all `limit` items whatever the number of ranks. `every`: run on
-every N-th validation (sanity checks excluded), to bound its share of the run. Under FSDP the head's weight is
-sharded outside the forward: this callback is meant for single-device and DDP runs.
+Off while `tasks` is empty. Each task's first `limit` items are split over the ranks (item i on rank i % world),
+scored through `LMModule.target_losses` under the run's precision; the counts [acc, acc_norm, items] are summed
+across ranks in one all-reduce. `every`: every N-th validation (sanity checks excluded). Single-device and DDP
+runs only (under FSDP the head's weight is sharded outside the forward).
 """
 
 from __future__ import annotations
@@ -13,10 +11,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError
-from steadylm.eval.score import correct, loglikelihoods, requests
-from steadylm.eval.tasks import load_task
 
 
 class DownstreamEval(L.Callback):
@@ -33,6 +28,11 @@ class DownstreamEval(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.specs or self._work is not None:
             return
+        # Loaded only when a run names tasks: the default in-training eval is off and needs none of them.
+        from steadylm.data.tokenizer import tokenizer_of_run
+        from steadylm.eval.score import requests
+        from steadylm.eval.tasks import load_task
+
         tok = tokenizer_of_run({"tokenizer": pl_module.tokenizer_name, "config": pl_module.run_config})
         context = pl_module.net.cfg.context_length
         self._work = []
@@ -47,6 +47,8 @@ class DownstreamEval(L.Callback):
         self.runs += 1
         if (self.runs - 1) % self.every:
             return
+        from steadylm.eval.score import correct, loglikelihoods
+
         counts = []
         with trainer.precision_plugin.forward_context():
             for _, items, reqs in self._work:

@@ -1,11 +1,8 @@
 """Causal self-attention with optional grouped-query heads, rotary positions and QK-norm.
 
-One fused `qkv` projection produces n_head query heads and n_kv_head key/value heads
-(`model.n_kv_head` < `model.n_head` is grouped-query attention: each k/v head serves
-n_head / n_kv_head query heads, which shrinks the KV cache and the k/v weights). Attention itself is
-`F.scaled_dot_product_attention(is_causal=True)`: the flash/memory-efficient kernels where available, and a
-mask that cannot leak the future by construction. Which keys a query may see is defined once, by
-`CausalSelfAttention.blocked`; the kernel call and the max-logit measurement both follow it.
+One fused `qkv` projection makes n_head query heads and n_kv_head key/value heads (fewer: grouped-query
+attention). Attention is `F.scaled_dot_product_attention(is_causal=True)`; which keys a query may see is defined
+once, by `CausalSelfAttention.blocked`, which the kernel call and the max-logit measurement both follow.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ def _additive(
 
 
 class CausalSelfAttention(nn.Module):
-    # Which keys a query may see: `blocked` is the one definition, `pattern` the value it reads. The forward and the
-    # logit measurement (QK-clip's, doctor's) both follow it; a new pattern is a new `pattern` value taught to
-    # `blocked` (in a subclass, or here), nothing else.
+    # Which keys a query may see: `blocked` is the one definition, `pattern` the value it reads; a new pattern is a
+    # new `pattern` value taught to `blocked` (in a subclass, or here), nothing else.
     pattern: Hashable = "causal"
 
     @staticmethod
@@ -49,13 +45,6 @@ class CausalSelfAttention(nn.Module):
         if pattern != "causal":
             raise ValueError(f"attention pattern {pattern!r} is not known to CausalSelfAttention.blocked")
         return torch.ones(rows, cols, dtype=torch.bool, device=device).triu(start + 1)
-
-    def _sdpa_mask(self, T: int, device: torch.device) -> dict:
-        """The pattern as SDPA's arguments: `is_causal` is `blocked("causal")` in the kernels themselves (flash and
-        memory-efficient paths, no mask in memory; a test holds the two equal); any other pattern goes as a mask."""
-        if self.pattern == "causal":
-            return {"is_causal": True}
-        return {"attn_mask": ~self.blocked(self.pattern, T, T, 0, device)}
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -86,9 +75,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         gqa = {}
         if KV != H:
-            # enable_gqa lets the kernel read each k/v head once per group (CUDA flash, CPU): no copies. The
-            # CUDA memory-efficient kernel, the one fp32 gets, lacks it and would fall back to the O(T^2)
-            # math path; repeating the heads keeps it. (v, never normalised, has the dtype SDPA will run in.)
+            # enable_gqa reads each k/v head once per group (no copies); CUDA's fp32 (memory-efficient) kernel lacks
+            # it and would fall back to the O(T^2) math path, so the heads are repeated there.
             if x.is_cuda and v.dtype == torch.float32:
                 k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
             else:
@@ -97,25 +85,21 @@ class CausalSelfAttention(nn.Module):
             kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
             self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
             self.max_logit = self.head_max_logit.amax()
+        # `is_causal` is `blocked("causal")` in the kernels themselves (no mask in memory; a test holds the two
+        # equal); any other pattern goes as a mask.
+        mask = (
+            {"is_causal": True}
+            if self.pattern == "causal"
+            else {"attn_mask": ~self.blocked(self.pattern, T, T, 0, x.device)}
+        )
         y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=self.dropout if self.training else 0.0,
-            scale=self.scale,
-            **self._sdpa_mask(T, x.device),
-            **gqa,
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, scale=self.scale, **mask, **gqa
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
     def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, rows: int = 256) -> torch.Tensor:
-        """Each head's largest pre-softmax logit a query gives a key it may see (`blocked`), (n_head,): its growth
-        precedes attention collapse.
-
-        Taken on the batch's first sequence, `rows` queries at a time: logit growth is a property of
-        the weights, so one sequence shows it, and the explicit QK^T stays at heads x rows x T floats
-        (a whole batch at T=2048 would be gigabytes on the measuring step).
-        """
+        """Each head's largest pre-softmax logit a query gives a key it may see (`blocked`), (n_head,), on the
+        batch's first sequence (logit growth is the weights'), `rows` queries at a time: QK^T stays small."""
         q, k = q[0].float(), k[0].float()
         T = q.shape[-2]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)

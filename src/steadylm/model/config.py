@@ -1,10 +1,8 @@
 """`GPTConfig`: the shape and switches of the transformer, checked when it is built.
 
-One dataclass covers both families: the GPT-2 shape (learned positions, LayerNorm, GELU MLP, biases)
-and the Llama shape (rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases).
-`__post_init__` is the config's gate: the training entry point builds a `GPTConfig` from `cfg.model`
-before anything else, so a bad value stops the run with one `ConfigError` naming the key, the value
-and what is allowed. This module must stay free of torch: it describes a model, it builds none.
+One dataclass for both families: GPT-2 (learned positions, LayerNorm, GELU, biases) and Llama (rotary, RMSNorm,
+SwiGLU, grouped-query attention, no biases). `__post_init__` is the gate: startup builds it from `cfg.model`
+first, so a bad value stops the run with one `ConfigError` naming the key. Free of torch: it builds no model.
 """
 
 from __future__ import annotations
@@ -48,13 +46,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
             _positive(key, getattr(self, key))
-        for key, allowed in (
-            ("pos", POS),
-            ("norm", NORMS),
-            ("mlp", MLPS),
-            ("init", INITS),
-            ("parametrization", PARAMETRIZATIONS),
-        ):
+        choices = {"pos": POS, "norm": NORMS, "mlp": MLPS, "init": INITS, "parametrization": PARAMETRIZATIONS}
+        for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
                     f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}"

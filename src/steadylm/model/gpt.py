@@ -1,11 +1,9 @@
 """A decoder-only transformer, GPT-2 or Llama shaped by `GPTConfig`'s switches, readable top to bottom.
 
-Pre-norm blocks (`x + attn(norm(x))`, `x + mlp(norm(x))`) around causal attention through
-`F.scaled_dot_product_attention(is_causal=True)`. Positions are learned (`wpe`, GPT-2) or rotary
-(`model.pos=rope`: no table of weights, q and k are rotated inside attention). Module names are the
-same in both families (`wte`, `blocks.N.attn.qkv`, `blocks.N.mlp.fc`, `ln_f`, `lm_head`), so the
-stability callbacks, the fault injectors and the export read either one.
-This module must stay free of training logic: no optimizer, no logging, no loss scaling.
+Pre-norm blocks (`x + attn(norm(x))`, `x + mlp(norm(x))`); positions learned (`wpe`, GPT-2) or rotary
+(`model.pos=rope`, inside attention). Module names are the same in both families (`wte`, `blocks.N.attn.qkv`,
+`blocks.N.mlp.fc`, `ln_f`, `lm_head`), so the stability callbacks, fault injectors and export read either one.
+No training logic here: no optimizer, no logging, no loss scaling.
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ class GPT(nn.Module):
         init_weights(self, cfg.init, cfg.n_layer, hidden_std_mult=mup.hidden_init_mult(cfg))
         # muP's readout factor 1/width_mult (1 under sp), on the final hidden state: d_model floats, not vocab.
         self.logit_mult = mup.logit_mult(cfg)
-        # The residual stream's RMS after the last block, kept when `track_residual` (the precursor signals read
-        # it every step: one reduction of the stream, on the device; a too-high LR grows it by orders of magnitude).
+        # The residual stream's RMS after the last block, kept when `track_residual` (the precursor signals' input).
         self.track_residual = False
         self.residual_rms: torch.Tensor | None = None
 
@@ -100,11 +97,8 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus 12·L·d·T for attention (PaLM appendix B).
-
-        The attention term counts query heads (n_head · head_dim = d_model): grouped k/v heads
-        save memory and weights, not score FLOPs.
-        """
+        """Training FLOPs per token: 6N for the matmuls plus 12·L·d·T for attention (PaLM appendix B); grouped k/v
+        heads save memory and weights, not score FLOPs."""
         c = self.cfg
         require_understood(c, "flops")  # a switch this formula does not know (e.g. a windowed pattern) is refused
         return 6 * self.num_params() + 12 * c.n_layer * c.d_model * c.context_length

@@ -18,10 +18,8 @@ from steadylm.model.config import INITS as INIT_SCHEMES
 
 
 def layer(cls: type[nn.Module], init: str, *args, **kwargs) -> nn.Module:
-    """`cls(*args, **kwargs)` without PyTorch's default init when `init_weights` overwrites it anyway (every
-    scheme but torch_default rewrites each Linear and Embedding). That discarded draw was most of building a
-    big model on a CPU (benchmarks/model_bench.py --build). Built on the meta device, then given memory on
-    the default device (meta stays meta: `memory.count_params` allocates nothing)."""
+    """`cls(*args, **kwargs)` without PyTorch's default init when `init_weights` overwrites it anyway (that draw
+    was most of building a big model on a CPU): built on the meta device, then given memory on the default one."""
     if init == "torch_default":
         return cls(*args, **kwargs)
     return cls(*args, device="meta", **kwargs).to_empty(device=torch.get_default_device())

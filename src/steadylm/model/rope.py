@@ -1,9 +1,8 @@
 """`model.pos=rope`: rotary position embeddings (RoFormer; GPT-NeoX/Llama "rotate half" layout).
 
-Each pair of query/key channels (i, i + head_dim/2) is rotated by an angle that grows with the position,
-so q·k depends on the distance between two tokens rather than on where they sit. The layout matches
-Hugging Face's Llama, so exported q/k weights need no permutation. The cos/sin tables are computed in
-fp32 once per model and kept as non-persistent buffers: never in a checkpoint, rebuilt from the config.
+Each pair of q/k channels (i, i + head_dim/2) is rotated by an angle growing with the position, so q·k depends on
+the distance between tokens. Hugging Face Llama's layout (exported weights need no permutation); the fp32 cos/sin
+tables are non-persistent buffers, rebuilt from the config.
 """
 
 from __future__ import annotations
@@ -23,8 +22,5 @@ def rope_tables(head_dim: int, context_length: int, theta: float) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, heads, head_dim) by tables (T, 1, head_dim); the result keeps x's dtype.
-
-    x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x2, x1) = roll(x, half) with the sign in `sin`.
-    """
+    """Rotate x (B, T, heads, head_dim) by tables (T, 1, head_dim), keeping x's dtype: x·cos + roll(x, half)·sin."""
     return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)

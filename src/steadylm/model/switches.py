@@ -33,7 +33,7 @@ class Switch:
 N = "6N (through the parameter count)"
 PARAMS = "the parameter count"
 NONE = "no cost: elementwise"
-MUP = Switch("folded into the weights (mup.sp_state_dict)", NONE, "nothing: multipliers only")
+MUP = Switch("folded into the weights (export.sp_state_dict)", NONE, "nothing: multipliers only")
 
 SWITCHES: dict[str, Switch] = {
     "n_layer": Switch("n_layer / num_hidden_layers", "6N + 12·L·d·T", "parameters; activations per layer"),

@@ -1,12 +1,10 @@
 """`NonFiniteGuard`: a non-finite loss or gradient on any rank skips the optimizer step on all ranks.
 
-The verdict comes from the step's all-reduced measurement, before clipping and the update, so every rank
-reaches the same one. A skip leaves weights, moments, step count and weight decay untouched (on the device
-through the optimizer's `found_inf` when deferred, else by setting every `.grad` to None; zeroing grads
-would not do: AdamW would still decay and move), and the LR does not advance. After `max_consecutive`
-skips in a row it asks for a rollback to the state from before the streak (`action: rollback`) or a stop.
-Under fp16 a non-finite gradient with a finite loss is the loss scaler's business (it skips the step and
-lowers the scale; `LossScaleMonitor` counts and alarms); the guard acts on a non-finite loss.
+From the step's all-reduced measurement, so every rank reaches the same verdict. A skip leaves weights, moments,
+step count and weight decay untouched (through the optimizer's `found_inf` when deferred, else every `.grad` set
+to None: zeroed grads would still decay and move AdamW), and the LR does not advance. After `max_consecutive`
+skips in a row: a rollback to before the streak (`action: rollback`) or a stop. Under fp16 a non-finite gradient
+with a finite loss is the loss scaler's business (`LossScaleMonitor`); the guard acts on a non-finite loss.
 """
 
 from __future__ import annotations

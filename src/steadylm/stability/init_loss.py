@@ -1,12 +1,9 @@
 """`InitLoss`: a fresh run whose first loss is far from ln(vocab_size) started from a wrong init.
 
-A healthy init predicts nearly uniformly, so step 0's loss is ln(vocab_size) within `tolerance` nats (the
-bar of doctor's `model: initial loss` row). PyTorch's default init (tied N(0, 1) embeddings, no depth
-scaling) starts the tiny model at ~43 nats: nothing diverges afterwards, no other check fires, and the run
-ends merely worse than a proper init would (`experiment=divergence/deep_default_init`). This check writes
-one `init_loss` event (action `log`) from step 0's measurement, already on the host, so the run ends
-`unstable` (`stability/instability.py`) with the fix instead of `ok`. A resumed run starts past step 0 and
-is not judged again.
+A healthy init predicts nearly uniformly: step 0's loss is ln(vocab_size) within `tolerance` nats (doctor's
+`model: initial loss` bar). PyTorch's default init starts the tiny model at ~43 nats, and then nothing diverges
+and no other check fires (`experiment=divergence/deep_default_init`): one `init_loss` event (`log`) from step 0's
+measurement makes the run end `unstable` with the fix instead of `ok`. A resumed run is not judged again.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """Whether a run that finished was unstable, from its events log: the `unstable` status of `result.json`.
 
-A run can end without diverging and still have been unstable: attention logits that kept growing past the
-alarm, or a mitigation that had to keep acting. Such a run trained worse than its LR promised (a run that
-never learns well never falls from its best, so the `diverged` rule cannot see it), and a sweep must not
-rank it as healthy. The rule, from `stability/events.jsonl` alone so `train.py` and the sweep summary agree:
+A run can end without diverging and still have been unstable (logits that kept growing, a mitigation that had
+to keep acting): it trained worse than its LR promised, and a sweep must not rank it healthy. From
+`stability/events.jsonl` alone, so `train.py` and the sweep summary agree, a run is unstable when:
 
-- the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps (a
-  few clips early in a run are the policy doing its job; dozens mean the LR sits in the unstable region);
-- or the growth persisted unmitigated: `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps;
-- or a precursor signal the logits do not show (`precursor` events: the residual stream, the update ratio,
-  log Z; `signals.py`) was past its level on at least `PERSISTENT_ALARMS` stats steps, or made the suite
-  back off;
-- or the run started from a wrong init: an `init_loss` event (its first loss far from ln(vocab_size));
-- or the run ended before its loss came back to where it was before the suite's last rollback or rewind
-  (an `unrecovered` event): it was reset and cut short, which is said in the reason, never called diverged.
+- the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps;
+- or `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps, unmitigated;
+- or a `precursor` signal (`signals.py`) was past its level on at least `PERSISTENT_ALARMS` stats steps, or
+  made the suite back off;
+- or an `init_loss` event (a first loss far from ln(vocab_size));
+- or an `unrecovered` event: reset by a rollback or rewind and cut short (said in the reason, never diverged).
 
-It only reads; it must never change a run's files.
+It only reads; it never changes a run's files.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from steadylm.stability.events import read_events
-from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix
 
 MATERIAL_CLIPS = 10
 PERSISTENT_ALARMS = 5
@@ -34,6 +29,8 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
     events = read_events(run_dir)
     init = [e["detail"] for e in events if e.get("kind") == "init_loss"]
     if init:
+        from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix  # only a run with the check writes these
+
         d = init[0]
         return (
             f"the initial loss was {d['loss']:.3g} nats, ln({d['vocab_size']}) = {d['expected']:.3g} expected: the "

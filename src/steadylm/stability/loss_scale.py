@@ -1,9 +1,7 @@
 """`LossScaleMonitor`: under fp16 (`trainer.precision=16-mixed`), make the loss scaler's skips visible.
 
-The GradScaler skips every step whose unscaled gradients overflow and halves the scale; a run whose
-scale keeps collapsing is a silent stall: the loss curve goes flat while the step counter advances.
-Each scaler skip is a `skip` verdict (so the LR does not advance on it), and `streak` skips back to back
-an `fp16_skip_streak` event. Does nothing without a scaler: bf16 and fp32 do not need one.
+A scale that keeps collapsing is a silent stall (a flat loss while the steps advance). Each scaler skip is a
+`skip` verdict (the LR does not advance), `streak` skips back to back an `fp16_skip_streak` event.
 """
 
 from __future__ import annotations

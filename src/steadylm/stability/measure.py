@@ -1,18 +1,12 @@
 """The one per-optimizer-step measurement: loss and pre-clip grad norm, and whether each is finite.
 
-Taken after backward and every accumulated micro-batch (after the fp16 unscale, before clipping and the
-update), packed with every check's own values (`Check.measure`) into ONE tensor per reduction (mean, max),
-all-reduced ONCE per reduction across ranks and copied to the host ONCE. Every
-check of the step reads this same reduced value, so every rank takes the same decision and none waits
-alone in a collective. It must never do per-tensor `.item()` calls or a second collective per step.
-
-Deferred (the default with a fused optimizer): reading a value on the host makes the CPU wait for the GPU,
-so the copy is started without waiting and read one step later, when it has long arrived. A non-finite
-step is still skipped at the step itself, on the device: the optimizer reads the reduced flag as
-`found_inf` (as GradScaler uses it) and leaves weights, moments and step count alone. Only what follows
-from the host value (counting, events, rollback, stop) happens one step late. Synchronous (read at the
-step itself) where the decision cannot be made on the device: fp16's scaler, a non-fused optimizer, or a
-check that must act before this step's update (`spike.action=skip`, `defer=false`).
+Taken after backward (after the fp16 unscale, before clipping and the update), packed with every check's values
+(`Check.measure`) into one tensor per reduction (mean, max), all-reduced once each and copied to the host once:
+every check reads the same reduced value, so every rank decides alike and none waits alone in a collective.
+Deferred (the default with a fused optimizer): the copy is read one step later, so the CPU never waits for the
+GPU; a non-finite step is still skipped at the step, on the device, through the optimizer's `found_inf` (as
+GradScaler does), and only what follows from the host value (events, rollback, stop) comes a step late. Read at
+the step itself under fp16's scaler, a non-fused optimizer, or a check that acts before the update (`defer=false`).
 """
 
 from __future__ import annotations
@@ -73,9 +67,8 @@ def can_defer(trainer) -> bool:
 
 
 class Packed:
-    """One rank's share of a step's collective: [loss, grad norm, every check's "mean" value] summed over ranks,
-    and every "max" value maxed. `reduced[check][key]`: each "max" value, a view that the all-reduce fills, still on
-    the device (`Check.after_update` acts there)."""
+    """One rank's share of a step's collective: [loss, grad norm, the "mean" values] summed, the "max" values
+    maxed; `reduced[check][key]`: each "max" value, a view the all-reduce fills, on the device."""
 
     def __init__(self, loss: torch.Tensor, norm: torch.Tensor, values: dict[str, dict], sharded: bool) -> None:
         self.sharded = sharded  # the norm travels as its square: the global norm of slices is the root of the sum
@@ -98,8 +91,7 @@ class Packed:
             at += n
 
     def all_reduce(self) -> None:
-        # Not `strategy.reduce`: it puts a barrier before the all-reduce, which makes the host wait every step.
-        # A sum is non-finite when any term is (NaN, or inf of either sign), so no flags need to travel.
+        # Not `strategy.reduce`: its barrier makes the host wait every step. A non-finite term makes the sum so.
         torch.distributed.all_reduce(self.sums)
         if self.maxes is not None:
             torch.distributed.all_reduce(self.maxes, op=torch.distributed.ReduceOp.MAX)
@@ -122,8 +114,7 @@ class InFlight:
         self._read: Measurement | None = None
 
     def read(self) -> Measurement:
-        """The reduced numbers as a `Measurement`: the mean loss, the global grad norm and every check's values
-        by name, each in its measured shape (nested lists; a float for a 0-d value)."""
+        """The reduced numbers as a `Measurement`, each check's values in their measured shape (nested lists)."""
         if self._read is not None:
             return self._read
         if self.event is not None:
@@ -181,9 +172,8 @@ class StepMeasure:
         self.pending: InFlight | None = None  # deferred: the last step's, read at the next one
 
     def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
-        """Measure the step under way (`checks`: those that measure, each `measure(view)` joining the one
-        collective); return the measurement to act on now: this step's, or (deferred) the previous step's, or
-        None when there is none yet."""
+        """Measure the step under way with `checks`' own values; return the measurement to act on now: this
+        step's, or (deferred) the previous step's, or None."""
         if self.deferred is None:
             self.deferred = self.allow_defer and can_defer(trainer)
         self.taken = True
@@ -196,11 +186,10 @@ class StepMeasure:
         norms, with_grad = pl_module.grad_norms()  # clipping reuses them instead of walking every gradient again
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
         world = trainer.world_size
-        # Sharded (FSDP): each rank holds a slice of every gradient, so the global norm is the root of the
-        # summed squares. Replicated (DDP): every rank holds the same norm, so the sum / world is it.
+        # FSDP: each rank holds a slice, the global norm is the root of the summed squares; DDP: sum / world.
         sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
         values = {}
-        for c in checks:
+        for c in checks:  # a loop, not a comprehension: one call fewer a step
             values[c.name] = c.measure(view)
         packed = Packed(loss, norm, values, sharded)
         if world > 1 and torch.distributed.is_initialized():

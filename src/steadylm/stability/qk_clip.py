@@ -1,36 +1,19 @@
 """`QKClip`: bound each attention head's pre-softmax logits by rescaling its W_q / W_k rows (Kimi K2's QK-clip).
 
-A model without QK-norm lets attention logits grow without bound at a high LR: one head saturates its
-softmax, its gradients vanish, the loss stalls or climbs (Wortsman et al. 2023, Dehghani et al. 2023). After
-an optimizer step, every head whose measured max logit S exceeds `tau` gets its logits scaled by tau / S,
-split evenly between its query and key rows (each by sqrt(tau / S)). The architecture is untouched, so a
-clipped model exports exactly like any other; only the weights change, and a head below tau never does.
+Without QK-norm a high LR lets attention logits grow until a head saturates its softmax and the loss stalls
+(Wortsman et al. 2023). After an optimizer step every head whose max logit S exceeds `tau` has its logits scaled
+by g = max(tau / S, `min_factor`): `qkv` holds H query heads, then n_kv_head key heads, then the values, each
+head_dim rows (bias alike); a key head shared by G = H / n_kv_head query heads takes sqrt(min of its group's g)
+and each query head the rest, so every head's logits scale by exactly its g (sqrt(g) on both when G = 1). A
+scalar per head commutes with rotary positions. Only weights change: a clipped model exports like any other.
 
-Which rows (`qkv` holds n_head query heads, then n_kv_head key heads, then n_kv_head value heads, each
-head_dim rows, bias entries alike): query head h is rows [h*D, (h+1)*D); key head j is rows
-[(H+j)*D, (H+j+1)*D). Under grouped-query attention key head j serves query heads j*G .. j*G+G-1
-(G = H / n_kv_head, the `repeat_interleave` order). Each query head h wants its logits scaled by
-g_h = min(1, tau / S_h); the shared key head takes sqrt(min of its group's g) and each query head the rest,
-g_h / sqrt(min g), so every head's logits scale by exactly g_h: a head of the group below tau keeps its
-logits (its query rows grow as much as the key rows shrink). With G = 1 this is sqrt(g) on both. Rotary
-positions rotate pairs of a head's dimensions after the projection; a scalar per head commutes with that
-rotation, so the same rows serve `model.pos=rope`.
-
-Bounded: one intervention scales a head's logits by at least `min_factor`; a measurement that is not
-finite is ignored (the guard owns non-finite steps); after `max_clips` clipping steps the policy stops
-acting (and says so once). When clipping persists, i.e. `backoff_after` measurements in a row needed it,
-it asks its `Backoff` (`lr_backoff`, `max_backoffs`, `rewind`, `rewarm_steps`: see `backoff.py`) for a lower
-LR and a rewind to before the growth began: the damage of a too-high LR (a residual stream grown 100-fold)
-is done before the logits cross tau, and clipping cannot undo it. How far back is `rewind_to`: `growth`
-(default) reads the measured max logits and goes back to the last step at which they still stood at or
-below `growth_floor * tau`, so a rewind throws away only the steps the logits grew in; `onset`, to just
-before the streak (the shallowest); `first`, to the fit's first snapshot.
-
-As a `Check`: every `every_n_steps` steps it switches the logit tracking on (`arm`), its per-head maxima join
-the step's one collective (MAX over ranks, `measure`), it clips on the device once the update is in the weights
-(`after_update`: no host read) and accounts for the clip from the step's measurement on the host (`verdict`, a
-step later when deferred): a `clip` event, and a `backoff` verdict the owner applies. It does not apply under
-QK-norm (rescaling W_q/W_k cannot change normalised logits) or FSDP (whose sharded weights it does not slice).
+Bounded: non-finite measurements are ignored (the guard owns them); after `max_clips` clipping steps it stops.
+After `backoff_after` clipping measurements in a row it asks its `Backoff` (`backoff.py`) for a lower LR and a
+rewind, since the damage of a too-high LR is done before the logits cross tau. `rewind_to`: `growth` (the last
+step whose max logit was at most `growth_floor * tau`), `onset` (just before the streak) or `first` (the fit's
+first snapshot). As a `Check`: it arms the logit tracking every `every_n_steps` steps, its per-head maxima join
+the step's collective (MAX), it clips on the device after the update (no host read) and accounts on the host in
+`verdict`. Not under QK-norm (it cannot change normalised logits) or FSDP (sharded weights).
 """
 
 from __future__ import annotations
@@ -47,7 +30,6 @@ from steadylm.stability.verdict import OK, Verdict
 
 REWIND_TO = ("growth", "onset", "first")
 HISTORY = 4096  # measurements kept for `rewind_to: growth` (a float pair each)
-
 
 # The evidence of a backoff the owner acts on (`Backoff.ask` and `rewind_target`).
 BACKOFF_KEYS = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
@@ -97,7 +79,6 @@ class QKClip(Check):
         self.attns: list = []  # the attention layers it acts on (`applies`)
         self._armed = -1  # the step whose logits are tracked
 
-    # -- the check: arm, measure, clip after the update, account --------------------------------------------
     def applies(self, trainer) -> bool:
         net = getattr(trainer.lightning_module, "net", None)
         ok = net is not None and not net.cfg.qk_norm and not isinstance(trainer.strategy, FSDPStrategy)
@@ -130,7 +111,8 @@ class QKClip(Check):
         for attn in self.attns:
             attn.head_max_logit, attn.track_max_logit = None, False
         head_max = reduced.get(self.name, {}).get("head_max")
-        if head_max is not None:
+        # On the host a read costs nothing, and a healthy step has nothing to scale (one call fewer a quiet step).
+        if head_max is not None and not (head_max.device.type == "cpu" and not bool((head_max > self.tau).any())):
             self.clip(head_max, self.attns)
 
     def restored(self) -> None:
@@ -159,38 +141,22 @@ class QKClip(Check):
         """Steps a clipping streak takes to ask for a backoff."""
         return (self.backoff_after or 0) * self.every_n_steps
 
-    def factors(self, head_max: torch.Tensor, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query-row factor per query head, key-row factor per key head) from per-head max logits (..., n_head):
-        one layer's, or every layer's at once (L, n_head)."""
-        s = head_max.float()
-        g = torch.where(torch.isfinite(s) & (s > self.tau), self.tau / s, torch.ones_like(s))
-        g = g.clamp(min=self.min_factor)
-        k = g.unflatten(-1, (n_kv_head, -1)).amin(dim=-1).sqrt()
-        return g / k.repeat_interleave(g.shape[-1] // n_kv_head, dim=-1), k
-
-    @staticmethod
-    def _scale_rows(attn, rows: torch.Tensor) -> None:
-        """Scale one `CausalSelfAttention`'s first rows.numel() `qkv` rows (its query and key heads, weight and
-        bias) in place."""
-        for p in (attn.qkv.weight, attn.qkv.bias):
-            if p is not None:
-                scale = rows.to(p.device, p.dtype)
-                p[: rows.numel()].mul_(scale.view(-1, *([1] * (p.dim() - 1))))
-
     @torch.no_grad()
     def clip(self, head_max: torch.Tensor, attns: list) -> None:
         """Rescale, on the device, every head whose max logit (row i of `head_max` for layer i, all-reduced)
         exceeds tau; a head below it is multiplied by exactly 1. No host read."""
         if self.exhausted or not attns:
             return
-        if head_max.device.type == "cpu" and not bool((head_max > self.tau).any()):
-            return  # on the host a read costs nothing, and a healthy step has nothing to scale
-        # Every layer's factors at once (the layers share their head shape): a few ops, then two per layer.
-        D = attns[0].head_dim
-        q, k = self.factors(head_max, attns[0].n_kv_head)
+        D, kv = attns[0].head_dim, attns[0].n_kv_head  # the layers share their head shape: all at once
+        s = head_max.float()
+        g = torch.where(torch.isfinite(s) & (s > self.tau), self.tau / s, torch.ones_like(s)).clamp(min=self.min_factor)
+        k = g.unflatten(-1, (kv, -1)).amin(dim=-1).sqrt()  # each key head: sqrt(min g of its group)
+        q = g / k.repeat_interleave(g.shape[-1] // kv, dim=-1)
         rows = torch.cat([q.repeat_interleave(D, dim=-1), k.repeat_interleave(D, dim=-1)], dim=-1)
         for attn, row in zip(attns, rows):
-            self._scale_rows(attn, row)
+            for p in (attn.qkv.weight, attn.qkv.bias):  # its query and key rows, in place
+                if p is not None:
+                    p[: row.numel()].mul_(row.to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1))))
 
     def step(self, step: int, head_max: list[torch.Tensor], attns: list) -> dict | None:
         """`clip` then `account` at once (the host reads the logits now)."""
@@ -204,7 +170,7 @@ class QKClip(Check):
         finite = logits[torch.isfinite(logits)]
         if finite.numel():
             self.history.append((int(step), float(finite.max())))
-        hit = torch.isfinite(logits) & (logits > self.tau)  # `factors`' own test, in its precision
+        hit = torch.isfinite(logits) & (logits > self.tau)  # `clip`'s own test, in its precision
         if not bool(hit.any()):  # a healthy step: one read
             self.streak = 0
             return None

@@ -1,30 +1,18 @@
 """`Recovery`: snapshots of the last good state, rollback to them, escalation, and a bounded budget.
 
-Snapshots. Every `every_n_steps` optimizer steps, at the start of the step, the state is copied aside:
-weights and buffers, optimizer state, RNG states and the spike detector's window. Never into the memory the
-training runs in (`snapshot_store`): on a GPU into pinned host memory, asynchronously; on a CPU into a file
-in the run dir that holds no RAM once written (`store: auto`). Under FSDP each rank copies its own shards
-(`parameters()` are the local shards). A snapshot becomes *known-good* once its own step's measurement
-(the loss of exactly those weights) is finite and no check found it suspect; the last `keep` known-good
-ones are kept, their storage reused.
+Every `every_n_steps` steps, at the start of the step, weights, buffers, optimizer state, RNGs and the spike
+window are copied aside, never into training memory (`snapshot_store`: pinned host memory on a GPU, a file in
+the run dir on a CPU; under FSDP each rank its own shards). A snapshot is *known-good* once its step's loss is
+finite and no check found it suspect; the last `keep` are kept. Rollback restores, bitwise, the newest
+known-good one taken before the trouble (a checkpoint on disk when none is there); the LR follows the applied
+steps, the batches since are skipped, and every rank decides alike from the same reduced values.
 
-Rollback restores the newest known-good snapshot taken before the trouble began (weights, optimizer state,
-RNG, the spike window; the LR follows from the count of applied steps, so an LR backoff outlives it),
-bitwise (a checkpoint on disk is the fallback when no snapshot is there, e.g. right after a resume). The
-data is not rewound: the batches between the snapshot and now are skipped. Every rank takes the same
-decision from the same all-reduced values and restores its own copy, so all ranks roll back together.
-
-Escalation (each step bounded). A second rollback at the same place (its onset within `same_place_steps`
-of the previous one) restores the older snapshot and skips a further `skip_steps` data window (doubling
-each time); a third also multiplies the LR scale by `lr_backoff`. Past `max_rollbacks` rollbacks in the
-run, all ranks stop together: the broken state in `checkpoints/diverged.ckpt` and the last good one in
-`checkpoints/last_good.ckpt`.
-
-At the end of training, a run whose final training loss (median of the last `final_window` steps) is more
-than `final_margin` above its best such median has diverged (`final_verdict`). The best is counted from the
-state the suite last restored: a rollback or rewind throws the newer weights away on purpose, so a best
-reached on them is no bar for the run that goes on from the restored state. A run that ends before its loss
-came back to the best it had before that restore (`unrecovered`) was cut short, not diverged.
+Escalation: a second rollback at the same place (within `same_place_steps`) restores the older snapshot and
+skips `skip_steps` more (doubling each time); a third also multiplies the LR scale by `lr_backoff`. Past
+`max_rollbacks` all ranks stop (`checkpoints/diverged.ckpt` and `checkpoints/last_good.ckpt`). At the end, a
+final loss (median of the last `final_window` steps) more than `final_margin` above the best since the last
+restore has diverged (`final_verdict`); one that ended before getting back to the best before that restore was
+cut short (`unrecovered`), not diverged.
 """
 
 from __future__ import annotations
@@ -95,9 +83,8 @@ def _map_leaves(obj, leaf: type, fn):
 
 
 def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None, store=None) -> Snapshot:
-    """Copy the current state into `reuse`'s storage, else into `store` (a new `HostBuffers` when None).
-    Asynchronous on a GPU (stream order protects the copies) and into a file: call `store.wait_written()`
-    before anything changes the weights or the optimizer state."""
+    """Copy the current state into `reuse`'s storage, else `store` (a new `HostBuffers` when None); asynchronous:
+    `store.wait_written()` before anything changes the weights or the optimizer state."""
     live = _live_tensors(pl_module)
     tensors = list(live)
 
@@ -123,8 +110,7 @@ def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     """Put the snapshot's weights, buffers and optimizer state back into the live objects (each rank its own)."""
     with torch.no_grad():
         snap.store.read_into(_live_tensors(pl_module))
-    # Fresh tensors (load_state_dict keeps a tensor already on the right device as is): training never writes
-    # into the snapshot's storage.
+    # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
         opt.load_state_dict(_map_leaves(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
@@ -178,10 +164,8 @@ class Recovery:
         self.best = math.inf  # best median of `final_window` finite losses since the last restore
         self.restored: dict | None = None  # the last restore: step, to_step, the best it threw away
 
-    # -- snapshots ---------------------------------------------------------------------------------------------
     def maybe_snapshot(self, trainer, pl_module, detectors) -> None:
-        """At the start of a step: copy the state to its store every `every_n_steps` steps. `detectors()`: the
-        checks' windows to keep with it (asked only when a snapshot is taken)."""
+        """At the start of a step, every `every_n_steps`: copy the state; `detectors()`: the checks' windows."""
         step = trainer.global_step
         if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
             return
@@ -205,9 +189,8 @@ class Recovery:
             self.candidate = capture(trainer, pl_module, None, detectors(), HostBuffers())
 
     def written(self) -> None:
-        """The snapshot under way has read the live tensors (a file's write runs beside forward and backward).
-        Under `store: auto`, a write that held the update up for more than `SLOW_WRITE` of the time between
-        snapshots, and at least `SLOW_WRITE_MIN_S` (a slow disk), moves the snapshots to host memory."""
+        """The snapshot under way has read the live tensors. Under `store: auto` a write that held the update up
+        more than `SLOW_WRITE` of the time between snapshots, and `SLOW_WRITE_MIN_S`, moves them to host memory."""
         c = self.candidate
         if c is None or c.store.kind != "disk":
             return
@@ -287,25 +270,16 @@ class Recovery:
             if len(self.recent) == self.recent.maxlen:
                 self.best = min(self.best, statistics.median(self.recent))
 
-    def in_skip_window(self, step: int) -> bool:
-        """Step `step` lies in the longer data window skipped after a repeated rollback."""
-        return step < self.skip_until
-
     def newest_good(self, before: int | None = None, older: bool = False) -> Snapshot | None:
         found = [s for s in self.good if before is None or s.step <= before]
         if older and len(found) > 1:
             return found[-2]
         return found[-1] if found else None
 
-    # -- rollback, escalation, budget --------------------------------------------------------------------------
     def rollback(self, trainer, pl_module, optimizer, onset: int) -> dict | None:
-        """Restore a state from before step `onset`; None when the budget is spent or nothing is there to roll
-        back to (the caller then stops). Escalates when rollbacks repeat at the same place.
-
-        The result names what was restored (`source`, `to_step`), the optimizer steps now in the weights
-        (`applied`), the spike window to restore (`detectors`) and any escalation (`skip_more_steps`,
-        `lr_backoff`: the factor the caller applies to the LR scale).
-        """
+        """Restore a state from before step `onset`, escalating when rollbacks repeat at the same place; None when
+        the budget is spent or nothing is there (the caller stops). The result: `source`, `to_step`, `applied`,
+        `detectors` (the spike window) and any escalation (`skip_more_steps`, `lr_backoff` for the LR scale)."""
         if self.rollbacks >= self.max_rollbacks:
             return None
         same_place = self.last_onset is not None and abs(onset - self.last_onset) <= self.same_place_steps
@@ -371,11 +345,9 @@ class Recovery:
             self._set_spare(first)
 
     def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
-        """Restore the newest good snapshot taken at or before step `before`; when none is kept that far back, the
-        earliest one (the held first snapshot of the fit included) taken at or before `latest`; `to_first`: the
-        held first one whenever there is one (growth that began at the start). Outside the spike escalation: no
-        strike, no budget (the caller bounds it: QK-clip rewinds at most once per LR backoff). None when memory
-        holds none (after a resume, or without snapshots): the caller keeps its weights."""
+        """Restore the newest good snapshot taken at or before `before`, else the earliest (the held first and the pinned
+        ones included) at or before `latest`; `to_first`: the held first one when there is one. No strike, no budget
+        (the caller bounds it). None when memory holds none: the caller keeps its weights."""
         kept = [s for s in (self.first, self.pinned, *self.good) if s is not None and s.step <= latest]
         earliest = min(kept, key=lambda s: s.step, default=None)
         first = self.first if self.first is not None and self.first.step <= latest else None
@@ -387,8 +359,8 @@ class Recovery:
         return {**restored, "skipped_data_steps": trainer.global_step - snap.step}
 
     def _judge_from(self, step: int, to_step: int) -> None:
-        """The run is judged from the state restored at `step` (back to `to_step`) on: the best loss of the
-        abandoned weights is kept only to say whether the run got back to it."""
+        """Judge the run from the state restored at `step` (back to `to_step`); the abandoned best is kept only to
+        say whether the run got back to it."""
         bests = [b for b in (self.best, (self.restored or {}).get("best_before")) if b is not None and math.isfinite(b)]
         best = min(bests, default=None)
         self.restored = {"step": int(step), "to_step": int(to_step), "best_before": best}
@@ -415,8 +387,7 @@ class Recovery:
         return Verdict("stop", "final_loss", {"final": final, "best": self.best}, reason=reason)
 
     def unrecovered(self, step: int) -> dict | None:
-        """At the end of training: the last restore, when the run ended before its loss came back to the best it
-        had before that restore (a run cut short after a rewind, or one the lowered LR has not brought back)."""
+        """At the end: the last restore, when the run ended before its loss came back to the best before it."""
         r = self.restored
         if r is None or r["best_before"] is None:
             return None

@@ -1,10 +1,8 @@
 """Roll back to the last good checkpoint in the run dir, in place, in the middle of `fit` (`Recovery`'s fallback
 when no in-memory snapshot is there, e.g. right after a resume).
 
-Restores the weights and optimizer state from the newest checkpoint that was saved at or before the first
-bad step and holds only finite weights. The data loader is not rewound: the window between that checkpoint
-and now is skipped, as PaLM did by hand. Every rank reads the same file after the same collective decision,
-so the replicas stay identical.
+Weights and optimizer state from the newest checkpoint saved at or before the first bad step with only finite
+weights; the data since is skipped (as PaLM did by hand). Every rank reads the same file: the replicas stay equal.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Where a snapshot's tensors live: never in the memory the training itself runs in.
 
-- `HostBuffers` (`store: memory`; `auto` on a GPU): host memory, beside a GPU's own. The copies go into pinned
-  buffers with `non_blocking=True` on the training stream, so they run on the copy engine while the step
-  computes; stream order guarantees they read the weights from before this step's update.
-- `SnapshotFile` (`store: disk`; `auto` on a CPU): a file per snapshot in the run's `stability/snapshots/`. On a
-  CPU host memory *is* the training memory: there a set in RAM costs 12 bytes a parameter (weights and both
-  AdamW moments) beside the ~16 the training holds. A background thread writes the live tensors while the
-  step's forward and backward run (neither changes them; the step waits for the write before its update, as
-  stream order makes a GPU's update wait for its copies), then syncs the file and drops its pages
-  (`fdatasync`, `POSIX_FADV_DONTNEED`), so the snapshot holds no RAM once it is on disk. A read (a rollback:
-  rare) comes back from the disk.
+- `HostBuffers` (`store: memory`; `auto` on a GPU): pinned host buffers, copied `non_blocking` on the training
+  stream (the copy engine works while the step computes; stream order reads the weights before the update).
+- `SnapshotFile` (`store: disk`; `auto` on a CPU, where host memory *is* training memory: 12 more bytes a
+  parameter): a file per snapshot in `stability/snapshots/`, written by a background thread during forward and
+  backward (the step waits for it before its update), then synced and its pages dropped (`fdatasync`,
+  `POSIX_FADV_DONTNEED`), so it holds no RAM once on disk.
 
-Both keep their storage for the next snapshot (`write` again), and hold the tensors bitwise.
+Both reuse their storage for the next snapshot (`write` again) and hold the tensors bitwise.
 """
 
 from __future__ import annotations

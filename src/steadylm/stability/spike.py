@@ -1,30 +1,25 @@
 """`SpikeDetector`: a loss spike that persists asks for a rollback; a one-off is logged; a grad-norm spike alone is counted.
 
-The statistic is robust, so healthy runs raise nothing at any batch size or depth: each value is taken in
-log space (a loss spike is a ratio, whatever the loss level), compared with the median of the last
-`window` accepted values, in units of their robust scale 1.4826·MAD (the std for normal noise; one wild
-value cannot inflate it as it inflates a std). The scale never goes below a noise floor
-`noise_floor / sqrt(sequences per step)`: a small batch's loss is noisier than a large one's, and a
-quiet stretch must not make the bar razor-thin. A loss is a spike above median + `sigma`·scale; a grad
-norm above median + max(`sigma`·scale, log `grad_ratio`): clipping bounds its update, so unless the loss
-confirms it (then it is part of the loss spike's event) it is only counted (`stability/grad_spikes`).
-Armed after `warmup` accepted values. Spikes and non-finite values (the guard's business) never enter
-the window. The window is in `state_dict`.
+A robust statistic, so healthy runs raise nothing at any batch size or depth: each value in log space, against
+the median of the last `window` accepted values in units of 1.4826·MAD (one wild value cannot inflate it), the
+scale at least `noise_floor / sqrt(sequences per step)`. A loss spikes above median + `sigma`·scale; a grad norm
+above median + max(`sigma`·scale, log `grad_ratio`), only counted (`stability/grad_spikes`) unless the loss
+confirms it, since clipping bounds its update. Armed after `warmup` values; spikes and non-finite values never
+enter the window (kept in `state_dict`).
 
-A loss spike opens an *episode* at its step (the onset). If the loss comes back under the bar within
-`patience` steps it was a one-off: a `log` verdict (the owner ranks the onset batch's samples on the last
-good weights: the cause is the batch, the weights were fine before and after it). If it stays above for
-`patience` steps in a row the weights are broken: `action: rollback` (the default) asks for a rollback to
-before the onset, and the owner re-runs the onset batch on the restored weights to name the cause (`cause`).
-`action: skip` also skips each spiking step at once (read at the step itself, one host sync a step);
-`action: log` only reports.
+A loss spike opens an *episode* at its onset. Back under the bar within `patience` steps: a one-off, a `log`
+verdict (the owner ranks the onset batch's samples). Above for `patience` steps in a row: `action: rollback`
+(default) asks for a rollback to before the onset, and the owner re-runs the onset batch on the restored weights
+to name the cause (`cause`); `action: skip` also skips each spiking step (read at the step); `log` only reports.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
+from itertools import repeat
 
 from steadylm.errors import ConfigError
 from steadylm.stability.check import Check, StepView
@@ -37,16 +32,10 @@ MAD_TO_STD = 1.4826
 
 
 class RobustWindow(deque):
-    """The last `size` values (log space); their median and robust scale. A deque, so a step's `append` and
-    `len` cost no Python call."""
+    """The last `size` values (log space), as a deque: `append`, `len` cost no Python call."""
 
     def __init__(self, size: int, values=()) -> None:
         super().__init__(values, maxlen=size)
-
-    def center_scale(self) -> tuple[float, float]:
-        # `statistics` rather than numpy: on 128 values 22 against 76 us, and this runs every step.
-        med = statistics.median(self)
-        return med, MAD_TO_STD * statistics.median([abs(v - med) for v in self])
 
 
 class SpikeDetector(Check):
@@ -86,13 +75,14 @@ class SpikeDetector(Check):
         """`action: skip` skips the spiking step itself: its value must be read at the step (no deferral)."""
         return self.action == "skip"
 
-    # -- the statistic ----------------------------------------------------------------------------------------
     def bar(self, signal: str) -> float | None:
         """The value above which `signal` is a spike now; None while not armed."""
         stats = self.stats[signal]
         if len(stats) < self.warmup:
             return None
-        med, scale = stats.center_scale()
+        # Median and 1.4826·MAD: `statistics` rather than numpy (22 against 76 us on 128 values); builtins in `map`.
+        med = statistics.median(stats)
+        scale = MAD_TO_STD * statistics.median(map(abs, map(operator.sub, stats, repeat(med))))
         if signal == "loss":
             return math.exp(med + self.sigma * max(scale, self.noise_floor / math.sqrt(self.sequences)))
         return math.exp(med + max(self.sigma * scale, math.log(self.grad_ratio)))
@@ -103,7 +93,6 @@ class SpikeDetector(Check):
     def load_window_state(self, state: dict) -> None:
         self.stats = {s: RobustWindow(self.window, state.get(s, ())) for s in self.signals}
 
-    # -- each measurement -------------------------------------------------------------------------------------
     def verdict(self, m: Measurement, view: StepView) -> Verdict:
         if m.nonfinite:
             return OK

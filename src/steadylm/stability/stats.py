@@ -1,17 +1,12 @@
 """`GradParamStats`: the numbers that show a run drifting toward divergence before it gets there.
 
-Every `every_n_steps` steps (chosen to coincide with the logging steps): per-block grad norm, param norm and
-update/param ratio ‖Δθ‖/‖θ‖ (params copied before the update on those steps only), max attention logit per
-layer (tracking switched on for that step only, on one sequence) and activation RMS per block (forward hooks
-on that step only) and the mean log Z of the output logits (the log of the softmax normaliser: Wortsman et al.
-2023's output-logit divergence shows as its drift). Alarms (`update_ratio`, `attn_logit`) are `log` verdicts;
-they never change training.
-
-As a `Check`: `arm` switches the measurements on at a stats step's first micro-batch; its `measure` sends the
-step's grad norms, logits, activations and log Z into the step's own collective and keeps a copy of the weights
-on the device; the next step's `measure`, once that update is in the weights, sends the update's norms in that
-step's collective (no host read of its own). Everything is logged at the stats step; the update's part is lost
-only with the update itself (a restore abandons the step that carried it).
+Every `every_n_steps` steps (on the logging steps): per-block grad norm, param norm and update/param ratio
+‖Δθ‖/‖θ‖, max attention logit per layer, activation RMS per block, and the mean log Z of the output logits
+(Wortsman et al. 2023's output-logit divergence shows as its drift), each switched on for that step only.
+Alarms (`update_ratio`, `attn_logit`) are `log` verdicts; they never change training. As a `Check`: `arm`
+switches the measurements on, `measure` sends them into the step's collective and keeps a device copy of the
+weights; the next step's `measure` sends the update's norms (no host read of its own). All logged at the stats
+step; the update's part is lost only with the update (a restore abandons it).
 """
 
 from __future__ import annotations
