@@ -128,7 +128,7 @@ HOST_SIDE = {
     ("measure.py", "__init__"),
     ("measure.py", "read"),  # the measurement's copy, read a step after it was sent
     ("qk_clip.py", "account"),  # QK-clip's copy of the per-head logits, read a step after it was sent
-    ("qk_clip.py", "clip"),  # only when the logits live on the CPU (`head_max.device.type == "cpu"`): no wait
+    ("qk_clip.py", "after_update"),  # only when the logits live on the CPU (`head_max.device.type == "cpu"`): no wait
     ("snapshot_store.py", "_bytes"),  # a snapshot file's bytes: CPU tensors (`store: auto` is memory on a GPU)
 }
 

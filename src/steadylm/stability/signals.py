@@ -201,10 +201,12 @@ class Precursors(Check):
             got = m.values.get(check, {}).get(key)
             if got is not None:
                 values[name] = float(max(_flat(got)))
-        out = self._release(m.step) + self.watch(m.step, values)
+        out = self.watch(m.step, values)
+        if self.holding is not None:
+            out = self._release(m.step) + out
         stats = m.values.get("stats")
         if not stats:
-            return self._hold(out)
+            return self._hold(out) if self.forecast_lr is not None else out
         parts = []  # (stats step, its signal values): the update of the step before `m.step`, then `m.step`'s own
         if "delta" in stats:
             parts.append(
@@ -219,7 +221,7 @@ class Precursors(Check):
             )
         for step, values in parts:
             out += self._judge_stats(step, values, view)
-        return self._hold(out)
+        return self._hold(out) if self.forecast_lr is not None else out
 
     def _hold(self, out: list[Verdict]) -> list[Verdict]:
         """`forecast_lr`: a forecast acts before the loss turns. The snapshot from before the precursor's growth is
