@@ -206,3 +206,28 @@ def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_
     opt.step()  # enqueued after the copies on the same stream: it cannot change what they read
     snap.wait()
     assert all(torch.equal(a, b) for a, b in zip(before, snap.weights()))
+
+
+def test_a_pinned_snapshot_outlives_keep_and_is_where_a_rewind_goes():
+    """`Recovery.pin` (a forecast's): the snapshot from before the growth stays past `keep`, a rewind to before the
+    growth finds it when the kept ones are all newer, and `unpin` hands its storage back for reuse."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from steadylm.stability.recovery import Recovery
+
+    def snap(step):
+        return SimpleNamespace(step=step, applied=step, store=SimpleNamespace(kind="memory", close=lambda: None))
+
+    rec, old, new = Recovery(keep=1), snap(0), snap(25)
+    rec.good = deque([old])
+    rec.pin(before=5)
+    rec.candidate = new
+    rec.confirm(SimpleNamespace(step=25, nonfinite=False, loss=2.0), suspect=False)
+    assert list(rec.good) == [new] and rec._spare is not old  # rotated out of `keep`, its storage held
+    chosen = []
+    rec._restore = lambda trainer, module, s: chosen.append(s) or {"to_step": s.step}
+    rec.rewind(SimpleNamespace(global_step=40), None, before=-1, latest=10)
+    assert chosen == [old]
+    rec.unpin()
+    assert rec.pinned is None and rec._spare is old

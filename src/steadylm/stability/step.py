@@ -53,13 +53,13 @@ CHECKS = {
 BUILT_IN = (*CHECKS, "recovery", "measure")
 
 
-def _part(name: str, cls, settings):
+def _part(name: str, settings, cls=None):
     """A check built from its config node `callbacks.stability.<name>`, or None when the node is null (removed).
-    `cls`: the class, or its `CHECKS` path (imported here)."""
+    `cls`: its class; by default the built-in check's, imported here (`CHECKS`)."""
     if settings is None:
         return None
-    if isinstance(cls, str):
-        module, _, attr = cls.partition(":")
+    if cls is None:
+        module, _, attr = CHECKS[name].partition(":")
         cls = getattr(importlib.import_module(module), attr)
     settings = OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else dict(settings)
     known = [p for p in inspect.signature(cls).parameters]
@@ -109,14 +109,14 @@ class Stability(L.Callback):
     ):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
-        self.guard = _part("guard", CHECKS["guard"], guard)
-        self.spike = _part("spike", CHECKS["spike"], spike)
-        self.stats = _part("stats", CHECKS["stats"], stats)
-        self.loss_scale = _part("loss_scale", CHECKS["loss_scale"], loss_scale)
-        self.qk_clip = _part("qk_clip", CHECKS["qk_clip"], qk_clip)
-        self.init_loss = _part("init_loss", CHECKS["init_loss"], init_loss)
-        self.signals = _part("signals", CHECKS["signals"], signals)
-        self.recovery = _part("recovery", Recovery, recovery if recovery is not None else {"every_n_steps": 0})
+        self.guard = _part("guard", guard)
+        self.spike = _part("spike", spike)
+        self.stats = _part("stats", stats)
+        self.loss_scale = _part("loss_scale", loss_scale)
+        self.qk_clip = _part("qk_clip", qk_clip)
+        self.init_loss = _part("init_loss", init_loss)
+        self.signals = _part("signals", signals)
+        self.recovery = _part("recovery", recovery if recovery is not None else {"every_n_steps": 0}, Recovery)
         # Judged in this order, the built-in checks first, then `callbacks.stability.checks` in config order.
         built_in = (self.guard, self.spike, self.loss_scale, self.init_loss, self.qk_clip, self.stats, self.signals)
         self.checks = [c for c in built_in if c is not None] + _checks_from_config(checks)
@@ -174,7 +174,7 @@ class Stability(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         ms, step = self.measure, trainer.global_step
         if ms.taken:  # the step's first micro-batch
-            ms.batches, ms.batch_idx, ms.taken = [], [], False
+            ms.batches, ms.batch_idx, ms.losses, ms.taken = [], [], [], False
             self._view_now = view = self._view(trainer, pl_module)
             # The checks asleep until a later step (`Check.next_step`) cost this step nothing.
             self._awake = [c for c in self._judged if getattr(c, "next_step", 0) <= step]
