@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from steadylm.config import compose
-from steadylm.model import GPT, GPTConfig, attention, gpt, mlp
+from steadylm.model import GPT, GPTConfig, attention, gpt
 
 
 def with_default_draw(cls, init, *args, **kwargs):
@@ -24,7 +24,7 @@ def with_default_draw(cls, init, *args, **kwargs):
 
 
 def build_seconds(fields: dict, patched: bool) -> float:
-    modules = (attention, gpt, mlp)
+    modules = (attention, gpt)
     kept = [m.layer for m in modules]
     if patched:
         for m in modules:

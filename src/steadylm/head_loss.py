@@ -1,15 +1,10 @@
-"""The output head and cross-entropy over chunks of tokens: the (tokens x vocab) logits never exist whole.
-
-The plain path (`lm_head(h)` then cross-entropy) keeps the whole logits, their fp32 copy, the softmax and its
-gradient alive at once (4 x 1024 tokens x 50304 entries are 0.8 GB per fp32 copy). Here the tokens go through the
-head `chunk` at a time, and each chunk's gradient with respect to its hidden states and the head's weight is
-computed in the forward, while its logits exist (as Liger's and OLMo-core's fused linear cross-entropy do); the
-backward only scales them, so no matmul is recomputed. Numerics follow the plain path under autocast: matmuls in
-the autocast dtype, softmax, log Z and losses in fp32, the weight's gradient summed in fp32. It returns losses:
-never for where the logits themselves are wanted (generation, the doctor's probes).
-"""
+"""The output head and cross-entropy over chunks of tokens: the (tokens x vocab) logits never exist whole. Each
+chunk's gradients are computed in the forward while its logits exist (as Liger's fused linear cross-entropy); the
+backward only scales them. Numerics follow the plain path: matmuls in the autocast dtype, the rest in fp32."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,23 +18,20 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, z_coeff: float, chunk: int, dtype: torch.dtype):
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            need = ctx.needs_input_grad
+            w, need = weight.to(dtype), ctx.needs_input_grad
             grad_h = torch.empty_like(hidden) if need[0] else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need[1] else None
             # 1/count before the gradients are rounded to the matmul dtype, where the plain path applies it too.
             inv = 1.0 / (targets != IGNORE_INDEX).sum().clamp(min=1).float()  # all padding: 0, not NaN
-            ce_sum = hidden.new_zeros((), dtype=torch.float32)
-            z_sum = hidden.new_zeros((), dtype=torch.float32)
+            ce_sum, z_sum = torch.zeros(2, dtype=torch.float32, device=hidden.device)
             for s in range(0, hidden.shape[0], chunk):
                 h, t = hidden[s : s + chunk].to(dtype), targets[s : s + chunk]
                 # One fused log-softmax; log Z read back at the target's column (logit - log-prob).
                 logits = F.linear(h, w).float()
                 logp = torch.log_softmax(logits, dim=-1)
-                col = t.clamp(min=0)[:, None]
+                col, valid = t.clamp(min=0)[:, None], t != IGNORE_INDEX
                 picked = logp.gather(1, col).squeeze(1)
                 lse = logits.gather(1, col).squeeze(1) - picked
-                valid = t != IGNORE_INDEX
                 ce_sum += torch.where(valid, -picked, 0.0).sum()  # as cross_entropy: an ignored row is 0, even if inf
                 z_sum += torch.where(valid, lse.square(), 0.0).sum()
                 if grad_h is None and grad_w is None:
@@ -47,8 +39,7 @@ class _HeadLoss(torch.autograd.Function):
                 # d/dlogits of CE + z (log Z)^2 = softmax * (1 + 2 z log Z) - onehot(target), on valid rows only.
                 row = torch.where(valid, (1 + 2 * z_coeff * lse) * inv, 0.0)
                 g = logp.exp_().mul_(row[:, None])  # the softmax, in the log-softmax's own buffer
-                g.scatter_add_(1, col, -(valid * inv)[:, None])
-                g = g.to(dtype)
+                g = g.scatter_add_(1, col, -(valid * inv)[:, None]).to(dtype)
                 if grad_h is not None:
                     grad_h[s : s + chunk] = g @ w
                 if grad_w is not None:
@@ -60,10 +51,8 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z):
-        grad_h, grad_w = ctx.saved_tensors
-        grad_h = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
-        grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        return *grads, None, None, None, None
 
 
 def chunked_head_loss(
@@ -83,18 +72,10 @@ def chunked_token_losses(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 at ignored targets), shaped like `targets`, a chunk of logits at a time."""
-    dev = hidden.device.type
+    h, t, dev = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
-    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     with torch.autocast(dev, enabled=False):
         w = weight.to(dtype)
-        out = [
-            F.cross_entropy(
-                F.linear(h[s : s + chunk].to(dtype), w).float(),
-                t[s : s + chunk],
-                ignore_index=IGNORE_INDEX,
-                reduction="none",
-            )
-            for s in range(0, h.shape[0], chunk)
-        ]
+        ce = functools.partial(F.cross_entropy, ignore_index=IGNORE_INDEX, reduction="none")
+        out = [ce(F.linear(h[s : s + chunk].to(dtype), w).float(), t[s : s + chunk]) for s in range(0, len(h), chunk)]
     return torch.cat(out).view(targets.shape)

@@ -1,21 +1,14 @@
-"""`GPTConfig`: the shape and switches of the transformer, checked when it is built.
-
-One dataclass for both families: GPT-2 (learned positions, LayerNorm, GELU, biases) and Llama (rotary, RMSNorm,
-SwiGLU, grouped-query attention, no biases). `__post_init__` is the gate: startup builds it from `cfg.model`
-first, so a bad value stops the run with one `ConfigError` naming the key. Free of torch: it builds no model.
+"""`GPTConfig`: the shape and switches of the transformer, GPT-2 (the defaults) or Llama (rotary, RMSNorm, SwiGLU,
+grouped-query attention, no biases). Startup builds it from `cfg.model` first, so a bad value stops the run with
+one `ConfigError` naming the key. Free of torch: it builds no model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args, get_type_hints
 
 from steadylm.errors import ConfigError
-
-POS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
-INITS = ("gpt2", "xavier", "torch_default")
-PARAMETRIZATIONS = ("sp", "mup")
 
 
 @dataclass
@@ -28,17 +21,17 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in every linear and LayerNorm (GPT-2); Llama has none
     qk_norm: bool = False  # normalise queries and keys per head: bounds attention logits at high LR
-    init: str = "gpt2"  # gpt2 | xavier | torch_default
-    pos: str = "learned"  # learned | rope
+    init: Literal["gpt2", "xavier", "torch_default"] = "gpt2"
+    pos: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: str = "gelu"  # gelu | swiglu
+    mlp: Literal["gelu", "swiglu"] = "gelu"
     mlp_hidden: int | None = None  # null: 4·d_model (gelu), or Llama's 8/3·d_model (swiglu), rounded up
     mlp_multiple_of: int = 1  # the hidden size is rounded up to a multiple of this (256 in Llama)
     n_kv_head: int | None = None  # null: = n_head; fewer = grouped-query attention (must divide n_head)
     tie_embeddings: bool = True  # the output projection is the input embedding (one matrix)
-    parametrization: str = "sp"  # sp | mup (muP: the LR found at the base shape holds at any width; model/mup.py)
+    parametrization: Literal["sp", "mup"] = "sp"  # muP: the LR found at the base shape holds at any width (mup.py)
     mup_base_width: int | None = None  # mup: the d_model the LR was tuned at (null: this d_model)
     mup_base_head_dim: int | None = None  # mup: that model's head size (null: this head size)
     mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
@@ -46,19 +39,15 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
             _positive(key, getattr(self, key))
-        choices = {"pos": POS, "norm": NORMS, "mlp": MLPS, "init": INITS, "parametrization": PARAMETRIZATIONS}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(
-                    f"model.{key}={getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}"
-                )
+        for key in ("pos", "norm", "mlp", "init", "parametrization"):  # the choices their annotations list
+            if (value := getattr(self, key)) not in (allowed := get_args(get_type_hints(GPTConfig)[key])):
+                raise ConfigError(f"model.{key}={value!r} is not allowed; use one of: {', '.join(allowed)}")
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                 "each head gets d_model / n_head dimensions, so choose n_head dividing d_model"
             )
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
+        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         _positive("n_kv_head", self.n_kv_head)
         if self.n_head % self.n_kv_head:
             raise ConfigError(
@@ -79,36 +68,29 @@ class GPTConfig:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not self.norm_eps > 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0")
-        self._check_mup_base()
-
-    def _check_mup_base(self) -> None:
-        """The base shape muP measures width against: whole numbers, a whole number of heads, and a plausible ratio."""
-        if self.mup_base_width is None:
-            self.mup_base_width = self.d_model
-        if self.mup_base_head_dim is None:
-            self.mup_base_head_dim = self.head_dim
+        # The base shape muP measures width against: whole numbers, a whole number of heads, and a plausible ratio.
+        self.mup_base_width = self.d_model if self.mup_base_width is None else self.mup_base_width
+        self.mup_base_head_dim = self.head_dim if self.mup_base_head_dim is None else self.mup_base_head_dim
         _positive("mup_base_width", self.mup_base_width)
         _positive("mup_base_head_dim", self.mup_base_head_dim)
         if not (isinstance(self.mup_output_mult, (int, float)) and self.mup_output_mult > 0):
             raise ConfigError(
                 f"model.mup_output_mult={self.mup_output_mult!r} must be a number > 0 (1: the logits / width_mult)"
             )
-        if self.parametrization != "mup":
-            return
-        if self.init != "gpt2" and self.d_model != self.mup_base_width:
+        mup = self.parametrization == "mup"
+        if mup and self.init != "gpt2" and self.d_model != self.mup_base_width:
             raise ConfigError(
                 f"model.parametrization=mup needs model.init=gpt2 off its base width, got {self.init!r} at d_model="
                 f"{self.d_model}: muP's hidden init is gpt2's N(0, 0.02) shrunk by sqrt(width ratio), while xavier and "
                 "torch_default pick their own width scaling; use model.init=gpt2 or model.parametrization=sp"
             )
-        if self.mup_base_width % self.mup_base_head_dim:
+        if mup and self.mup_base_width % self.mup_base_head_dim:
             raise ConfigError(
                 f"model.mup_base_head_dim={self.mup_base_head_dim} does not divide model.mup_base_width="
                 f"{self.mup_base_width}: the base model would have a fractional number of heads; give the base "
                 "shape the LR was tuned at (tiny: 128 and 32)"
             )
-        ratio = self.d_model / self.mup_base_width
-        if not 1 / 64 <= ratio <= 1024:
+        if mup and not 1 / 64 <= (ratio := self.d_model / self.mup_base_width) <= 1024:
             raise ConfigError(
                 f"model.d_model={self.d_model} is {ratio:.3g}x model.mup_base_width={self.mup_base_width}: "
                 "outside [1/64, 1024], which is a mistyped base width rather than a transfer; set "
@@ -121,16 +103,9 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
-        """The MLP's inner width: `mlp_hidden`, else the family default, rounded up to `mlp_multiple_of`."""
-        if self.mlp_hidden is not None:
-            h = self.mlp_hidden
-        elif self.mlp == "swiglu":
-            # Two input matrices instead of one: 2/3 of 4·d keeps the parameter count of a GELU MLP (Llama).
-            h = int(2 * 4 * self.d_model / 3)
-        else:
-            h = 4 * self.d_model
-        m = self.mlp_multiple_of
-        return -(-h // m) * m
+        """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, a GELU MLP's parameter count), rounded up to `mlp_multiple_of`."""
+        h = self.mlp_hidden or (int(2 * 4 * self.d_model / 3) if self.mlp == "swiglu" else 4 * self.d_model)
+        return -(-h // self.mlp_multiple_of) * self.mlp_multiple_of
 
 
 def _positive(key: str, value) -> None:

@@ -1,26 +1,37 @@
-"""A decoder-only transformer, GPT-2 or Llama shaped by `GPTConfig`'s switches, readable top to bottom.
-
-Pre-norm blocks (`x + attn(norm(x))`, `x + mlp(norm(x))`); positions learned (`wpe`, GPT-2) or rotary
-(`model.pos=rope`, inside attention). Module names are the same in both families (`wte`, `blocks.N.attn.qkv`,
+"""A decoder-only transformer, GPT-2 or Llama shaped by `GPTConfig`'s switches: pre-norm blocks, positions learned
+(`wpe`) or rotary (inside attention). Module names are the same in both families (`wte`, `blocks.N.attn.qkv`,
 `blocks.N.mlp.fc`, `ln_f`, `lm_head`), so the stability callbacks, fault injectors and export read either one.
-No training logic here: no optimizer, no logging, no loss scaling.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from steadylm.model import mup
-from steadylm.model.attention import CausalSelfAttention
+from steadylm.model.attention import CausalSelfAttention, rope_tables
 from steadylm.model.config import GPTConfig
-from steadylm.model.init import init_weights, layer
-from steadylm.model.mlp import MLP
-from steadylm.model.norm import make_norm
-from steadylm.model.rope import rope_tables
+from steadylm.model.init import init_weights, layer, make_norm
 from steadylm.model.switches import require_understood
 
-__all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP"]
+
+class MLP(nn.Module):
+    """GELU (GPT-2) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.fc = layer(nn.Linear, cfg.init, cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
+        self.proj = layer(nn.Linear, cfg.init, cfg.hidden, cfg.d_model, bias=cfg.bias)
+        self.proj.is_residual_proj = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.dropout(self.proj(F.silu(gate) * up))
+        return self.dropout(self.proj(F.gelu(self.fc(x))))  # exact (erf): on a CPU the tanh form costs 1.7x
 
 
 class Block(nn.Module):
@@ -41,10 +52,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = layer(nn.Embedding, cfg.init, cfg.vocab_size, cfg.d_model)
-        if cfg.pos == "learned":
-            self.wpe = layer(nn.Embedding, cfg.init, cfg.context_length, cfg.d_model)
-        else:
-            self.wpe = None
+        self.wpe = layer(nn.Embedding, cfg.init, cfg.context_length, cfg.d_model) if cfg.pos == "learned" else None
+        if self.wpe is None:
             cos, sin = rope_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -53,28 +62,19 @@ class GPT(nn.Module):
         self.ln_f = make_norm(cfg, cfg.d_model)
         self.lm_head = layer(nn.Linear, cfg.init, cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            # Weight tying: the input and output embeddings share one matrix (fewer params, better small LMs).
             self.lm_head.weight = self.wte.weight
-        init_weights(self, cfg.init, cfg.n_layer, hidden_std_mult=mup.hidden_init_mult(cfg))
-        # muP's readout factor 1/width_mult (1 under sp), on the final hidden state: d_model floats, not vocab.
-        self.logit_mult = mup.logit_mult(cfg)
-        # The residual stream's RMS after the last block, kept when `track_residual` (the precursor signals' input).
-        self.track_residual = False
+        init_weights(self, cfg)
+        self.logit_mult = mup.logit_mult(cfg)  # on the final hidden state: d_model floats, not vocab
+        self.track_residual = False  # keep the residual stream's RMS after the last block (the precursor signals')
         self.residual_rms: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size); `head=False`: the head's input (B, T, d_model) instead,
-        for a loss that applies `lm_head.weight` itself a chunk of tokens at a time (`steadylm.head_loss`)."""
+        """Token ids (B, T) -> logits (B, T, vocab_size), or with `head=False` the head's input (`head_loss`)."""
         T = idx.shape[1]
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} > model.context_length={self.cfg.context_length}")
-        x = self.wte(idx)
-        rope = None
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
-        else:
-            rope = (self.rope_cos[:T], self.rope_sin[:T])
-        x = self.drop(x)
+        rope = None if self.wpe is not None else (self.rope_cos[:T], self.rope_sin[:T])
+        x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         for block in self.blocks:
             x = block(x, rope)
         if self.track_residual:
@@ -85,20 +85,11 @@ class GPT(nn.Module):
         return self.lm_head(x) if head else x
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count (a tied matrix once). `non_embedding` drops the tables that are only looked up,
-        never multiplied: the position table, and the token table when the output head is separate (6N rule)."""
-        n = sum(p.numel() for p in self.parameters())
-        if not non_embedding:
-            return n
-        if self.wpe is not None:
-            n -= self.wpe.weight.numel()
-        if not self.cfg.tie_embeddings:
-            n -= self.wte.weight.numel()
-        return n
+        """A tied matrix once; `non_embedding` drops the tables only looked up, never multiplied (the 6N rule)."""
+        tables = [self.wpe, None if self.cfg.tie_embeddings else self.wte] if non_embedding else []
+        return sum(p.numel() for p in self.parameters()) - sum(t.weight.numel() for t in tables if t is not None)
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus 12·L·d·T for attention (PaLM appendix B); grouped k/v
-        heads save memory and weights, not score FLOPs."""
-        c = self.cfg
-        require_understood(c, "flops")  # a switch this formula does not know (e.g. a windowed pattern) is refused
-        return 6 * self.num_params() + 12 * c.n_layer * c.d_model * c.context_length
+        """Training FLOPs per token: 6N for the matmuls plus 12·L·d·T for the scores (PaLM appendix B)."""
+        require_understood(self.cfg, "flops")
+        return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.context_length

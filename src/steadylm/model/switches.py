@@ -1,12 +1,6 @@
-"""What each `GPTConfig` field means to the code that reads a model's config instead of running the model.
-
-Three readers work from the config alone: the Hugging Face export (`export.py`), the FLOP count
-(`GPT.flops_per_token`, behind MFU) and the memory estimate (`memory.py`, behind the startup refusal). Each
-field is declared here once, with what each reader does with it; `None` means that reader does not understand
-it, and then refuses any value but `neutral` (the value under which the model is as if the field did not exist).
-A field with no declaration is refused by every reader: a new switch is declared here before any reader can be
-wrong about it, never silently mis-counted or mis-exported. This module must stay free of torch.
-"""
+"""What each `GPTConfig` field means to the export, the FLOP count and the memory estimate, which read the config.
+`None`: that reader refuses any value but `neutral` (the model as if the field did not exist); an undeclared
+field is refused by every reader, never silently mis-counted or mis-exported. Free of torch."""
 
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ READERS = {
     "flops": "the FLOP count (GPT.flops_per_token, behind perf/mfu)",
     "memory": "the memory estimate (memory.py)",
 }
+_show = lambda value: "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)
@@ -75,8 +70,3 @@ def require_understood(cfg: Any, reader: str) -> None:
                 f"model.{f.name}={_show(value)} is not understood by {READERS[reader]}; use model.{f.name}="
                 f"{_show(switch.neutral)}, or teach it and say how in SWITCHES (steadylm/model/switches.py)"
             )
-
-
-def _show(value: Any) -> str:
-    """As a command-line override spells it."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
