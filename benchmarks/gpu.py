@@ -1,7 +1,7 @@
 """GPU throughput and MFU of `model=small` (GPT-2 124M) in bf16 with torch.compile, on one GPU.
 
 Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak table in
-`steadylm.throughput`, which SDPA kernel the attention can use, and how many synchronizing CUDA calls
+`steadylm.progress`, which SDPA kernel the attention can use, and how many synchronizing CUDA calls
 each step makes (`torch.cuda.set_sync_debug_mode`): expected 0 on ordinary steps (the stability measurement reads
 each step's value one step late), a few on logging steps. Goal on one H200: MFU >= 45%.
 `--compare-defer` runs again with `callbacks.stability.defer=false` and prints the cost of reading at the step itself.
@@ -24,7 +24,7 @@ import torch
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
-from steadylm.throughput import peak_flops
+from steadylm.progress import peak_flops
 from steadylm.train import build
 
 SETTLE = 10  # compile and autotune happen in the first steps
@@ -132,7 +132,7 @@ def main() -> None:
     )
     print(f"step time (median of {len(times)}): {statistics.median(times) * 1e3:.1f} ms; tokens/s: {tps:,.0f}")
     achieved = tps * net.flops_per_token()
-    mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.throughput.PEAK_FLOPS)"
+    mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.progress.PEAK_FLOPS)"
     print(f"model FLOP/s: {achieved / 1e12:.1f} TFLOP/s; MFU: {mfu}")
     every = cfg.trainer.log_every_n_steps
     logging = [n for i, n in enumerate(all_syncs) if i >= SETTLE and (i + 1) % every == 0]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from bench import paired_ratios  # noqa: E402
 
-from steadylm.head_loss import chunked_head_loss  # noqa: E402
+from steadylm.model.gpt import chunked_head_loss  # noqa: E402
 
 MEMORY_GOAL, TIME_GOAL = 3.0, 0.05
 

@@ -61,14 +61,15 @@ def test_checkpoint_period_and_launcher():
 
 
 def test_trainer_internals_during_a_fit(make_cfg):
-    """will_log, logged_step, batches_processed and attached_trainer, read inside a real fit."""
+    """logged_step, batches_processed and attached_trainer read inside a real fit, and the module's own
+    reckoning of Lightning's logging steps (`logs_now`)."""
     seen = []
 
     class Spy(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen.append(
                 (
-                    compat.will_log(trainer),
+                    pl_module.logs_now,
                     compat.logged_step(trainer),
                     compat.batches_processed(trainer),
                     compat.attached_trainer(pl_module) is trainer,

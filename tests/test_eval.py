@@ -16,7 +16,7 @@ from steadylm.eval.fetch import fetch
 from steadylm.eval.score import correct, encode_pair, score
 from steadylm.eval.tasks import load_task
 from steadylm.generate import load_checkpoint
-from steadylm.head_loss import chunked_token_losses
+from steadylm.model.gpt import chunked_token_losses
 
 HELLASWAG_ROW = {
     "activity_label": "Removing ice from car",

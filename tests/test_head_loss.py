@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from steadylm.errors import ConfigError
-from steadylm.head_loss import chunked_head_loss
+from steadylm.model.gpt import chunked_head_loss
 from steadylm.module import LMModule
 from steadylm.stability.suspects import sample_losses
 

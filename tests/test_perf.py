@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from steadylm.precision import resolve_precision
-from steadylm.throughput import peak_flops
+from steadylm.progress import peak_flops
 from steadylm.train import build, train
 from tests.helpers import scalars
 

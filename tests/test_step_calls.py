@@ -1,9 +1,10 @@
 """One quiet optimizer step stays small: the project functions it calls, counted by a profiler on a real fit.
 
-Quiet: no logging, stats, snapshot, validation or checkpoint falls on it (the default suite otherwise, QK-clip's
-every-step measurement included), and past the spike detector's warmup, so its statistic runs. Counted from
-`on_train_batch_start` of step 35 to that of step 36, so the data loading of step 36 is inside. The bounds are today's figures, so the step does not grow unnoticed; the goal is
-40 functions in 12 files (nanoGPT's step is about 5 in 2, torchtitan's about 8 in 5).
+Quiet: no logging, stats, snapshot, validation or checkpoint falls on it (the default callbacks otherwise, the
+console lines' and QK-clip's every-step hooks included), and past the spike detector's warmup, so its statistic
+runs. Counted from `on_train_batch_start` of step 35 to that of step 36, so the data loading of step 36 is inside.
+The bounds are today's figures, so the step does not grow unnoticed (the issue's goal: 40 functions in 12 files;
+nanoGPT's step is about 5 in 2, torchtitan's about 8 in 5).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import lightning as L
 from tests.helpers import fit
 
 SRC = str(Path(__file__).resolve().parents[1] / "src" / "steadylm")
-MAX_FUNCTIONS, MAX_FILES = 45, 18
+MAX_FUNCTIONS, MAX_FILES = 38, 13
 
 
 class CountCalls(L.Callback):
@@ -46,6 +47,7 @@ def quiet_step_calls(make_cfg, *overrides: str) -> set[tuple[str, str]]:
         "trainer.val_check_interval=10",
         "callbacks.checkpoint.every_n_train_steps=50",
         "callbacks.stability.recovery.every_n_steps=25",
+        "trainer.enable_progress_bar=true",  # as a user's run: the console lines' callback is counted too
         *overrides,
     )
     fit(cfg, counter)

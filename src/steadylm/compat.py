@@ -17,14 +17,14 @@ def cpu_has_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# The L2 norm of each tensor of a list, in one fused kernel (torch has no public foreach norm); an alias, not a
+# wrapper, so the per-step gradient norm calls no function of ours.
+foreach_norm = torch._foreach_norm
+
+
 def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of each tensor, as one 1-D fp32 tensor, in one fused kernel (no public foreach norm)."""
-    return torch.stack(torch._foreach_norm(tensors)).float()
-
-
-def will_log(trainer: Any) -> bool:
-    """Lightning writes this batch's logs (every `log_every_n_steps` batches that stepped, and the last)."""
-    return trainer._logger_connector.should_update_logs
+    """The L2 norm of each tensor, as one 1-D fp32 tensor."""
+    return torch.stack(foreach_norm(tensors)).float()
 
 
 def logged_step(trainer: Any) -> int:
@@ -42,19 +42,22 @@ def attached_trainer(module: Any) -> Any | None:
     return module._trainer
 
 
+FOUND_INF = "found_inf"  # the optimizer attribute below: a caller may test whether its flag is still the one set
+
+
 def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
-    """The next `step()` skips itself on the device when `flag` (0-dim float) is 1: GradScaler's undocumented
-    protocol with the fused optimizers (weights, moments and step counts left alone, no host sync)."""
-    optimizer.found_inf = flag
+    """Every later `step()` skips itself on the device while `flag` (0-dim float, written in place) is 1:
+    GradScaler's undocumented protocol with the fused optimizers (weights, moments and step counts left alone)."""
+    setattr(optimizer, FOUND_INF, flag)
 
 
 def read_found_inf(optimizer: Any) -> torch.Tensor | None:
     """The flag `set_found_inf` left on `optimizer` (None: none): what an optimizer of ours reads in `step()`."""
-    return getattr(optimizer, "found_inf", None)
+    return getattr(optimizer, FOUND_INF, None)
 
 
 def clear_found_inf(optimizer: Any) -> None:
-    optimizer.__dict__.pop("found_inf", None)
+    optimizer.__dict__.pop(FOUND_INF, None)
 
 
 def every_n_train_steps(checkpoint_callback: Any) -> int:

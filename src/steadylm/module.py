@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from steadylm.compat import attached_trainer, per_tensor_norms, will_log
+from steadylm.compat import attached_trainer, foreach_norm
 from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.errors import ConfigError
-from steadylm.head_loss import chunked_head_loss, chunked_token_losses
 from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
+from steadylm.model.gpt import chunked_head_loss, chunked_token_losses
 from steadylm.model.mup import param_groups
 from steadylm.schedule import Schedule, set_lr
 
@@ -140,7 +140,8 @@ class LMModule(L.LightningModule):
         loss, z = self.head_loss(x, y)
         # Only on the steps the Trainer writes (`self.log` costs milliseconds), as a host copy (Lightning reads the
         # progress-bar value every step: on a device tensor, one more host sync). The step's hooks reuse it.
-        self.logs_now = will_log(self.trainer)
+        t = self.trainer  # Lightning writes logs every `log_every_n_steps` optimizer steps, and at a stop
+        self.logs_now = (t.global_step + 1) % t.log_every_n_steps == 0 or t.should_stop
         if self.logs_now:
             self.log("train/loss", loss.detach().cpu(), on_step=True, prog_bar=True)
             if self.z_loss:
@@ -213,7 +214,7 @@ class LMModule(L.LightningModule):
             if p.grad is not None:
                 with_grad.append(p)
                 grads.append(p.grad)
-        norms = per_tensor_norms(grads) if grads else None
+        norms = torch.stack(foreach_norm(grads)).float() if grads else None
         self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
         return norms, with_grad
 

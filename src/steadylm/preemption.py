@@ -91,10 +91,12 @@ class CollectiveFlag:
 
 class Preemption(L.Callback):
     """Last of the callbacks (`place_last`, even with `callbacks=none`), it saves in `on_train_batch_end` after their
-    step bookkeeping, as `ModelCheckpoint` would, and only then arms `on_train_batch_start` (a quiet step calls one
-    hook here) to raise `Preempted` as the next batch starts, after Lightning logged the step: not `should_stop`,
+    step bookkeeping, as `ModelCheckpoint` would, and only then arms `on_train_batch_start` to raise `Preempted` as
+    the next batch starts, after Lightning logged the step: not `should_stop`,
     whose early-stopping validation and end-of-epoch last.ckpt resume=auto would prefer. Its handlers replace
-    Lightning's (a mid-loop `SIGTERMException`, exit 0) from `on_train_start`. A second Ctrl-C interrupts at once."""
+    Lightning's (a mid-loop `SIGTERMException`, exit 0) from `on_train_start`. A second Ctrl-C interrupts at once.
+    Its batch-end hook is armed by the first signal, or for the whole fit where ranks must agree (DDP): a quiet
+    single-process step calls nothing here."""
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class Preemption(L.Callback):
         self.record: dict[str, Any] | None = None  # set on every rank when the run stopped for a signal
         self.previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's requeue among them)
         self._last_step = -1
+        self._trainer = None
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -125,16 +128,21 @@ class Preemption(L.Callback):
         if not self.received:
             self.received = signum
             log.warning("%s received: stopping at the next step boundary", signal.Signals(signum).name)
+            if "on_train_batch_end" not in self.__dict__:  # one process: polled from now on, at the next boundary
+                self._last_step = self._trainer.global_step
+                self.on_train_batch_end = self._poll
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
             self.flag.setup()
+            if self.flag.group is not None:  # every rank polls every step: the signal may reach one rank only
+                self.on_train_batch_end = self._poll
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._last_step = trainer.global_step
+        self._last_step, self._trainer = trainer.global_step, trainer
         self.previous = {signum: signal.signal(signum, self._on_signal) for signum in self.signals}
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def _poll(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step == self._last_step or step % self.every_n_steps:
             return  # inside gradient accumulation (not a step boundary), or not a polling step
@@ -156,6 +164,7 @@ class Preemption(L.Callback):
         self.flag.wait()  # leave no all-reduce in flight
         self.record = None  # the signal came at the last step: the run finished all the same
         self.__dict__.pop("on_train_batch_start", None)
+        self.__dict__.pop("on_train_batch_end", None)
 
     def requeuer(self, signum: int) -> str | None:
         """Who requeues the job: `submitit` (its own signal), `scontrol` (a pre-timeout signal), None (nobody)."""

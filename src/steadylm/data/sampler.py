@@ -9,6 +9,9 @@ windows can be recomputed (`batch_windows`) for resume and forensics.
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 import torch
 from torch.utils.data import Sampler
@@ -123,16 +126,29 @@ class EpochBatchSampler(Sampler[list[int]]):
         return torch.from_numpy(self.global_windows(np.arange(len(self) * self.global_batch), epoch))
 
     def __iter__(self):
-        # The order is computed a block of batches at a time, so a step only slices it (no call per batch).
+        # A block of batches' order at a time, handed out by C iterators: a step calls no function here.
         start, self.start_batch = self.start_batch, 0
-        self.batches_done, G, n = start, self.global_batch, len(self)
-        per_block = max(1, _BLOCK // G)
-        for first in range(start, n, per_block):
-            last = min(first + per_block, n)
-            block = self.global_windows(np.arange(first * G, last * G)).reshape(last - first, G)
-            for row in block[:, self.rank :: self.world_size]:
-                self.batches_done += 1
-                yield row.tolist()
+        self.batches_done, per_block = start, max(1, _BLOCK // self.global_batch)
+        return itertools.chain.from_iterable(map(self._block, range(start, len(self), per_block)))
+
+    def _block(self, first: int):
+        """An iterator over this rank's batches `first`, ... of the block; `batches_done` counts what it yielded."""
+        G, last = self.global_batch, min(first + max(1, _BLOCK // self.global_batch), len(self))
+        rows = self.global_windows(np.arange(first * G, last * G)).reshape(last - first, G)[
+            :, self.rank :: self.world_size
+        ]
+        self._before, self._rows = first, iter(rows.tolist())
+        self._size = last - first
+        return self._rows
+
+    @property
+    def batches_done(self) -> int:
+        """Batches handed out in the current epoch."""
+        return self._before + (self._size - operator.length_hint(self._rows) if self._rows is not None else 0)
+
+    @batches_done.setter
+    def batches_done(self, value: int) -> None:
+        self._before, self._rows, self._size = int(value), None, 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
-from steadylm.compat import clear_found_inf, set_found_inf
+from steadylm.compat import FOUND_INF, clear_found_inf, set_found_inf
 from steadylm.errors import ConfigError
 from steadylm.stability.check import OPS
 
@@ -170,6 +170,7 @@ class StepMeasure:
         self.taken = True  # the next micro-batch starts a new step
         self.current: InFlight | None = None  # the step under way, measured
         self.pending: InFlight | None = None  # deferred: the last step's, read at the next one
+        self.skip_flag: torch.Tensor | None = None  # deferred: the optimizers' skip flag
 
     def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
         """Measure the step under way with `checks`' own values; return the measurement to act on now: this
@@ -194,10 +195,13 @@ class StepMeasure:
         packed = Packed(loss, norm, values, sharded)
         if world > 1 and torch.distributed.is_initialized():
             packed.all_reduce()
-        if self.deferred:
-            found_inf = (~packed.sums[:2].isfinite().all()).float()  # loss or grad norm, on any rank: no host read
+        if self.deferred:  # the optimizers skip the whole update on the device while the flag is 1: no host read
+            if self.skip_flag is None:
+                self.skip_flag = torch.zeros((), device=packed.sums.device)
+            self.skip_flag.copy_(~packed.sums[:2].isfinite().all())  # loss or grad norm, on any rank
             for opt in trainer.optimizers:
-                set_found_inf(opt, found_inf)  # the optimizer skips the whole update on the device when it is 1
+                if vars(opt).get(FOUND_INF) is not self.skip_flag:  # once a fit: the flag is written in place
+                    set_found_inf(opt, self.skip_flag)
         net = getattr(pl_module, "net", pl_module)
         self.current = InFlight(view.step, packed, norms, with_grad, net, world, list(self.batches), self.batch_idx)
         if not self.deferred:
@@ -221,6 +225,7 @@ class StepMeasure:
         return pending.read() if pending is not None else None
 
     def finish(self, trainer) -> None:
+        self.skip_flag = None
         for opt in trainer.optimizers:
             clear_found_inf(opt)
 
