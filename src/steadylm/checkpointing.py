@@ -1,8 +1,6 @@
-"""Checkpoints that survive crashes and resume bitwise: atomic writes, safe loads, `resume=auto`.
-
-Saves go to a hidden temp file, fsynced and `os.replace`d into place (`AtomicCheckpointIO`): a kill or a full
-disk mid-save leaves the previous checkpoint intact. Loads are `torch.load(weights_only=True)`: pickled code is
-refused, never run. It never overwrites or deletes a checkpoint it did not just write in full.
+"""Checkpoints that survive crashes and resume bitwise. Saves go to a hidden temp file, fsynced and `os.replace`d
+into place: a kill or a full disk mid-save leaves the previous checkpoint intact, and nothing overwrites or deletes a
+checkpoint it did not just write in full. Loads are `torch.load(weights_only=True)`: pickled code is refused, never run.
 """
 
 from __future__ import annotations
@@ -24,37 +22,11 @@ from steadylm.errors import SteadyError
 from steadylm.schedule import check_resume
 
 log = logging.getLogger("steadylm")
-
-# The stability callback's state inside a checkpoint's "callbacks" (its Lightning `state_key`).
-STABILITY_STATE_KEY = "steadylm.stability"
+STABILITY_STATE_KEY = "steadylm.stability"  # the stability callback's Lightning `state_key` in "callbacks"
 
 
 class CheckpointError(SteadyError):
     """A checkpoint that cannot be used: missing, corrupt, unsafe, or for a different model."""
-
-
-def atomic_save(checkpoint: dict, path: str | os.PathLike) -> None:
-    """Write `checkpoint` to `path` so that `path` is always either the old or the complete new file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden, no `*.ckpt` glob ever matches it
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable (POSIX): without this a power cut can undo `os.replace`
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return  # not supported on this platform/filesystem; the file itself is already synced
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_complete(path: Path) -> bool:
@@ -81,9 +53,8 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = F
     except pickle.UnpicklingError as e:
         detail = str(e).split("\n\n")[1].strip() if "\n\n" in str(e) else str(e).splitlines()[0]
         raise CheckpointError(
-            f"{path}: refused to load: it carries pickled code, which weights_only loading never runs "
-            f"({detail}); resume only from checkpoints written by steadylm, or re-save this one's tensors "
-            "from a trusted session"
+            f"{path}: refused to load: it carries pickled code, which weights_only loading never runs ({detail}); "
+            "resume only from checkpoints written by steadylm, or re-save this one's tensors from a trusted session"
         ) from None
     except (RuntimeError, OSError, EOFError) as e:
         raise CheckpointError(
@@ -96,7 +67,6 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, 
     holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`."""
     from steadylm.model import GPT, GPTConfig  # the model is only needed here, not to resume
 
-    path = Path(path)
     try:
         ckpt = safe_load(path, map_location=device)
     except CheckpointError as e:
@@ -106,7 +76,7 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, 
         state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     except (KeyError, TypeError, AttributeError) as e:
         raise SteadyError(
-            f"ckpt={path}: not a steadylm training checkpoint (missing {e}); pass one written by train.py"
+            f"ckpt={Path(path)}: not a steadylm training checkpoint (missing {e}); pass one written by train.py"
         ) from None
     model = GPT(GPTConfig(**model_cfg))
     model.load_state_dict(state)
@@ -114,25 +84,39 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, 
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's CheckpointIO with durable atomic saves and weights-only loads (see module doc)."""
+    """Lightning's CheckpointIO: a save leaves `path` either the old or the complete new file; loads are safe_load."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        atomic_save(checkpoint, path)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden, no `*.ckpt` glob ever matches it
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        try:  # make the rename itself durable (POSIX): without this a power cut can undo `os.replace`
+            fd = os.open(path.parent, os.O_RDONLY)
+        except OSError:
+            return  # not supported on this platform/filesystem; the file itself is already synced
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
-    def load_checkpoint(
-        self, path, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
-    ) -> dict:
+    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage, weights_only=None) -> dict:
         return safe_load(path, map_location=map_location)
 
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The most recently written complete `*.ckpt` in `folder` (temp files and broken files skipped)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True):
+    for path in sorted(Path(folder).glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True):
         if is_complete(path):
             return path
         log.warning("resume=auto: skipping %s (incomplete or corrupt)", path)
@@ -153,10 +137,9 @@ def resolve_ckpt_path(cfg) -> str | None:
     if resume is None and os.environ.get("SUBMITIT_EXECUTOR") and (found := latest_checkpoint(folder)):
         log.info("submitit requeued this job: continuing from %s", found)
         return str(found)
-    if ckpt_path or resume != "auto":
+    if resume is None:
         return str(ckpt_path) if ckpt_path else None
-    found = latest_checkpoint(folder)
-    if found is None:
+    if (found := latest_checkpoint(folder)) is None:
         log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
         return None
     log.info("resume=auto: continuing from %s", found)
@@ -186,8 +169,7 @@ def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Modul
 
 def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
     """The checkpoint this run resumes from, checked to load safely, fit `module` and match its schedule."""
-    path = resolve_ckpt_path(cfg)
-    if path is not None:
+    if (path := resolve_ckpt_path(cfg)) is not None:
         ckpt = safe_load(path, mmap=True)  # mmap: no second full read into RAM
         check_compatible(ckpt, path, module)
         meta = ckpt.get("steadylm") or {}
@@ -201,8 +183,7 @@ class SaveOnException(L.Callback):
     Single-process only: under DDP the other ranks may be stuck in a collective, and a save is one."""
 
     def __init__(self, dirpath: str, filename: str = "exception.ckpt"):
-        self.path = Path(dirpath) / filename
-        self._training = False
+        self.path, self._training = Path(dirpath) / filename, False
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._training = True
@@ -213,8 +194,7 @@ class SaveOnException(L.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if not self._training or trainer.world_size > 1 or getattr(exception, "state_saved", False):
             return  # (a preemption has already saved its own checkpoint)
-        self._training = False
-        what = type(exception).__name__
+        self._training, what = False, type(exception).__name__
         try:
             trainer.save_checkpoint(self.path)
         except Exception as err:  # never mask the exception that ended training
@@ -247,8 +227,7 @@ class RNGState(L.Callback):
     `on_train_start`, after the resumed loaders are built. Our loaders have their own `torch.Generator`, so a
     validation never draws from the global generators nor shifts the training stream."""
 
-    def __init__(self) -> None:
-        self._pending: dict | None = None
+    _pending: dict | None = None
 
     def state_dict(self) -> dict:
         return rng_state()

@@ -1,6 +1,5 @@
-"""What the console shows: the third-party messages steadylm silences, each with the reason a user cannot act
-on it (anything else still shows), and the copy of a run's console in `<run>/train.log`.
-"""
+"""What the console shows: the third-party messages steadylm silences, each with the reason a user cannot act on it
+(anything else still shows), and the copy of a run's console in `<run>/train.log`."""
 
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ from typing import TextIO
 
 # (warning category, message start as a regex), each with why nobody running steadylm can act on it
 SILENCED_WARNINGS = (
-    # Lightning's own pytree helper under torch >= 2.10; fixed in Lightning, not in user code
-    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
-    # the summary's size column under bf16-mixed; the memory estimate at startup is steadylm's number
-    (UserWarning, r"Precision .* is not supported by the model summary"),
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),  # Lightning's pytree helper, torch >= 2.10
+    (UserWarning, r"Precision .* is not supported by the model summary"),  # bf16-mixed; steadylm estimates memory
     # steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see
     (UserWarning, r"You're resuming from a checkpoint that ended before the epoch ended"),
 )
@@ -25,23 +22,17 @@ SILENCED_WARNINGS = (
 SILENCED_LOGS = (("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging", "a logger's ad"),)
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.start)
+def _keep(record: logging.LogRecord) -> bool:
+    """The filter `quiet` puts on each logger of `SILENCED_LOGS`: False for a message starting as one it names."""
+    return not str(record.msg).startswith(tuple(start for _, start, _ in SILENCED_LOGS))
 
 
 def quiet() -> None:
-    """Install the filters above (idempotent: the same filter is never added twice)."""
+    """Install the filters above (idempotent: `addFilter` never adds the same filter twice)."""
     for category, message in SILENCED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    for name, start, _why in SILENCED_LOGS:
-        logger = logging.getLogger(name)
-        if not any(getattr(f, "start", None) == start for f in logger.filters):
-            logger.addFilter(_DropMessages(start))
+    for name, _start, _why in SILENCED_LOGS:
+        logging.getLogger(name).addFilter(_keep)
 
 
 class _Tee:

@@ -1,6 +1,5 @@
-"""`SweepSummary`, the Hydra callback (`hydra.callbacks.sweep_summary`) that summarises a sweep once every job
-has finished. Hydra builds it for every run, so it is apart from the summary itself (`sweep.py`, a tool), which
-it loads only when a multirun ends: a single run never imports the tool."""
+"""`SweepSummary`, the Hydra callback (`hydra.callbacks.sweep_summary`) that summarises a multirun when it ends.
+Hydra builds it for every run, so it loads the summary (`sweep.py`, a tool) only then: a single run never imports it."""
 
 from __future__ import annotations
 

@@ -4,8 +4,6 @@ metric, so what only a logger reads goes straight to the loggers (only `train/lo
 
 from __future__ import annotations
 
-import lightning as L
-
 from steadylm import compat
 
 
@@ -14,8 +12,7 @@ def is_logging_step(step: int, every: int) -> bool:
     return (step + 1) % max(1, every) == 0
 
 
-def write_metrics(trainer: L.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+def write_metrics(trainer, metrics: dict[str, float], step: int | None = None) -> None:
     """Plain floats to every logger (rank 0 only) at this batch's logging step, or at optimizer step `step`."""
-    step = compat.logged_step(trainer) if step is None else step
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
+        logger.log_metrics(metrics, step=compat.logged_step(trainer) if step is None else step)

@@ -9,7 +9,6 @@ Lightning's own (`trainer.enable_progress_bar=false`: none).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -55,8 +54,7 @@ def live_forecast(events: list[dict]) -> dict | None:
     for e in reversed(events):
         if e["kind"] == "forecast":
             return e["detail"]
-        signal = e.get("detail", {}).get("signal")
-        if e["kind"] in ("lr_backoff", "rollback", "qk_clip") or signal is not None:
+        if e["kind"] in ("lr_backoff", "rollback", "qk_clip") or e.get("detail", {}).get("signal") is not None:
             return None
     return None
 
@@ -64,32 +62,26 @@ def live_forecast(events: list[dict]) -> dict | None:
 class ProgressLines(ProgressBar):
     def __init__(self) -> None:
         super().__init__()
-        self._enabled = True
+        self.is_enabled = True  # read by LightningModule.print
         self._last_step = -1
         self._events: tuple[int, str] = (-1, "ok")  # (events.jsonl size read, the status it gave)
         self._live: dict | None = None  # the newest forecast's detail while its horizon lasts and nothing came yet
 
     def disable(self) -> None:
-        self._enabled = False
+        self.is_enabled = False
 
     def enable(self) -> None:
-        self._enabled = True
-
-    @property
-    def is_enabled(self) -> bool:  # read by LightningModule.print
-        return self._enabled
+        self.is_enabled = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # a line on the steps whose loss is logged (`is_logging_step(step - 1)`)
-        if not self._enabled or step == self._last_step or step % max(1, trainer.log_every_n_steps):
+        if not self.is_enabled or step == self._last_step or step % max(1, trainer.log_every_n_steps):
             return
         self._last_step = step
         parts = [f"step {step}/{trainer.max_steps}"]
-        loss = trainer.callback_metrics.get("train/loss")
-        if loss is not None:
+        if (loss := trainer.callback_metrics.get("train/loss")) is not None:
             parts.append(f"loss {float(loss):.4f}")
-        rate = next((c.tokens_per_sec for c in trainer.callbacks if isinstance(c, Throughput)), None)
-        if rate:
+        if rate := next((c.tokens_per_sec for c in trainer.callbacks if isinstance(c, Throughput)), None):
             parts.append(f"{rate / 1e3:.1f}k tok/s")
         parts.append(f"stability: {self._stability(trainer)}")
         if (d := self._live) is not None and step <= d.get("by_step", d["expected_step"]):
@@ -99,7 +91,7 @@ class ProgressLines(ProgressBar):
         print(" | ".join(parts), flush=True)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if not self._enabled or trainer.sanity_checking:
+        if not self.is_enabled or trainer.sanity_checking:
             return
         m = trainer.callback_metrics
         parts = [f"val  {trainer.global_step}/{trainer.max_steps}"]
@@ -108,7 +100,7 @@ class ProgressLines(ProgressBar):
 
     def _stability(self, trainer) -> str:
         """`ok`, or how many events `stability/events.jsonl` holds and the last one (re-read when it grew)."""
-        path: Path = events_path(trainer)
+        path = events_path(trainer)
         size = path.stat().st_size if path.exists() else 0
         if size != self._events[0]:
             events = read_events(path.parent.parent)

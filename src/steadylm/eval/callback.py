@@ -1,10 +1,7 @@
-"""`DownstreamEval`: multiple-choice accuracy (`eval/<task>/acc`, `eval/<task>/acc_norm`) at validation time.
-
-Off while `tasks` is empty. Each task's first `limit` items are split over the ranks (item i on rank i % world),
-scored through `LMModule.target_losses` under the run's precision; the counts [acc, acc_norm, items] are summed
-across ranks in one all-reduce. `every`: every N-th validation (sanity checks excluded). Single-device and DDP
-runs only (under FSDP the head's weight is sharded outside the forward).
-"""
+"""`DownstreamEval`: multiple-choice accuracy (`eval/<task>/acc`, `eval/<task>/acc_norm`) on every `every`-th
+validation (sanity checks excluded); off while `tasks` is empty. Each task's first `limit` items are split over the
+ranks (item i on rank i % world), scored through `LMModule.target_losses` under the run's precision; the counts
+[acc, acc_norm, items] are summed in one all-reduce. Single-device and DDP only (FSDP shards the head's weight)."""
 
 from __future__ import annotations
 
@@ -20,26 +17,23 @@ class DownstreamEval(L.Callback):
             raise ConfigError(f"callbacks.eval.limit={limit!r} must be a number of items >= 1, or null (all)")
         if int(every) < 1 or int(batch_size) < 1:
             raise ConfigError("callbacks.eval.every and callbacks.eval.batch_size must be >= 1")
-        self.specs = list(tasks or [])
-        self.limit, self.every, self.batch_size = limit, int(every), int(batch_size)
+        self.specs, self.limit, self.every, self.batch_size = list(tasks or []), limit, int(every), int(batch_size)
         self.runs = 0  # validations seen (not counting the sanity check)
         self._work: list[tuple[str, list, list]] | None = None  # (task, this rank's items, their requests)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.specs or self._work is not None:
             return
-        # Loaded only when a run names tasks: the default in-training eval is off and needs none of them.
-        from steadylm.data.tokenizer import tokenizer_of_run
+        from steadylm.data.tokenizer import tokenizer_of_run  # loaded only when a run names tasks
         from steadylm.eval.score import requests
         from steadylm.eval.tasks import load_task
 
         tok = tokenizer_of_run({"tokenizer": pl_module.tokenizer_name, "config": pl_module.run_config})
-        context = pl_module.net.cfg.context_length
         self._work = []
         for spec in self.specs:
             task = load_task(spec, self.limit)  # every rank reads the same file: the same items in the same order
             mine = list(task.items[trainer.global_rank :: trainer.world_size])
-            self._work.append((task.name, mine, requests(tok, mine, context)))
+            self._work.append((task.name, mine, requests(tok, mine, pl_module.net.cfg.context_length)))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._work or trainer.sanity_checking:
