@@ -133,7 +133,7 @@ def test_divergence_bench_judges_a_scenario_against_its_twins_from_real_runs(sha
     without QK-norm the forecast comes before the loss turns; the healthy runs get none."""
     out = tmp_path / "div.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "divergence_bench.py"
-    cmd = [sys.executable, str(bench), "--only", "lr 30x, no QK-norm", "--steps", "60", "--json", str(out)]
+    cmd = [sys.executable, str(bench), "--only", "lr 30x, no QK-norm", "--steps", "200", "--json", str(out)]
     run = subprocess.run([*cmd, f"data.dir={shards_dir}"], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())
