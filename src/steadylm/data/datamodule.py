@@ -1,9 +1,8 @@
 """`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders.
 
-Every shard is checked against the model config before training (vocabulary, tokenizer, context length): a
-mismatch is one `DataError` naming the shard and the key, never a CUDA index error. Batches come from
-`EpochBatchSampler`: exact epochs across ranks, static shapes, resumable. Each loader has its own
-`torch.Generator`, so validation never draws from the global one (checkpointing.RNGState).
+Every shard is checked against the model config before training (vocabulary, tokenizer, context length), each
+mismatch one `DataError` naming shard and key. Batches come from `EpochBatchSampler` (exact epochs across ranks,
+static shapes, resumable); each loader has its own `torch.Generator`, so none draws from the global one.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from torch.utils.data import DataLoader
 from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
-from steadylm.data.shards import ShardInfo, read_shard_info, shard_files
+from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.errors import DataError
 
 
@@ -60,16 +59,23 @@ class ShardDataModule(L.LightningDataModule):
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.tokenizer, self.seed = tokenizer, int(seed)
         self.shuffle, self.drop_last, self.pin_memory = bool(shuffle), bool(drop_last), bool(pin_memory)
-        self.train_set: TokenWindows | None = None
-        self.val_set: TokenWindows | None = None
+        self.train_set = self.val_set = self._train_sampler = self._pending_state = None
         self.infos: dict[str, list[ShardInfo]] = {}
-        self._train_sampler: EpochBatchSampler | None = None
-        self._pending_state: dict | None = None
 
-    def _validate(self, infos: list[ShardInfo]) -> None:
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hint = f"; run `make data` or `python -m steadylm.data.prepare data.dir={self.dir}`"
+        if not self.dir.is_dir():
+            raise DataError(f"{self.dir}: data.dir does not exist" + hint)
+        infos = {}
+        for split in ("train", "val"):
+            if not (files := sorted(self.dir.glob(f"{split}-*.h5"))):
+                raise DataError(f"{self.dir}: no {split} shards ({split}-*.h5) found" + hint)
+            infos[split] = [read_shard_info(p) for p in files]
         # read_shard_info refused a max_token_id >= its shard's vocab_size: vocab_size <= V covers every id
-        first, V = infos[0], self.model_vocab_size
-        for info in infos:
+        first, V = infos["train"][0], self.model_vocab_size
+        for info in infos["train"] + infos["val"]:
             if V is not None and info.vocab_size > V:
                 raise DataError(
                     f"{info.path}: shard vocab_size {info.vocab_size} exceeds model.vocab_size "
@@ -86,12 +92,6 @@ class ShardDataModule(L.LightningDataModule):
                     f"from {first.path.name} ({first.tokenizer!r}, {first.vocab_size}, {first.eos_id}); "
                     "re-run prepare so all shards share one tokenizer"
                 )
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
-        infos = {split: [read_shard_info(p) for p in shard_files(self.dir, split)] for split in ("train", "val")}
-        self._validate(infos["train"] + infos["val"])
         for split, inf in infos.items():
             if all(i.n_tokens < self.context_length + 1 for i in inf):
                 longest = max(inf, key=lambda i: i.n_tokens)
@@ -102,15 +102,13 @@ class ShardDataModule(L.LightningDataModule):
                 )
         self.infos = infos
         self.train_set, self.val_set = (
-            TokenWindows(
-                [i.path for i in infos[s]], self.context_length, infos=infos[s], model_vocab_size=self.model_vocab_size
-            )
-            for s in ("train", "val")
+            TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
+            for inf in infos.values()
         )
-        if self.drop_last and len(self.train_set) < self.batch_size * self._world()[1]:
+        if self.drop_last and len(self.train_set) < self.batch_size * (world := self._world()[1]):
             raise DataError(
                 f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch ({self.batch_size}"
-                f" x {self._world()[1]} ranks) with drop_last=True; lower data.batch_size or set drop_last=False"
+                f" x {world} ranks) with drop_last=True; lower data.batch_size or set drop_last=False"
             )
 
     def _world(self) -> tuple[int, int]:
@@ -130,14 +128,9 @@ class ShardDataModule(L.LightningDataModule):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Several ranks: a bad window on one stops all of them with its one-line error (loaded only then).
             from steadylm.data.consensus import ConsensusLoader as loader
-        return loader(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        gen = torch.Generator().manual_seed(self.seed)
+        return loader(dataset, batch_sampler=sampler, pin_memory=self.pin_memory, generator=gen, **workers)
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
@@ -169,23 +162,18 @@ class ShardDataModule(L.LightningDataModule):
         sizes = [i.n_bytes for i in self._infos("val")]
         return None if None in sizes else int(sum(sizes))
 
-    @property
-    def bytes_per_token(self) -> float | None:
-        """UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say."""
-        n_bytes, n_tokens = self.val_n_bytes, self.val_n_tokens
-        return n_bytes / n_tokens if n_bytes and n_tokens else None
+    # UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say
+    bytes_per_token = property(lambda self: self.val_n_bytes / self.val_n_tokens if self.val_n_bytes else None)
 
     def window_location(self, window: int) -> dict:
-        """{shard, shard_path, start, end} of a train window id; {} for padding (-1)."""
         if window < 0:
             return {}
         self.setup(None)
-        shard_no, start = self.train_set.locate(window)
-        path = self.train_set.paths[shard_no]
+        s, start = self.train_set.locate(window)
+        path = self.train_set.paths[s]
         return {"shard": path.name, "shard_path": str(path), "start": start, "end": start + self.context_length + 1}
 
     def window_ids(self, batch_idx: int) -> list[int]:
-        """This rank's window ids at `batch_idx` of the current epoch, one per row (-1: padding)."""
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)
 
     def state_dict(self) -> dict:
@@ -193,15 +181,12 @@ class ShardDataModule(L.LightningDataModule):
         done are the Trainer's (the sampler runs ahead by prefetch)."""
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None and getattr(trainer, "training", False):
+        if (trainer := self.trainer) is not None and trainer.training:
             return {"train_sampler": {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}}
         return {"train_sampler": self._train_sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if not (state := state_dict.get("train_sampler")):
-            return
-        if self._train_sampler is not None:
+        if (state := state_dict.get("train_sampler")) and self._train_sampler is not None:
             self._train_sampler.load_state_dict(state)
-        else:
+        elif state:
             self._pending_state = dict(state)

@@ -1,14 +1,14 @@
 """Fixed-length training windows over HDF5 token shards, safe to use in DataLoader workers.
 
-Window i of a shard is `tokens[i*T : i*T + T + 1]`; windows never cross shards. Files are opened lazily in
-whichever process reads them and are never pickled, so each DataLoader worker opens its own. Index -1 is
-padding (from `EpochBatchSampler`): x = zeros, y = -100 (ignored by the loss). Every window is checked as it
-is read (one `max()`, small beside the read): an id the model cannot embed, a short read or an unreadable
-chunk is a `ShardReadError` naming the file and token offset, never a CUDA index error many steps later.
+Window i of a shard is `tokens[i*T : i*T + T + 1]`; windows never cross shards. Files are opened lazily by the
+process that reads them and never pickled, so each worker opens its own. Index -1 is padding (`EpochBatchSampler`):
+x = zeros, y = -100 (left out of the loss). Every window is checked as it is read (one `max()`): an id the model
+cannot embed, a short read or an unreadable chunk is a `ShardReadError` naming file and offset, never a CUDA error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -24,8 +24,8 @@ IGNORE_INDEX = -100  # the target of a padding position: cross-entropy leaves it
 
 
 class ShardReadError(DataError):
-    """A bad window found mid-run. Torch re-raises one from a DataLoader worker as `ShardReadError("Caught ...
-    Original Traceback ...")`; only the original sentence is kept, so the entry point still prints one line."""
+    """A bad window found mid-run. Torch re-raises one from a worker as `ShardReadError("Caught ... Original
+    Traceback ...")`; only the original sentence is kept, so the entry point still prints one line."""
 
     def __init__(self, message: str):
         message, tag = str(message), f"{type(self).__name__}: "
@@ -43,22 +43,20 @@ class TokenWindows(Dataset):
         if T < 1:
             raise ValueError(f"context_length must be >= 1, got {context_length}")
         infos = [read_shard_info(p) for p in self.paths] if infos is None else infos
-        self.n_tokens = np.array([i.n_tokens for i in infos], dtype=np.int64)
         # Ids at or above the limit are refused as they are read: the model's vocabulary when known.
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.limits = [int(i.vocab_size) if model_vocab_size is None else self.model_vocab_size for i in infos]
-        self.cum_windows = np.cumsum(np.maximum((self.n_tokens - 1) // T, 0))  # windows in shards 0..s
-        self.first_window = np.concatenate(([0], self.cum_windows[:-1])).astype(np.int64)
-        self.n_total = int(self.cum_windows[-1]) if len(self.cum_windows) else 0
+        # starts[s]: the first window of shard s; starts[-1]: all windows
+        self.starts = np.cumsum([0] + [max((i.n_tokens - 1) // T, 0) for i in infos], dtype=np.int64)
         self._pid, self._handles = os.getpid(), {}  # shard number -> open `tokens`, this process's only
 
     def __len__(self) -> int:
-        return self.n_total
+        return int(self.starts[-1])
 
     def locate(self, index: int) -> tuple[int, int]:
         """Global window index -> (shard number, token offset of the window's first token)."""
-        s = int(np.searchsorted(self.cum_windows, index, side="right"))
-        return s, (int(index) - int(self.first_window[s])) * self.context_length
+        s = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return s, (int(index) - int(self.starts[s])) * self.context_length
 
     def shard_span(self, index: int) -> tuple[str, int, int]:
         """Global window index -> (shard file name, first token offset, end offset, exclusive)."""
@@ -69,17 +67,15 @@ class TokenWindows(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices) -> list:
-        """[(x, y)] for a batch of window indices: located at once, read into one array, checked row by row."""
-        T, idx = self.context_length, np.asarray(indices, dtype=np.int64).reshape(-1)
-        if (outside := (idx < PAD_INDEX) | (idx >= self.n_total)).any():
-            raise IndexError(f"window {int(idx[outside][0])} out of range for {self.n_total} windows (-1 is padding)")
+        """[(x, y)] for a batch of window indices, read into one array and checked row by row."""
+        T, idx, n = self.context_length, np.asarray(indices, dtype=np.int64).reshape(-1), len(self)
+        if (outside := (idx < PAD_INDEX) | (idx >= n)).any():
+            raise IndexError(f"window {int(idx[outside][0])} out of range for {n} windows (-1 is padding)")
         if self._pid != os.getpid():  # inherited through fork: never reuse another process's handle
             self._pid, self._handles = os.getpid(), {}
-        real = idx != PAD_INDEX
-        shards = np.searchsorted(self.cum_windows, idx[real], side="right")
-        offsets = (idx[real] - self.first_window[shards]) * T
         buf = np.zeros((len(idx), T + 1), dtype=np.int64)
-        for row, s, off in zip(np.flatnonzero(real).tolist(), shards.tolist(), offsets.tolist()):
+        for row in np.flatnonzero(idx != PAD_INDEX).tolist():
+            s, off = self.locate(idx[row])
             path, limit = self.paths[s], self.limits[s]
             try:
                 if s not in self._handles:
@@ -106,7 +102,7 @@ class TokenWindows(Dataset):
                 )
             buf[row] = raw
         y = buf[:, 1:].copy()
-        y[~real] = IGNORE_INDEX
+        y[idx == PAD_INDEX] = IGNORE_INDEX
         return list(zip(torch.from_numpy(buf[:, :-1]), torch.from_numpy(y)))
 
     def __getstate__(self):
@@ -114,8 +110,6 @@ class TokenWindows(Dataset):
 
     def close(self) -> None:
         for ds in self._handles.values():
-            try:
+            with contextlib.suppress(Exception):
                 ds.file.close()
-            except Exception:
-                pass
         self._handles = {}

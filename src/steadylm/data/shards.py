@@ -1,14 +1,13 @@
-"""HDF5 token shards (format versions 1 and 2): write atomically, validate, open for random reads.
+"""HDF5 token shards (format 1, and 2 with `n_bytes`): write atomically, validate, open for random reads.
 
-A shard is one `.h5` file with a 1-D unsigned-integer dataset `tokens` (documents separated by `eos_id`) and
-attributes naming the tokenizer that made it; version 2 adds `n_bytes`, the UTF-8 bytes behind the tokens (for
-bits per byte). This module is the only code that knows the layout. It never leaves a partial file under a
-shard's name (writes go to `*.h5.partial`, then are renamed) and never lets a bad shard reach training: every
-problem is one `DataError` naming the file, the problem and the fix.
+The only code that knows the layout: a 1-D unsigned-integer dataset `tokens` (documents separated by `eos_id`) and
+attributes naming its tokenizer. A write goes to `*.h5.partial` then is renamed, so no partial file has a shard's
+name; a bad shard is one `DataError` naming the file, the problem and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -23,13 +22,12 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DATASET = "tokens"
 CHUNK_TOKENS = 64 * 1024
-# Chunk cache for random windows: a window of T+1 <= 64Ki tokens touches at most two 128-256 KiB chunks; 16 MiB
-# keeps nearby windows' chunks per worker per shard. HDF5 advises ~100x as many hash slots as chunks, prime.
+# A window of T+1 <= 64Ki tokens touches at most two 128-256 KiB chunks; 16 MiB keeps nearby windows' chunks per
+# worker per shard. HDF5 advises ~100x as many hash slots as chunks, prime.
 RDCC_NBYTES = 16 * 1024 * 1024
 RDCC_NSLOTS = 12_799
-_SCAN_BLOCK = 1 << 22  # tokens per block when rescanning for max id (4Mi tokens, <= 16 MiB)
+_SCAN_BLOCK = 1 << 22  # tokens per block when rescanning for max id (<= 16 MiB)
 REWRITE = "re-run `python -m steadylm.data.prepare` to rewrite it"
-PREPARE_HINT = "run `make data` or `python -m steadylm.data.prepare data.dir={dir}`"
 
 
 @dataclass(frozen=True)
@@ -46,17 +44,13 @@ class ShardInfo:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
     return np.dtype(np.uint16) if int(vocab_size) <= 65536 else np.dtype(np.uint32)
 
 
 def write_shard(
     path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, tokenizer: str, n_bytes: int | None = None
 ) -> ShardInfo:
-    """Write `tokens` to `path` atomically; on any failure nothing appears under `path`.
-
-    With `n_bytes` the shard is format 2; without, format 1 (kept for tests of old shards).
-    """
+    """Write `tokens` to `path` atomically (nothing appears on failure); format 2 with `n_bytes`, else format 1."""
     path = Path(path)
     partial = path.with_suffix(".h5.partial")
     try:
@@ -70,8 +64,7 @@ def write_shard(
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= vocab_size:
             raise DataError(
-                f"{path}: token ids span {lo}..{hi} but vocab_size is {vocab_size}; "
-                "the tokenizer and vocab_size disagree"
+                f"{path}: token ids span {lo}..{hi} but vocab_size is {vocab_size}; the tokenizer and vocab_size disagree"
             )
         if not 0 <= eos_id < vocab_size:
             raise DataError(f"{path}: eos_id {eos_id} is outside vocab_size {vocab_size}")
@@ -91,10 +84,8 @@ def write_shard(
                     f.attrs[name] = getattr(info, name)
         os.replace(partial, path)
     except BaseException as e:
-        try:
+        with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
-        except OSError:
-            pass
         if isinstance(e, DataError) or not isinstance(e, Exception):
             raise
         raise DataError(
@@ -114,16 +105,6 @@ def _attr(f: h5py.File, path: Path, name: str):
     return v.decode() if isinstance(v, bytes) else v
 
 
-def shard_files(data_dir: Path, split: str) -> list[Path]:
-    """`data_dir/<split>-*.h5`, sorted; one DataError naming the folder and the command when there are none."""
-    if not data_dir.is_dir():
-        raise DataError(f"{data_dir}: data.dir does not exist; " + PREPARE_HINT.format(dir=data_dir))
-    files = sorted(data_dir.glob(f"{split}-*.h5"))
-    if not files:
-        raise DataError(f"{data_dir}: no {split} shards ({split}-*.h5) found; " + PREPARE_HINT.format(dir=data_dir))
-    return files
-
-
 def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> ShardInfo:
     """Validate a shard's structure and attributes; `deep=True` also rescans every token id."""
     path = Path(path)
@@ -134,8 +115,7 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
     try:
         ds = open_tokens(path)
         with ds.file as f:
-            n = int(ds.shape[0])
-            if n == 0:
+            if (n := int(ds.shape[0])) == 0:
                 raise DataError(f"{path}: {DATASET!r} is empty (0 tokens); delete it or {REWRITE}")
             version = _attr(f, path, "format_version")
             if int(version) not in READABLE_VERSIONS:
@@ -164,17 +144,14 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
                 raise DataError(
                     f"{path}: attribute max_token_id={max_id} but the largest id stored is {real_max}; {REWRITE}"
                 )
-            info = ShardInfo(path, n, vocab_size, eos_id, tokenizer, max_id, ds.dtype.name, n_bytes, int(version))
-    except DataError:
-        raise
+            return ShardInfo(path, n, vocab_size, eos_id, tokenizer, max_id, ds.dtype.name, n_bytes, int(version))
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise DataError(f"{path}: unreadable shard ({type(e).__name__}: {e}); {REWRITE}") from None
-    return info
 
 
 def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> int:
-    """Read every id of `ds` in blocks and return the largest; the first id >= `limit` is one `DataError`
-    naming file, offset and id (`what` names the bound, `vocab_size` or `model.vocab_size`)."""
+    """The largest id of `ds`, read in blocks; the first id >= `limit` is one `DataError` naming file, offset and id
+    (`what` names the bound: `vocab_size` or `model.vocab_size`)."""
     from tqdm import tqdm
 
     n, real_max = int(ds.shape[0]), 0
@@ -201,9 +178,7 @@ def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> i
 
 def open_tokens(path) -> h5py.Dataset:
     """A shard's `tokens`, read-only, with a chunk cache sized for random windows; close with `.file.close()`.
-
-    Anything that is not a 1-D unsigned-integer `tokens` dataset is one `DataError` naming the file.
-    """
+    Anything but a 1-D unsigned-integer `tokens` dataset is one `DataError` naming the file."""
     try:
         f = h5py.File(path, "r", rdcc_nbytes=RDCC_NBYTES, rdcc_nslots=RDCC_NSLOTS)
     except OSError as e:
