@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from steadylm.config import compose
+from steadylm.derived import accumulation
 from steadylm.errors import ConfigError
-from steadylm.global_batch import accumulation
 
 
 @pytest.mark.parametrize("world,accum", [(1, 32), (2, 16), (8, 4), (32, 1)])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from steadylm.precision import resolve_precision
+from steadylm.devices import resolve_precision
 from steadylm.progress import peak_flops
 from steadylm.train import build, train
 from tests.helpers import scalars
@@ -25,9 +25,9 @@ def test_auto_precision_is_bf16_only_on_a_cpu_with_bf16_units(monkeypatch):
     from steadylm import compat
 
     monkeypatch.delenv("STEADYLM_AUTO_PRECISION", raising=False)
-    monkeypatch.setattr("steadylm.precision.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("steadylm.devices.cpu_has_bf16", lambda: True)
     assert resolve_precision("auto", "cpu") == "bf16-mixed"
-    monkeypatch.setattr("steadylm.precision.cpu_has_bf16", lambda: False)
+    monkeypatch.setattr("steadylm.devices.cpu_has_bf16", lambda: False)
     assert resolve_precision("auto", "cpu") == "32-true"
     assert resolve_precision("16-mixed", "cpu") == "16-mixed"
     monkeypatch.setenv("STEADYLM_AUTO_PRECISION", "bf16-mixed")  # how the suite is run as a bf16 machine would

@@ -9,9 +9,8 @@ from omegaconf.errors import ReadonlyConfigError
 
 from steadylm.config import compose, plain_config, set_key
 from steadylm.data.datamodule import ShardDataModule
-from steadylm.devices import Devices
+from steadylm.devices import AUTO_PRECISION_ENV, Devices
 from steadylm.errors import ConfigError
-from steadylm.precision import AUTO_PRECISION_ENV
 from steadylm.resolve import resolve
 from tests.conftest import TINY_OVERRIDES
 from tests.helpers import fit

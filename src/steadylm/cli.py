@@ -52,8 +52,7 @@ def compose_command(name: str, overrides: list[str], prog: str | None = None) ->
     from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    from steadylm.config import compose
-    from steadylm.preflight import hydra_error_message
+    from steadylm.config import compose, hydra_error_message
 
     try:
         cfg = compose(overrides, config_name=name)

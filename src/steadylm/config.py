@@ -1,10 +1,12 @@
-"""Where the Hydra config lives, how to compose it outside `@hydra.main`, and the startup refusals that need
-nothing but the config (those that need the data live in the DataModule).
-"""
+"""Where the Hydra config lives, how to compose it outside `@hydra.main`, the startup refusals that need nothing but
+the config (those that need the data live in the DataModule), and Hydra's own errors as one line."""
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,9 +15,9 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from steadylm.compat import config_child
 from steadylm.devices import ACCELERATORS, ALLOWED_DEVICES, parse_devices
 from steadylm.errors import ConfigError
 
@@ -24,9 +26,10 @@ OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
 # `${if_null:${data.tokenizer},bytes}`: a null key's stand-in inside another value (the default data.dir).
 OmegaConf.register_new_resolver("if_null", lambda value, default: default if value is None else value, replace=True)
 
-# Inside the package, so an installed copy composes the same configs outside the repo (`conf/` at the top of
-# the repo is a link to it). STEADYLM_CONF points every command at another config folder.
+# In the package, so an installed copy composes the same configs (the repo's `conf/` links here); or STEADYLM_CONF.
 CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent / "conf"))
+PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
@@ -38,23 +41,22 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
     return cfg
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterator[str]:
-    if isinstance(node, (DictConfig, ListConfig)):
-        for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
-            if key != "hydra":
-                yield from _leaves(config_child(node, key), f"{prefix}{key}.")
-    else:
-        yield prefix[:-1]
-
-
 def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
-    """Every key named `context_length` outside `model`, with its resolved value."""
-    keys = [k for k in _leaves(cfg) if k.rsplit(".", 1)[-1] == "context_length" and k != "model.context_length"]
-    return [(k, OmegaConf.select(cfg, k)) for k in keys]
+    """Every key named `context_length` outside `model` and `hydra`, with its resolved value."""
+
+    def leaves(node: Any, prefix: str = "") -> Iterator[str]:
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if k != "hydra":
+                yield from leaves(v, f"{prefix}{k}.") if isinstance(v, (dict, list)) else [f"{prefix}{k}"]
+
+    keys = [k for k in leaves(OmegaConf.to_container(cfg, resolve=False)) if k.rsplit(".", 1)[-1] == "context_length"]
+    return [(k, OmegaConf.select(cfg, k)) for k in keys if k != "model.context_length"]
 
 
-PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")
-OPTIMIZERS = ("adamw", "muon")
+# Type checks for values as written: a bool is no number, and `_num` is NaN (failing every comparison) for a non-number.
+_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+_whole = lambda v, least: _int(v) and v >= least
+_num = lambda v: float(v) if _int(v) or isinstance(v, float) else float("nan")
 
 
 def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
@@ -63,8 +65,10 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     betas = list(o.betas) if OmegaConf.is_list(o.betas) else o.betas
     betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas)
     clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
-    accumulate = t.accumulate_grad_batches
-    val_fraction, fused, name = d.get("val_fraction", 0.01), o.get("fused", "auto"), o.get("name", "adamw")
+    accumulate, val_fraction = t.accumulate_grad_batches, d.get("val_fraction", 0.01)
+    fused, name = o.get("fused", "auto"), o.get("name", "adamw")
+    warmup_ok = _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps)
+    warmup = f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"
     rules = [
         ("data.batch_size", d.batch_size, _whole(d.batch_size, 1), "a whole number > 0"),
         ("data.num_workers", d.num_workers, _whole(d.num_workers, 0), "a whole number >= 0"),
@@ -82,21 +86,13 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
         ("optim.eps", o.eps, _num(o.eps) > 0, "a number > 0, e.g. 1e-8"),
         ("optim.betas", betas, betas_ok, "two numbers in [0, 1), e.g. [0.9, 0.95]"),
-        (
-            "optim.warmup_steps",
-            o.warmup_steps,
-            _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps),
-            f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)",
-        ),
+        ("optim.warmup_steps", o.warmup_steps, warmup_ok, warmup),
         ("optim.fused", fused, fused in ("auto", True, False), "auto, true or false"),
         ("optim.name", name, name in OPTIMIZERS, " or ".join(OPTIMIZERS)),
     ]
-    if name == "muon" and o.get("muon") is None:
-        rules.append(
-            ("optim.name", "muon", False, "chosen with the group, optim=muon (it brings the optim.muon.* keys)")
-        )
-    elif name == "muon":
-        rules += _muon_rules(o.muon, t)
+    if name == "muon":
+        group = [("optim.name", "muon", False, "chosen with the group, optim=muon (it brings the optim.muon.* keys)")]
+        rules += _muon_rules(o.muon, t) if o.get("muon") is not None else group
     return rules
 
 
@@ -105,6 +101,7 @@ def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]
 
     strategy = t.get("strategy")
     target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
+    fsdp = "a strategy other than FSDP under optim=muon (Newton-Schulz needs whole matrices, FSDP shards them): "
     return [
         ("optim.muon.lr_mult", m.lr_mult, _num(m.lr_mult) > 0, "a number > 0"),
         ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
@@ -113,27 +110,8 @@ def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]
         ("optim.muon.ns_steps", m.ns_steps, _int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
         ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
         ("optim.muon.ns_coeffs", m.ns_coeffs, m.ns_coeffs in NS_COEFFS, " | ".join(NS_COEFFS)),
-        (
-            "trainer.strategy",
-            target,
-            "fsdp" not in target.lower(),
-            "a strategy other than FSDP under optim=muon (Newton-Schulz needs whole matrices, FSDP shards them): "
-            "use DDP, or optim=adamw",
-        ),
+        ("trainer.strategy", target, "fsdp" not in target.lower(), fsdp + "use DDP, or optim=adamw"),
     ]
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _whole(v: Any, least: int) -> bool:
-    return _int(v) and v >= least
-
-
-def _num(v: Any) -> float:
-    """The value as a float, or NaN (which fails every comparison) when it is not a number."""
-    return float(v) if _int(v) or isinstance(v, float) else float("nan")
 
 
 def validate_values(cfg: DictConfig, prefix: str = "") -> None:
@@ -154,11 +132,10 @@ def validate_config(cfg: DictConfig) -> None:
                 f"(and leave {key} as the interpolation ${{model.context_length}})."
             )
     from steadylm.model import GPTConfig  # the model's own rules: sizes > 0, heads divide the width, switches
+    from steadylm.schedule import Schedule  # the schedule's own rules: its name, wsd's decay after the warmup
 
     GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     validate_values(cfg)
-    from steadylm.schedule import Schedule  # the schedule's own rules: its name, wsd's decay after the warmup
-
     Schedule.from_optim(cfg.optim)
 
 
@@ -172,3 +149,42 @@ def set_key(cfg: DictConfig, key: str, value: Any) -> None:
     """Set a (possibly new) dotted key on a struct config."""
     with open_dict(cfg):
         OmegaConf.update(cfg, key, value, merge=False)
+
+
+def hydra_error_message(err: Exception) -> str:
+    """One line for an error Hydra raised while composing the config or creating the run folder."""
+    if isinstance(err, MissingConfigException) and err.options:
+        first = str(err).splitlines()[0].removeprefix("In 'train': ")
+        return f"{first}; available: {', '.join(err.options)} (see conf/)"
+    full_key, parent = getattr(err.__cause__, "full_key", None), getattr(err.__cause__, "parent_node", None)
+    if isinstance(err, HydraException) and full_key:  # `trainer.max_stepz=3`: the closest real keys, and `+`
+        leaf = full_key.rsplit(".", 1)[-1]
+        known = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+        close = difflib.get_close_matches(leaf, known, n=2)
+        hint = f"did you mean {' or '.join(full_key[: -len(leaf)] + c for c in close)}? " if close else ""
+        return f"{full_key} is not a config key; {hint}(to add a new key on purpose, write +{full_key}=...)"
+    if isinstance(err, HydraException):
+        return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if isinstance(err, OSError):
+        where = err.filename or "the run folder"
+        return f"cannot create {where} ({err.strerror or err}); pass hydra.run.dir=<a folder you can write>"
+    return str(err)
+
+
+@contextlib.contextmanager
+def hydra_errors_as_messages(started: list[bool]) -> Iterator[None]:
+    """Hydra's composition/run-folder errors as `error: <one line>`, exit 2: they escape only under HYDRA_FULL_ERROR
+    (set for the call unless the user set it); `started[0]`, set once the task runs, keeps training's errors as is."""
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        yield
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OSError) as err:
+        if started[0]:
+            raise
+        print(f"error: {hydra_error_message(err)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -1,22 +1,17 @@
-"""Keys left `null` that follow from something else: the rules, as functions that return the values. A key
-the user sets keeps that value; `null` (the default) means:
-
-| key | null means |
-| --- | --- |
-| `model.vocab_size` | the data's `vocab_size`, padded up to a multiple of 64 (fast tensor-core tiles) |
-| `data.tokenizer` | the tokenizer the data records (the shards': its `tokenizer.json` lies beside them) |
-| `optim.warmup_steps` | `min(100, trainer.max_steps // 10)` |
-| `trainer.val_check_interval` | every `min(200, ceil(trainer.max_steps / 5))` optimizer steps, in micro-batches |
-
-The data's facts come from its `DataSource` members (data/source.py), so any source fills them; a 50-step run
-warms up and validates like a long one, scaled. `resolve.py` writes what these return, once.
-"""
+"""Keys that follow from something else, as functions that return the values; `resolve.py` writes them, once. A key
+the user sets keeps its value; a null one follows the data's `DataSource` members (data/source.py: vocabulary,
+tokenizer) or the run length (warmup, validation interval: a 50-step run warms up and validates like a long one,
+scaled). `data.global_batch_tokens` (tokens per optimizer step, what a recipe is written in) sets
+`trainer.accumulate_grad_batches` for this many devices, so a recipe trains the same on 1 GPU or 64: never rounded,
+never overriding silently (an inexact total or a hand-set accumulation that disagrees is refused)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
@@ -24,6 +19,9 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from steadylm.config import validate_values
 from steadylm.data.source import missing_members
 from steadylm.errors import ConfigError, SteadyError, one_line
+
+log = logging.getLogger("steadylm")
+KEY = "trainer.accumulate_grad_batches"
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -74,7 +72,7 @@ def from_data(cfg: DictConfig, dm: Any | None) -> dict[str, Any]:
 
 
 def from_run_length(cfg: DictConfig) -> dict[str, Any]:
-    """A null `optim.warmup_steps` from `trainer.max_steps` (nothing for a bad one: validate_config names it)."""
+    """A null `optim.warmup_steps` (nothing for a bad `trainer.max_steps`: validate_config names it)."""
     max_steps = cfg.trainer.max_steps
     if cfg.optim.get("warmup_steps") is not None or type(max_steps) is not int or max_steps < 1:
         return {}
@@ -86,3 +84,33 @@ def val_interval(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     if cfg.trainer.get("val_check_interval") is not None:
         return {}
     return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps) * int(accumulate or 1)}
+
+
+def accumulation(cfg: DictConfig, world_size: int) -> int:
+    """global_batch_tokens / (world_size × batch × context), or the config's accumulation when that is null."""
+    total, current = cfg.data.get("global_batch_tokens"), cfg.trainer.get("accumulate_grad_batches", 1)
+    if total is None:
+        return current
+    B, T = int(cfg.data.batch_size), int(cfg.model.context_length)
+    micro = world_size * B * T
+    shown = f"devices×batch×context = {world_size}×{B}×{T} = {micro:,}"
+    if type(total) is not int or total <= 0:
+        raise ConfigError(
+            f"data.global_batch_tokens={total!r} must be a whole number of tokens > 0 (e.g. 524288), or null"
+        )
+    if total % micro:
+        lo, hi = total // micro * micro, -(-total // micro) * micro
+        use = f"{lo:,} or {hi:,}" if lo else f"{hi:,}"
+        raise ConfigError(
+            f"data.global_batch_tokens={total} is not a multiple of {shown}; use {use} tokens, "
+            "or a data.batch_size that divides it"
+        )
+    accum = total // micro
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []  # [] for a config by hand
+    if current != accum and (current != 1 or any(o.lstrip("+~").split("=", 1)[0] == KEY for o in overrides)):
+        raise ConfigError(
+            f"{KEY}={current} contradicts data.global_batch_tokens={total}, which needs {accum} "
+            f"({total:,} / {shown}); set only one of them"
+        )
+    log.info("data.global_batch_tokens=%s: %s=%d (%s per micro-step)", f"{total:,}", KEY, accum, shown)
+    return accum

@@ -1,7 +1,6 @@
-"""How many processes a run starts, and on what: `trainer.accelerator` and `trainer.devices` resolved once by
-Lightning's rules, since the global batch, memory estimate, precision, preflight and `doctor` need the answer before
-the Trainer exists. `auto`: mps, else cuda, else cpu; devices `auto`: every visible CUDA GPU (one interactively).
-"""
+"""What a run trains on, resolved once by Lightning's rules, since the global batch, memory estimate, preflight and
+`doctor` need the answer before the Trainer exists: `trainer.accelerator` (`auto`: mps, else cuda, else cpu),
+`trainer.devices` (`auto`: every visible CUDA GPU, one interactively) and the precision (`auto`: bf16 if fast)."""
 
 from __future__ import annotations
 
@@ -13,10 +12,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from steadylm.compat import cpu_has_bf16
 from steadylm.errors import ConfigError
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 ALLOWED_DEVICES = "auto, -1, a whole number > 0, or a list of distinct device ids"
+AUTO_PRECISION_ENV = "STEADYLM_AUTO_PRECISION"
+LEGACY = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}  # -> "<dtype>-<mode>"
 
 
 @dataclass(frozen=True)
@@ -36,25 +38,32 @@ class Devices:
 
 def parse_devices(value: Any) -> str | int | list[int] | None:
     """`trainer.devices` as "auto", -1, a count > 0, or a list of distinct GPU ids; None when it is none of those."""
+    if isinstance(value, str) and "," in value:  # "0,1": GPU ids
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        value = [int(p) for p in parts] if all(p.isdigit() for p in parts) else None
+    elif isinstance(value, str) and (value := value.strip()) != "auto":
+        value = int(value) if value.lstrip("-").isdigit() else None
     if OmegaConf.is_list(value) or isinstance(value, (list, tuple)):
         ids = list(value)
         return ids if ids and all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids) else None
-    if isinstance(value, str):
-        value = value.strip()
-        if value == "auto":
-            return value
-        if "," in value:
-            parts = [p.strip() for p in value.split(",") if p.strip()]
-            return parse_devices([int(p) for p in parts]) if all(p.isdigit() for p in parts) else None
-        value = int(value) if value.lstrip("-").isdigit() else None
-    return value if type(value) is int and (value > 0 or value == -1) else None
+    return value if value == "auto" or (type(value) is int and (value > 0 or value == -1)) else None
 
 
 def resolve(trainer: DictConfig, cuda_devices: int, mps: bool, interactive: bool = False) -> Devices:
     """The Devices a Trainer built from `trainer` would use, on a machine with `cuda_devices` visible CUDA GPUs."""
     raw, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes", 1) or 1)
-    accelerator, devices = _accelerator(str(trainer.get("accelerator", "auto")), cuda_devices, mps), parse_devices(raw)
-    if devices is None:
+    asked = str(trainer.get("accelerator", "auto"))
+    auto = "mps" if mps else "cuda" if cuda_devices else "cpu"
+    accelerator = {"auto": auto, "gpu": "mps" if mps else "cuda"}.get(asked, asked)
+    if accelerator not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"trainer.accelerator={asked!r} is not allowed; it must be one of {', '.join(ACCELERATORS)}")
+    if (accelerator == "cuda" and not cuda_devices) or (accelerator == "mps" and not mps):
+        what = "CUDA GPU" if accelerator == "cuda" else "Apple MPS device"
+        raise ConfigError(
+            f"trainer.accelerator={asked} but no {what} is visible on this machine; "
+            "use trainer=cpu (or trainer.accelerator=auto)"
+        )
+    if (devices := parse_devices(raw)) is None:
         raise ConfigError(f"trainer.devices={raw!r} is not allowed; it must be {ALLOWED_DEVICES}")
     if accelerator == "cpu":
         if isinstance(devices, list) or devices == -1:
@@ -76,22 +85,19 @@ def resolve(trainer: DictConfig, cuda_devices: int, mps: bool, interactive: bool
     return Devices(accelerator, len(ids), nodes)
 
 
-def _accelerator(asked: str, cuda_devices: int, mps: bool) -> str:
-    chosen = {"auto": "mps" if mps else "cuda" if cuda_devices else "cpu", "gpu": "mps" if mps else "cuda"}
-    accelerator = chosen.get(asked, asked)
-    if accelerator not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"trainer.accelerator={asked!r} is not allowed; it must be one of {', '.join(ACCELERATORS)}")
-    if (accelerator == "cuda" and not cuda_devices) or (accelerator == "mps" and not mps):
-        what = "CUDA GPU" if accelerator == "cuda" else "Apple MPS device"
-        raise ConfigError(
-            f"trainer.accelerator={asked} but no {what} is visible on this machine; "
-            "use trainer=cpu (or trainer.accelerator=auto)"
-        )
-    return accelerator
-
-
 def devices_of(cfg: DictConfig) -> Devices:
     """The Devices this run will use on this machine (ConfigError where Lightning would refuse the settings)."""
     mps = torch.backends.mps.is_available() and os.environ.get("DISABLE_MPS", "0") != "1"
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return resolve(cfg.trainer, cuda, mps, interactive=hasattr(sys, "ps1") or bool(sys.flags.interactive))
+
+
+def resolve_precision(precision: Any, accelerator: str) -> str:
+    """`auto`: bf16-mixed where the resolved `accelerator` has bf16 units (a CPU without them emulates it ~10x
+    slower), else fp32; `STEADYLM_AUTO_PRECISION` overrides it, so tests can run as the other kind of machine."""
+    if (precision := str(precision)) != "auto":
+        return LEGACY.get(precision, precision)
+    if os.environ.get(AUTO_PRECISION_ENV):
+        return os.environ[AUTO_PRECISION_ENV]
+    supported = torch.cuda.is_bf16_supported() if accelerator == "cuda" else cpu_has_bf16()
+    return "bf16-mixed" if supported else "32-true"

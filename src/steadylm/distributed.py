@@ -1,7 +1,6 @@
 """Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep. Lightning's
 DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir`; this adds FSDP's own clipping and
-refuses a multirun whose children would each re-run the sweep. Launching stays with Lightning, torchrun, submitit.
-"""
+refuses a multirun whose children would each re-run the sweep. Launching stays with Lightning, torchrun, submitit."""
 
 from __future__ import annotations
 
@@ -16,13 +15,10 @@ from steadylm.compat import relaunches_script
 from steadylm.errors import ConfigError
 from steadylm.model.gpt import Block
 
-# Set by torchrun (RANK), SLURM/submitit (SLURM_PROCID) and Lightning's launcher (LOCAL_RANK, NODE_RANK).
-RANK_ENV_VARS = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
-
 
 def is_rank_zero_process() -> bool:
-    """True unless the environment names this process as a non-zero rank (works before any process group)."""
-    return all(os.environ.get(var, "0") == "0" for var in RANK_ENV_VARS)
+    """No rank variable (torchrun's, SLURM's, Lightning's launcher's) names a non-zero rank: before any group."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
 def in_multirun() -> bool:
@@ -58,7 +54,6 @@ class FSDPClipping(L.Callback):
 
 
 def use_fsdp_clipping(trainer: L.Trainer) -> None:
-    """Under FSDP, replace Lightning's norm clipping (which it refuses there) with `FSDPClipping`."""
     clip = trainer.gradient_clip_val
     if isinstance(trainer.strategy, FSDPStrategy) and clip and trainer.gradient_clip_algorithm == "norm":
         trainer.gradient_clip_val = None

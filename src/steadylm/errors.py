@@ -16,16 +16,14 @@ class DataError(SteadyError):
 
 
 def one_line(err: BaseException) -> str:
-    """The user's one line for an error: ours as written, even when torch re-raised it from a DataLoader worker
-    ("Caught DataError in DataLoader worker process 0. Original Traceback ... DataError: <msg>": only <msg>)."""
+    """Ours as written, also re-raised by a DataLoader worker ("Caught ... Original Traceback ... DataError: <msg>")."""
     text = str(err).strip()
     if text.startswith("Caught ") and "Original Traceback" in text:
-        last = text.splitlines()[-1]
-        text = last.split(": ", 1)[1] if ": " in last else last
+        text = text.splitlines()[-1].split(": ", 1)[-1]
     return " ".join(text.split())
 
 
-def exit_with(err: BaseException, code: int = 2) -> None:
-    """Print `error: <one line>` on stderr and exit: how every entry point reports a user's mistake."""
+def exit_with(err: BaseException) -> None:
+    """`error: <one line>` on stderr, exit 2: how every entry point reports a user's mistake."""
     print(f"error: {one_line(err)}", file=sys.stderr)
-    sys.exit(code)
+    sys.exit(2)

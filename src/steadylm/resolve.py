@@ -2,27 +2,25 @@
 
 1. null `model.vocab_size`, `data.tokenizer` (from the DataModule) and `optim.warmup_steps` (derived.py);
 2. the config's refusals (config.py `validate_config`);
-3. the devices (devices.py), `trainer.accumulate_grad_batches` (global_batch.py), a null `val_check_interval`;
-4. the precision (precision.py), this machine's refusals and the memory plan (preflight.py).
-
-Steps 1 and 3 write the config (so checkpoints record them); devices and precision stay `auto` for a resume elsewhere.
-"""
+3. the devices (devices.py), `trainer.accumulate_grad_batches` and a null `val_check_interval` (derived.py);
+4. the precision (devices.py), this machine's refusals and the memory plan (memory.py).
+Steps 1 and 3 write the config (checkpoints record them); devices and precision stay `auto` for a resume elsewhere."""
 
 from __future__ import annotations
 
 import copy
+import tempfile
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from steadylm.config import set_key, validate_config
-from steadylm.derived import data_source, from_data, from_run_length, val_interval
-from steadylm.devices import Devices, devices_of
-from steadylm.global_batch import KEY, accumulation
-from steadylm.memory import MemoryPlan
-from steadylm.precision import resolve_precision
-from steadylm.preflight import check_environment
+from steadylm.derived import KEY, accumulation, data_source, from_data, from_run_length, val_interval
+from steadylm.devices import Devices, devices_of, resolve_precision
+from steadylm.errors import ConfigError
+from steadylm.memory import MemoryPlan, plan
 
 
 @dataclass(frozen=True)
@@ -48,6 +46,39 @@ def fill_derived(cfg: DictConfig) -> Any | None:
     return dm
 
 
+def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> MemoryPlan:
+    """Refuse what Lightning would run quietly otherwise (`auto` devices without a GPU: CPU processes; fp16 off CUDA:
+    bf16), a run that does not fit, an output folder that cannot be written; the memory plan that fits."""
+    n, accelerator, fp = devices.per_node, cfg.trainer.accelerator, str(cfg.trainer.precision)
+    if str(accelerator) == "auto" and devices.accelerator == "cpu" and n > 1:
+        raise ConfigError(
+            f"trainer.devices={cfg.trainer.devices} asks for {n} GPUs but 0 are visible on this machine; "
+            f"set trainer.devices=1, or trainer.accelerator=cpu to run {n} CPU processes on purpose"
+        )
+    if fp in ("16-mixed", "16") and not devices.on_cuda:
+        raise ConfigError(
+            f"trainer.precision={fp} (fp16 with a loss scaler) needs a CUDA GPU and none is in use here "
+            f"(trainer.accelerator={accelerator}); use trainer.precision=bf16-mixed or 32-true"
+        )
+    if not (memory := plan(cfg, precision, devices)).fits:
+        raise ConfigError(
+            f"this run does not fit: {memory.describe()}; lower data.batch_size (and raise "
+            "trainer.accumulate_grad_batches to keep the batch), lower model.context_length, use fewer "
+            "trainer.devices on a CPU, or a smaller model"
+        )
+    folder = Path(cfg.paths.output_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".steadylm-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"paths.output_dir={folder} is not writable ({e.strerror or e}); "
+            "point it (or hydra.run.dir) at a folder you can write"
+        ) from None
+    return memory
+
+
 def resolve(cfg: DictConfig) -> Resolved:
     """Fill, check and freeze `cfg` in place (steps 1-4 above); the DataModule is built once, last unless step 1."""
     dm = fill_derived(cfg)
@@ -66,7 +97,6 @@ def with_keys(run: Resolved, keys: dict[str, Any]) -> Resolved:
     """`run` with `keys` set in a read-only copy of its config, nothing derived again (a benchmark's Trainers of
     other lengths around one module and DataModule)."""
     cfg = copy.deepcopy(run.cfg)
-    OmegaConf.set_readonly(cfg, False)
-    fill(cfg, keys)
-    OmegaConf.set_readonly(cfg, True)
+    with read_write(cfg):
+        fill(cfg, keys)
     return replace(run, cfg=cfg)

@@ -1,6 +1,5 @@
 """`train(cfg) -> (metrics, objects)`: build everything from the composed config and fit (tests call it with a
-composed config); `main` is the `@hydra.main` wrapper that turns a user's mistake into one line and an exit code.
-"""
+composed config); `main` is the `@hydra.main` wrapper that turns a user's mistake into one line and an exit code."""
 
 from __future__ import annotations
 
@@ -20,13 +19,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from steadylm.checkpointing import checkpoint_to_resume
-from steadylm.config import CONF_DIR, plain_config
+from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback
-from steadylm.preflight import hydra_errors_as_messages
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
@@ -37,16 +35,15 @@ log = logging.getLogger("steadylm")
 
 def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
-    if not group:
-        return []
-    for name, node in group.items():
-        if node is not None and "_target_" not in node:  # a setting meant for an entry that is not there
+    entries = [(name, node) for name, node in (group or {}).items() if node is not None]
+    for name, node in entries:
+        if "_target_" not in node:  # a setting meant for an entry that is not there
             raise ConfigError(
                 f"{key}.{name} has no _target_, so nothing would run it: set keys of an existing entry "
                 f"(e.g. callbacks.stability.{name}.*) or give it a _target_"
             )
     try:
-        return [instantiate(node) for node in group.values() if node is not None]
+        return [instantiate(node) for _, node in entries]
     except InstantiationException as err:
         if isinstance(err.__cause__, SteadyError):  # a callback refused its settings: that message, not Hydra's wrapper
             raise err.__cause__ from None
@@ -59,30 +56,20 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     run = resolve(cfg)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32 on Ampere+, as nanoGPT
     L.seed_everything(cfg.seed, workers=True)
-    module = LMModule(
-        model=cfg.model,
-        optim=cfg.optim,
-        compile=cfg.compile,
-        run_config=plain_config(cfg),
-        tokenizer=run.datamodule.tokenizer_name,
-        val_bytes_per_token=run.datamodule.bytes_per_token,
-    )
-    return {"cfg": cfg, "run": run, "datamodule": run.datamodule, "module": module, "trainer": build_trainer(run)}
+    dm = run.datamodule
+    data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
+    module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
+    return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": build_trainer(run)}
 
 
 def build_trainer(run: Resolved) -> L.Trainer:
     cfg = run.cfg  # Preemption (last) even with callbacks=none: exit 75 on a signal (the module ends on a val/loss)
-    named = [*instantiate_named(cfg.get("callbacks"), "callbacks")]
-    callbacks = place_last(named, f"{cfg.paths.output_dir}/checkpoints")
+    callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
-    trainer = instantiate(
-        cfg.trainer,
-        callbacks=callbacks,
-        logger=instantiate_named(cfg.get("logger"), "logger") or False,
-        accelerator=run.devices.accelerator,  # what the precision and the memory check were resolved for
-        precision=run.precision,
-    )
+    loggers = instantiate_named(cfg.get("logger"), "logger") or False
+    resolved = {"accelerator": run.devices.accelerator, "precision": run.precision}  # what memory was checked for
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
     use_fsdp_clipping(trainer)
     refuse_multirun_multiprocess(trainer)
     return trainer
@@ -110,34 +97,29 @@ _task_started = [False]
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
-    log_copy = copy_console(Path(cfg.paths.output_dir) / "train.log")  # the run folder keeps what the console showed
-    with log_copy if is_rank_zero_process() else nullcontext():
-        return _run(cfg)
-
-
-def _run(cfg: DictConfig) -> float | None:
-    try:
-        metrics, objects = train(cfg)
-    except SteadyError as err:
-        exit_with(err)
-    except Exception as err:
-        if not in_multirun():
-            raise
-        # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
-        log.exception("job failed: %s", cfg.paths.output_dir)
-        return finish_job(cfg, {}, err)[0]
-    preemption = preemption_callback(objects["trainer"])
-    value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
-    if preemption.record:
-        finish_preempted(cfg, preemption)  # exits 75 (or submitit requeues)
     run = cfg.paths.output_dir
-    if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
-        print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
-    if status == "diverged" and not in_multirun():
-        see = f"see {run}/stability/events.jsonl or `python -m steadylm.diagnose {run}`"
-        print(f"error: training diverged ({reason}); {see}", file=sys.stderr)
-        sys.exit(3)
-    return value
+    with copy_console(Path(run) / "train.log") if is_rank_zero_process() else nullcontext():
+        try:
+            metrics, objects = train(cfg)
+        except SteadyError as err:
+            exit_with(err)
+        except Exception as err:
+            if not in_multirun():
+                raise
+            # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
+            log.exception("job failed: %s", run)
+            return finish_job(cfg, {}, err)[0]
+        preemption = preemption_callback(objects["trainer"])
+        value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
+        if preemption.record:
+            finish_preempted(cfg, preemption)  # exits 75 (or submitit requeues)
+        if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
+            print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
+        if status == "diverged" and not in_multirun():
+            see = f"see {run}/stability/events.jsonl or `python -m steadylm.diagnose {run}`"
+            print(f"error: training diverged ({reason}); {see}", file=sys.stderr)
+            sys.exit(3)
+        return value
 
 
 def main() -> None:

@@ -124,7 +124,7 @@ class StreamDataModule(L.LightningDataModule):
         self.val_windows, self.batch_size = int(val_windows), int(batch_size)
         self.context_length = int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
-        self.global_batch_tokens = global_batch_tokens  # startup reads it from the config (global_batch.py)
+        self.global_batch_tokens = global_batch_tokens  # startup reads it from the config (derived.py)
         self.train_set: PackedWindows | None = None
         self.val_set: PackedWindows | None = None
         self.batches_done = 0  # restored by load_state_dict: the windows a resume skips

@@ -9,9 +9,8 @@ from omegaconf import DictConfig
 
 from steadylm.config import context_length_copies, validate_config
 from steadylm.derived import padded_vocab
-from steadylm.devices import devices_of
+from steadylm.devices import devices_of, resolve_precision
 from steadylm.doctor.check import FAIL, OK, WARN, Check, guarded
-from steadylm.precision import resolve_precision
 from steadylm.schedule import Schedule
 
 
