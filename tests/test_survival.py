@@ -193,29 +193,33 @@ MUON_GRID = [(1, 4, 12), (1, 64, 2)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optim,grid", [("adamw", HEALTHY_GRID), ("muon", MUON_GRID)], ids=["adamw", "muon"])
-def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg, tmp_path, optim, grid):
-    for seed, bs, layers in grid:
-        out = tmp_path / f"s{seed}-b{bs}-l{layers}"
-        objs = fit(
-            make_cfg(
-                f"optim={optim}",
-                f"seed={seed}",
-                f"data.batch_size={bs}",
-                f"model.n_layer={layers}",
-                "model.d_model=32",
-                "model.n_head=2",
-                "model.context_length=32",
-                "trainer.max_steps=250",
-                "trainer.limit_val_batches=0",
-                "trainer.log_every_n_steps=10",
-                "optim.warmup_steps=30",
-                "callbacks.checkpoint.every_n_train_steps=100000",
-                out=out,
-            )
+@pytest.mark.parametrize(
+    "optim,seed,bs,layers",
+    [("adamw", *run) for run in HEALTHY_GRID] + [("muon", *run) for run in MUON_GRID],
+    ids=lambda v: str(v),
+)
+def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg, tmp_path, optim, seed, bs, layers):
+    """One run per case, so the workers share the grid."""
+    out = tmp_path / f"s{seed}-b{bs}-l{layers}"
+    objs = fit(
+        make_cfg(
+            f"optim={optim}",
+            f"seed={seed}",
+            f"data.batch_size={bs}",
+            f"model.n_layer={layers}",
+            "model.d_model=32",
+            "model.n_head=2",
+            "model.context_length=32",
+            "trainer.max_steps=250",
+            "trainer.limit_val_batches=0",
+            "trainer.log_every_n_steps=10",
+            "optim.warmup_steps=30",
+            "callbacks.checkpoint.every_n_train_steps=100000",
+            out=out,
         )
-        assert read_events(out) == [], (seed, bs, layers, read_events(out))
-        assert objs["module"].skipped_steps == 0
+    )
+    assert read_events(out) == [], read_events(out)
+    assert objs["module"].skipped_steps == 0
 
 
 def test_two_process_ddp_rolls_back_every_rank_together_from_its_own_snapshot_files(shards_dir, tmp_path):

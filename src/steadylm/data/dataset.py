@@ -48,10 +48,11 @@ class TokenWindows(Dataset):
         self.limits = [int(i.vocab_size) if model_vocab_size is None else self.model_vocab_size for i in infos]
         # starts[s]: the first window of shard s; starts[-1]: all windows
         self.starts = np.cumsum([0] + [max((i.n_tokens - 1) // T, 0) for i in infos], dtype=np.int64)
+        self.n_total = int(self.starts[-1])
         self._pid, self._handles = os.getpid(), {}  # shard number -> open `tokens`, this process's only
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self.n_total
 
     def locate(self, index: int) -> tuple[int, int]:
         """Global window index -> (shard number, token offset of the window's first token)."""
@@ -67,15 +68,17 @@ class TokenWindows(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices) -> list:
-        """[(x, y)] for a batch of window indices, read into one array and checked row by row."""
-        T, idx, n = self.context_length, np.asarray(indices, dtype=np.int64).reshape(-1), len(self)
+        """[(x, y)] for a batch of window indices: located at once, read into one array, checked row by row."""
+        T, idx, n = self.context_length, np.asarray(indices, dtype=np.int64).reshape(-1), self.n_total
         if (outside := (idx < PAD_INDEX) | (idx >= n)).any():
             raise IndexError(f"window {int(idx[outside][0])} out of range for {n} windows (-1 is padding)")
         if self._pid != os.getpid():  # inherited through fork: never reuse another process's handle
             self._pid, self._handles = os.getpid(), {}
+        real = idx != PAD_INDEX
+        shards = np.searchsorted(self.starts, idx[real], side="right") - 1
+        offsets = (idx[real] - self.starts[shards]) * T
         buf = np.zeros((len(idx), T + 1), dtype=np.int64)
-        for row in np.flatnonzero(idx != PAD_INDEX).tolist():
-            s, off = self.locate(idx[row])
+        for row, s, off in zip(np.flatnonzero(real).tolist(), shards.tolist(), offsets.tolist()):
             path, limit = self.paths[s], self.limits[s]
             try:
                 if s not in self._handles:
@@ -102,7 +105,7 @@ class TokenWindows(Dataset):
                 )
             buf[row] = raw
         y = buf[:, 1:].copy()
-        y[idx == PAD_INDEX] = IGNORE_INDEX
+        y[~real] = IGNORE_INDEX
         return list(zip(torch.from_numpy(buf[:, :-1]), torch.from_numpy(y)))
 
     def __getstate__(self):
