@@ -71,7 +71,7 @@ def test_the_policy_is_bounded_and_its_state_round_trips():
     resumed = QKClip(tau=10.0, max_clips=3)
     resumed.load_state_dict(state)
     assert resumed.step(3, [torch.tensor([50.0, 5.0])], [attn]) is None and torch.equal(attn.qkv.weight, w)
-    assert (resumed.clips, resumed.backoffs, resumed.lr_scale) == (3, 1, 0.5)
+    assert (resumed.clips, resumed.backoff.backoffs, resumed.lr_scale) == (3, 1, 0.5)
     rewinding = QKClip(tau=10.0, backoff_after=2, rewind=True)  # a backoff names the step to rewind to
     assert rewinding.step(5, [torch.tensor([20.0, 5.0])], [attn])["clips"] == 1
     assert rewinding.step(6, [torch.tensor([20.0, 5.0])], [attn])["rewind_before"] == 4  # before the onset, 5

@@ -1,17 +1,13 @@
-"""`NonFiniteGuard`: a non-finite loss or gradient on any rank skips the optimizer step on all ranks.
-
-From the step's all-reduced measurement, so every rank reaches the same verdict. A skip leaves weights, moments,
-step count and weight decay untouched (through the optimizer's `found_inf` when deferred, else every `.grad` set
-to None: zeroed grads would still decay and move AdamW), and the LR does not advance. After `max_consecutive`
-skips in a row: a rollback to before the streak (`action: rollback`) or a stop. Under fp16 a non-finite gradient
-with a finite loss is the loss scaler's business (`LossScaleMonitor`); the guard acts on a non-finite loss.
-"""
+"""`NonFiniteGuard`: a non-finite loss or gradient on any rank skips the optimizer step on all ranks (the verdict
+comes from the all-reduced measurement). A skip leaves weights, moments, step count and weight decay untouched
+(`found_inf` when deferred, else every `.grad` set to None: zeroed grads would still decay and move AdamW) and the
+LR does not advance; `max_consecutive` in a row roll back to before the streak, or stop. Under fp16 a non-finite
+gradient with a finite loss is the loss scaler's business (`LossScaleMonitor`)."""
 
 from __future__ import annotations
 
 from steadylm.errors import ConfigError
 from steadylm.stability.check import Check, StepView
-from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
 ACTIONS = ("rollback", "stop")
@@ -25,13 +21,11 @@ class NonFiniteGuard(Check):
             raise ConfigError(f"callbacks.stability.guard.action={action!r} is not one of {', '.join(ACTIONS)}")
         if max_consecutive < 1:
             raise ConfigError(f"callbacks.stability.guard.max_consecutive={max_consecutive} must be >= 1")
-        self.max_consecutive = int(max_consecutive)
-        self.action = action
-        self.consecutive = 0
-        self.streak_start = -1
+        self.max_consecutive, self.action = int(max_consecutive), action
+        self.consecutive, self.streak_start = 0, -1
 
-    def verdict(self, m: Measurement, view: StepView) -> Verdict:
-        if not m.nonfinite or (view.loss_scale is not None and not m.loss_nonfinite):
+    def verdict(self, m, view: StepView) -> Verdict:
+        if not (m.loss_nonfinite or m.grad_nonfinite) or (view.loss_scale is not None and not m.loss_nonfinite):
             self.consecutive = 0
             return OK
         if self.consecutive == 0:
@@ -44,9 +38,8 @@ class NonFiniteGuard(Check):
             return Verdict("skip", kind, detail, suspect=True, context=context)
         reason = f"{self.consecutive} non-finite steps in a row from step {self.streak_start}"
         if self.action == "stop":
-            why = f"{reason}; callbacks.stability.guard.action=stop"
-            return Verdict("stop", kind, detail, onset=self.streak_start, reason=why, suspect=True, context=context)
-        return Verdict("rollback", kind, detail, onset=self.streak_start, reason=reason, suspect=True, context=context)
+            reason += "; callbacks.stability.guard.action=stop"
+        return Verdict(self.action, kind, detail, onset=self.streak_start, reason=reason, suspect=True, context=context)
 
     def restored(self) -> None:
         self.consecutive = 0
@@ -55,5 +48,4 @@ class NonFiniteGuard(Check):
         return {"consecutive": self.consecutive, "streak_start": self.streak_start}
 
     def load_state_dict(self, state: dict) -> None:
-        self.consecutive = int(state["consecutive"])
-        self.streak_start = int(state["streak_start"])
+        self.consecutive, self.streak_start = int(state["consecutive"]), int(state["streak_start"])

@@ -1,10 +1,6 @@
-"""`InitLoss`: a fresh run whose first loss is far from ln(vocab_size) started from a wrong init.
-
-A healthy init predicts nearly uniformly: step 0's loss is ln(vocab_size) within `tolerance` nats (doctor's
-`model: initial loss` bar). PyTorch's default init starts the tiny model at ~43 nats, and then nothing diverges
-and no other check fires (`experiment=divergence/deep_default_init`): one `init_loss` event (`log`) from step 0's
-measurement makes the run end `unstable` with the fix instead of `ok`. A resumed run is not judged again.
-"""
+"""`InitLoss`: a fresh run whose step-0 loss is not ln(vocab_size) within `tolerance` nats started from a wrong init
+(PyTorch's default init starts the tiny model at ~43 nats, and then nothing diverges and no other check fires): one
+`init_loss` event makes the run end `unstable` with the fix instead of `ok`. A resumed run is not judged again."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import math
 
 from steadylm.errors import ConfigError
 from steadylm.stability.check import Check, StepView
-from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
 INIT_OTHERWISE = (
@@ -34,15 +29,15 @@ class InitLoss(Check):
             raise ConfigError(f"callbacks.stability.init_loss.tolerance={tolerance} must be > 0 (nats)")
         self.tolerance = float(tolerance)
 
-    def verdict(self, m: Measurement, view: StepView) -> Verdict:
+    def verdict(self, m, view: StepView) -> Verdict:
         self.next_step = math.inf  # judged once, on the fit's first measurement
-        model_cfg = view.model_cfg  # its vocab_size and init
-        vocab_size = getattr(model_cfg, "vocab_size", None)
+        cfg = view.model_cfg  # its vocab_size and init
+        vocab_size = getattr(cfg, "vocab_size", None)
         if m.step != 0 or not vocab_size or m.nonfinite:
             return OK
         expected = math.log(vocab_size)
         if abs(m.loss - expected) <= self.tolerance:
             return OK
         detail = {"loss": m.loss, "expected": expected, "tolerance": self.tolerance, "vocab_size": vocab_size}
-        detail["init"] = getattr(model_cfg, "init", None)
+        detail["init"] = getattr(cfg, "init", None)
         return Verdict("log", "init_loss", detail, onset=m.step)

@@ -1,17 +1,7 @@
-"""Whether a run that finished was unstable, from its events log: the `unstable` status of `result.json`.
-
-A run can end without diverging and still have been unstable (logits that kept growing, a mitigation that had
-to keep acting): it trained worse than its LR promised, and a sweep must not rank it healthy. From
-`stability/events.jsonl` alone, so `train.py` and the sweep summary agree, a run is unstable when:
-
-- the mitigation acted materially: any `lr_backoff`, or `qk_clip` on at least `MATERIAL_CLIPS` steps;
-- or `attn_logit` alarms on at least `PERSISTENT_ALARMS` logging steps, unmitigated;
-- or a `precursor` signal (`signals.py`) was past its level on at least `PERSISTENT_ALARMS` stats steps, or
-  made the suite back off;
-- or an `init_loss` event (a first loss far from ln(vocab_size));
-- or an `unrecovered` event: reset by a rollback or rewind and cut short (said in the reason, never diverged).
-
-It only reads; it never changes a run's files.
+"""Whether a finished run was unstable (`result.json`'s `unstable`), from `stability/events.jsonl` alone so `train.py`
+and the sweep summary agree: a run that did not diverge may still have trained worse than its LR promised. Unstable:
+any `lr_backoff`, `qk_clip` on `MATERIAL_CLIPS` steps, `attn_logit` alarms or a `precursor` past its level on
+`PERSISTENT_ALARMS` steps, an `init_loss` event, or an `unrecovered` one (reset and cut short, not diverged).
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
         return _precursor_reason(precursors, signal_backoffs, lr, cut)
     if not backoffs and len(clips) < MATERIAL_CLIPS and len(alarms) < PERSISTENT_ALARMS:
         return f"{cut}; fix: a longer run (trainer.max_steps) shows whether it recovers" if cut else None
-    first = (clips or alarms)[0] if clips or alarms else backoffs[0]
+    first = (clips or alarms or backoffs)[0]
     peak = max((float(e["detail"].get("max_logit", e["detail"].get("value", 0.0))) for e in clips + alarms), default=0)
     cause = f"attention logits grew past the bar from step {first['step']} (max {peak:.3g})"
     if clips:
@@ -60,8 +50,7 @@ def instability(run_dir: str | Path, lr: float | None = None) -> str | None:
         lower = f"optim.lr={lr / 3:.3g}" if lr else "a lower optim.lr"
     if not clips and not backoffs:
         cause += f" on {len(alarms)} logging steps, unmitigated"
-    if cut:
-        cause += f"; {cut}"
+    cause += f"; {cut}" if cut else ""
     return f"{cause}; fix: model.qk_norm=true, or {lower} (python -m steadylm.doctor runs the LR probe)"
 
 

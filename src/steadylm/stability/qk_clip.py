@@ -1,24 +1,18 @@
 """`QKClip`: bound each attention head's pre-softmax logits by rescaling its W_q / W_k rows (Kimi K2's QK-clip).
 
 Without QK-norm a high LR lets attention logits grow until a head saturates its softmax and the loss stalls
-(Wortsman et al. 2023). After an optimizer step every head whose max logit S exceeds `tau` has its logits scaled
-by g = max(tau / S, `min_factor`): `qkv` holds H query heads, then n_kv_head key heads, then the values, each
-head_dim rows (bias alike); a key head shared by G = H / n_kv_head query heads takes sqrt(min of its group's g)
-and each query head the rest, so every head's logits scale by exactly its g (sqrt(g) on both when G = 1). A
-scalar per head commutes with rotary positions. Only weights change: a clipped model exports like any other.
-
-Bounded: non-finite measurements are ignored (the guard owns them); after `max_clips` clipping steps it stops.
-After `backoff_after` clipping measurements in a row it asks its `Backoff` (`backoff.py`) for a lower LR and a
-rewind, since the damage of a too-high LR is done before the logits cross tau. `rewind_to`: `growth` (the last
-step whose max logit was at most `growth_floor * tau`), `onset` (just before the streak) or `first` (the fit's
-first snapshot). As a `Check`: it arms the logit tracking every `every_n_steps` steps, its per-head maxima join
-the step's collective (MAX), it clips on the device after the update (no host read) and accounts on the host in
-`verdict`. Not under QK-norm (it cannot change normalised logits) or FSDP (sharded weights).
+(Wortsman et al. 2023). After an update, each head whose max logit S exceeds `tau` has its logits scaled by exactly
+g = max(tau / S, `min_factor`) (a scalar per head commutes with rotary positions; a clipped model exports like any
+other). Bounded by `max_clips`; `backoff_after` clipping measurements in a row ask its `Backoff` for a lower LR and a
+rewind, since the damage of a too-high LR is done before the logits cross tau. The maxima join the step's collective
+(MAX), the clip runs on the device after the update, the accounting in `verdict`. Not under QK-norm (normalised
+logits) or FSDP (sharded weights).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
@@ -30,7 +24,6 @@ from steadylm.stability.verdict import OK, Verdict
 
 REWIND_TO = ("growth", "onset", "first")
 HISTORY = 4096  # measurements kept for `rewind_to: growth` (a float pair each)
-
 # The evidence of a backoff the owner acts on (`Backoff.ask` and `rewind_target`).
 BACKOFF_KEYS = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
 BACKOFF_KEYS += ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
@@ -40,19 +33,9 @@ class QKClip(Check):
     name = "qk_clip"
 
     def __init__(
-        self,
-        every_n_steps: int = 1,
-        tau: float = 100.0,
-        min_factor: float = 0.1,
-        max_clips: int = 1000,
-        backoff_after: int | None = 5,
-        lr_backoff: float | None = 0.1,
-        max_backoffs: int = 2,
-        rewind: bool = True,
-        rewarm_steps: int = 0,
-        rewind_to: str = "growth",
-        growth_floor: float = 0.05,
-    ) -> None:
+        self, every_n_steps=1, tau=100.0, min_factor=0.1, max_clips=1000, backoff_after=5, lr_backoff=0.1,
+        max_backoffs=2, rewind=True, rewarm_steps=0, rewind_to="growth", growth_floor=0.05,
+    ) -> None:  # fmt: skip
         where = "callbacks.stability.qk_clip"
         if every_n_steps < 1:
             raise ConfigError(f"{where}.every_n_steps={every_n_steps} must be >= 1")
@@ -62,9 +45,8 @@ class QKClip(Check):
             raise ConfigError(f"{where}.min_factor={min_factor} must be in (0, 1]")
         if backoff_after is not None and backoff_after < 1:
             raise ConfigError(f"{where}.backoff_after={backoff_after} must be >= 1, or null to never lower the LR")
-        self.every_n_steps = int(every_n_steps)
+        self.every_n_steps, self.backoff_after = int(every_n_steps), backoff_after
         self.tau, self.min_factor, self.max_clips = float(tau), float(min_factor), int(max_clips)
-        self.backoff_after = backoff_after
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
         if rewind_to not in REWIND_TO:
             raise ConfigError(f"{where}.rewind_to={rewind_to!r} is not allowed; use one of: {', '.join(REWIND_TO)}")
@@ -72,10 +54,8 @@ class QKClip(Check):
             raise ConfigError(f"{where}.growth_floor={growth_floor} must be in (0, 1): a share of tau")
         self.rewind_to, self.growth_floor = rewind_to, float(growth_floor)
         self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)  # (step, max logit) of each measurement
-        self.clips = 0  # steps on which at least one head was clipped
-        self.streak = 0  # measurements in a row that clipped
+        self.clips, self.streak, self.exhausted = 0, 0, False  # steps that clipped; measurements in a row that did
         self.onset = -1  # the step at which the current streak began
-        self.exhausted = False
         self.attns: list = []  # the attention layers it acts on (`applies`)
         self._armed = -1  # the step whose logits are tracked
 
@@ -103,8 +83,7 @@ class QKClip(Check):
         return {"head_max": ("max", torch.stack(maxima))}
 
     def after_update(self, view, reduced) -> None:
-        """Clip on the device the heads the measured step saw over tau (the reduced maxima: every rank applies the
-        same factors), so the next step starts from bounded logits."""
+        """Clip on the device by the reduced maxima (every rank alike): the next step starts from bounded logits."""
         if self._armed < 0:
             return
         self._armed = -1
@@ -112,7 +91,7 @@ class QKClip(Check):
             attn.head_max_logit, attn.track_max_logit = None, False
         head_max = reduced.get(self.name, {}).get("head_max")
         # On the host a read costs nothing, and a healthy step has nothing to scale (one call fewer a quiet step).
-        if head_max is not None and not (head_max.device.type == "cpu" and not bool((head_max > self.tau).any())):
+        if head_max is not None and (head_max.device.type != "cpu" or bool((head_max > self.tau).any())):
             self.clip(head_max, self.attns)
 
     def restored(self) -> None:
@@ -122,20 +101,57 @@ class QKClip(Check):
             attn.head_max_logit, attn.track_max_logit = None, False
 
     def verdict(self, m, view) -> Verdict:
+        """The record of `m.step`'s clip from the host's copy of its logits: counts, the streak, a backoff; OK: none."""
         head_max = m.values.get(self.name, {}).get("head_max")
-        evidence = self.account(m.step, torch.tensor(head_max)) if head_max is not None else None
-        if evidence is None:
+        if head_max is None:
             return OK
+        logits = torch.tensor(head_max).float()
+        finite = torch.isfinite(logits)
+        if finite.any():
+            self.history.append((int(m.step), float(logits[finite].max())))
+        hit = finite & (logits > self.tau)  # `clip`'s own test, in its precision
+        if not bool(hit.any()):  # a healthy step: one read
+            self.streak = 0
+            return OK
+        if self.exhausted:
+            return OK
+        rows = logits.tolist()
+        over = [(layer, head, rows[layer][head]) for layer, head in hit.nonzero().tolist()]
+        self.clips += 1
+        if self.streak == 0:
+            self.onset = m.step
+        self.streak += 1
+        layer, head, worst = max(over, key=lambda t: t[2])
+        factor, clipped = max(self.tau / worst, self.min_factor), [[i, j, round(s, 2)] for i, j, s in over]
+        evidence = {"tau": self.tau, "max_logit": worst, "layer": layer, "head": head, "factor": factor}
+        evidence.update(heads_clipped=clipped, clips=self.clips, budget=self.max_clips)
+        asked = None
+        if self.backoff_after is not None and self.streak >= self.backoff_after:
+            asked = self.backoff.ask(self.onset)
+            if asked is not None:
+                self.streak = 0
+                evidence.update(asked)
+                if "rewind_before" in asked:
+                    evidence.update(self.rewind_target())
+        if self.clips >= self.max_clips:
+            self.exhausted = evidence["exhausted"] = True
         context = {"event_action": "clip"}
-        if "lr_backoff" not in evidence:
+        if asked is None:
             return Verdict("log", self.name, evidence, onset=m.step, context=context)
-        context.update(
-            backoff={k: evidence[k] for k in BACKOFF_KEYS if k in evidence},
-            policy=self.backoff,
-            cause=self.name,
-            why=f"QK-clip acted on {self.backoff_after} measurements in a row",
-        )
+        backoff = {k: evidence[k] for k in BACKOFF_KEYS if k in evidence}
+        why = f"QK-clip acted on {self.backoff_after} measurements in a row"
+        context.update(backoff=backoff, policy=self.backoff, cause=self.name, why=why)
         return Verdict("backoff", self.name, evidence, onset=m.step, context=context)
+
+    def account(self, step: int, head_max) -> dict | None:
+        """`verdict` on the caller's logits (a tensor per layer): the clip's evidence, or None."""
+        values = {self.name: {"head_max": torch.stack(list(head_max)).tolist()}}
+        return self.verdict(SimpleNamespace(step=step, values=values), None).detail or None
+
+    def step(self, step: int, head_max: list[torch.Tensor], attns: list) -> dict | None:
+        """`clip`, then `account` (the host reads the logits now)."""
+        self.clip(torch.stack(list(head_max)), attns)
+        return self.account(step, head_max)
 
     def streak_steps(self) -> int:
         """Steps a clipping streak takes to ask for a backoff."""
@@ -143,8 +159,10 @@ class QKClip(Check):
 
     @torch.no_grad()
     def clip(self, head_max: torch.Tensor, attns: list) -> None:
-        """Rescale, on the device, every head whose max logit (row i of `head_max` for layer i, all-reduced)
-        exceeds tau; a head below it is multiplied by exactly 1. No host read."""
+        """Rescale, on the device, every head whose max logit (row i of `head_max`: layer i) exceeds tau, others by 1.
+
+        `qkv` rows: H query heads, then n_kv_head key heads (head_dim rows each, bias alike). A key head shared by G
+        query heads takes sqrt(min of its group's g) and each query head the rest (sqrt(g) on both when G = 1)."""
         if self.exhausted or not attns:
             return
         D, kv = attns[0].head_dim, attns[0].n_kv_head  # the layers share their head shape: all at once
@@ -158,90 +176,28 @@ class QKClip(Check):
                 if p is not None:
                     p[: row.numel()].mul_(row.to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1))))
 
-    def step(self, step: int, head_max: list[torch.Tensor], attns: list) -> dict | None:
-        """`clip` then `account` at once (the host reads the logits now)."""
-        self.clip(torch.stack(list(head_max)), attns)
-        return self.account(step, head_max)
-
-    def account(self, step: int, head_max) -> dict | None:
-        """The record of step `step`'s clip, from the host's copy of its logits: counts, the streak, the LR
-        backoff it asks for; the event's evidence, or None when no head was over tau."""
-        logits = torch.stack(list(head_max)).float()  # a host copy (the owner's) or the caller's tensors
-        finite = logits[torch.isfinite(logits)]
-        if finite.numel():
-            self.history.append((int(step), float(finite.max())))
-        hit = torch.isfinite(logits) & (logits > self.tau)  # `clip`'s own test, in its precision
-        if not bool(hit.any()):  # a healthy step: one read
-            self.streak = 0
-            return None
-        clipped, rows = hit.tolist(), logits.tolist()
-        over = [
-            (layer, head, rows[layer][head]) for layer, row in enumerate(clipped) for head, h in enumerate(row) if h
-        ]
-        if self.exhausted:
-            return None
-        self.clips += 1
-        if self.streak == 0:
-            self.onset = step
-        self.streak += 1
-        worst = max(over, key=lambda t: t[2])
-        evidence = {
-            "tau": self.tau,
-            "max_logit": worst[2],
-            "layer": worst[0],
-            "head": worst[1],
-            "factor": max(self.tau / worst[2], self.min_factor),
-            "heads_clipped": [[layer, head, round(s, 2)] for layer, head, s in over],
-            "clips": self.clips,
-            "budget": self.max_clips,
-        }
-        if self.backoff_after is not None and self.streak >= self.backoff_after:
-            asked = self.backoff.ask(self.onset)
-            if asked is not None:
-                self.streak = 0
-                evidence.update(asked)
-                if "rewind_before" in asked:
-                    evidence.update(self.rewind_target())
-        if self.clips >= self.max_clips:
-            self.exhausted = True
-            evidence["exhausted"] = True
-        return evidence
-
     def rewind_target(self) -> dict:
-        """Where a rewind goes: the newest good snapshot taken at or before `rewind_before`, else the earliest
-        one up to `rewind_latest` (just before the streak); `rewind_first`: the fit's first snapshot whenever it
-        is held; `growth_from`: the evidence, the last step the max logit stood at or below the floor."""
-        latest = {"rewind_latest": self.onset - 1}
-        if self.rewind_to == "onset":
-            return {"rewind_before": self.onset - 1, "rewind_first": False, **latest}
-        if self.rewind_to == "first":
-            return {"rewind_before": self.onset - 1, "rewind_first": True, **latest}
-        low = [step for step, peak in self.history if step < self.onset and peak <= self.growth_floor * self.tau]
-        if not low:  # above the floor from the first measurement on: the growth began at the start
-            return {"rewind_before": self.onset - 1, "rewind_first": True, "growth_from": None, **latest}
-        return {"rewind_before": low[-1], "rewind_first": False, "growth_from": low[-1], **latest}
+        """Where a rewind goes (`rewind_to`): the newest good snapshot at or before `rewind_before`, else the earliest
+        up to `rewind_latest` (just before the streak); `rewind_first`: the fit's first snapshot whenever it is held.
+        `growth`: back to the last step whose max logit was at most `growth_floor * tau` (`growth_from`)."""
+        before, first, growth = self.onset - 1, self.rewind_to == "first", {}
+        if self.rewind_to == "growth":
+            low = [step for step, peak in self.history if step < self.onset and peak <= self.growth_floor * self.tau]
+            before, first = (low[-1], False) if low else (before, True)  # none: the growth began at the start
+            growth = {"growth_from": low[-1] if low else None}
+        return {"rewind_before": before, "rewind_first": first, **growth, "rewind_latest": self.onset - 1}
 
     def restart(self) -> None:
         """After a backoff (this check's or a precursor signal's) a new streak is needed for the next one."""
         self.streak = 0
 
     @property
-    def backoffs(self) -> int:
-        return self.backoff.backoffs
-
-    @property
-    def lr_scale(self) -> float:
+    def lr_scale(self) -> float:  # `benchmarks/lr_sensitivity.py` reads it
         return self.backoff.lr_scale
 
     def state_dict(self) -> dict:
-        return {
-            "clips": self.clips,
-            "streak": self.streak,
-            "onset": self.onset,
-            "exhausted": self.exhausted,
-            "history": [list(h) for h in self.history],
-            **self.backoff.state_dict(),
-        }
+        state = {"clips": self.clips, "streak": self.streak, "onset": self.onset, "exhausted": self.exhausted}
+        return {**state, "history": [list(h) for h in self.history], **self.backoff.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.clips, self.streak, self.onset = int(state["clips"]), int(state["streak"]), int(state["onset"])

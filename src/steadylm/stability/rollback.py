@@ -1,9 +1,6 @@
-"""Roll back to the last good checkpoint in the run dir, in place, in the middle of `fit` (`Recovery`'s fallback
-when no in-memory snapshot is there, e.g. right after a resume).
-
-Weights and optimizer state from the newest checkpoint saved at or before the first bad step with only finite
-weights; the data since is skipped (as PaLM did by hand). Every rank reads the same file: the replicas stay equal.
-"""
+"""Roll back in place, mid-`fit`, to the newest checkpoint in the run dir at or before the first bad step with only
+finite weights (`Recovery`'s fallback when it holds no snapshot); the data since is skipped (as PaLM did by hand).
+Every rank reads the same file: the replicas stay equal."""
 
 from __future__ import annotations
 
@@ -19,7 +16,8 @@ def checkpoint_dir(trainer) -> Path:
     return Path(trainer.default_root_dir) / "checkpoints"
 
 
-def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None:
+def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
+    """Restore in place; returns {"checkpoint", "to_step", "applied"}, or None without a good checkpoint."""
     best: tuple[Path, dict] | None = None
     for path in sorted(p for p in checkpoint_dir(trainer).glob("*.ckpt") if p.is_file()):
         try:
@@ -31,25 +29,15 @@ def last_good_checkpoint(trainer, at_or_before: int) -> tuple[Path, dict] | None
             continue
         if all(t.isfinite().all() for t in ckpt["state_dict"].values() if t.is_floating_point()):
             best = (path, ckpt)
-    return best
-
-
-def applied_steps(ckpt: dict) -> int:
-    """Optimizer steps whose update is in a checkpoint's weights."""
-    applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
-    state = ckpt.get("callbacks", {}).get(STABILITY_STATE_KEY) or {}
-    pending = (state.get("measure") or {}).get("pending")
-    if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
-        applied -= 1  # its last step was skipped on the device, and not yet counted when it was saved
-    return applied
-
-
-def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
-    """Restore in place; returns {"checkpoint", "to_step", "applied"}, or None without a good checkpoint."""
-    found = last_good_checkpoint(trainer, at_or_before)
-    if found is None:
+    if best is None:
         return None
-    path, ckpt = found
+    path, ckpt = best
     pl_module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
-    return {"checkpoint": path.name, "to_step": int(ckpt["global_step"]), "applied": applied_steps(ckpt)}
+    # The optimizer steps whose update is in its weights: less one when its last step was skipped on the device
+    # and not yet counted when it was saved (a non-finite measurement still pending).
+    applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
+    pending = ((ckpt.get("callbacks", {}).get(STABILITY_STATE_KEY) or {}).get("measure") or {}).get("pending")
+    if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
+        applied -= 1
+    return {"checkpoint": path.name, "to_step": int(ckpt["global_step"]), "applied": applied}

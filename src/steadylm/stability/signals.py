@@ -1,9 +1,8 @@
 """`Precursors`: instability that the attention logits do not show, flagged, forecast and backed off from.
 
-With QK-norm on, attention logits stay bounded whatever the LR, so QK-clip never fires; a far too high LR
-still does its damage elsewhere. These signals come from the measurements the `stats` check already takes on
-its steps (every `stats.every_n_steps`), which reach this check's `verdict` in the step's one collective
-(activations and logits with MAX over ranks):
+With QK-norm on, attention logits stay bounded whatever the LR, so QK-clip never fires; a far too high LR still
+does its damage elsewhere. The signals come from what the `stats` check measures on its steps, in the step's one
+collective (activations and logits with MAX over ranks):
 
 | signal | value | why |
 | --- | --- | --- |
@@ -12,35 +11,26 @@ its steps (every `stats.every_n_steps`), which reach this check's `verdict` in t
 | `log_z` | the mean \\|log Z\\| of the output softmax | Wortsman et al. 2023: output-logit divergence shows as log Z drifting far from 0 (z-loss holds it) |
 | `attn_logit` | the max attention logit (forecast only) | QK-clip owns its alarm and its mitigation; here it is only forecast |
 
-A signal is *alarmed* on a measurement above its level (null: the signal is not judged). Alarmed on `persist`
-measurements in a row, where QK-clip cannot act (QK-norm on, or QK-clip removed; else QK-clip owns the
-mitigation and the signals only log and forecast), it asks its `Backoff` (`backoff.py`, the same mechanism
-QK-clip's backoff uses) for a lower LR and a rewind to before the growth began (`action: backoff`), or only
-logs (`action: log`).
-
-Before that, a *forecast*. The residual stream's RMS (after the last block, kept by the model on every forward)
-and the max attention logit (QK-clip's measurement) are also read every step, in the step's one collective at
-no host read of their own (`watch`): the forecast comes when the log-linear fit of the last `trend_window` values
-explains at least `min_fit` of their variance, the value is at least `forecast_from` of the level, and the fit
-reaches the level within `horizon` steps. A signal read on stats steps only (`log_z`) is forecast from its last
-`trend_points` stats-step values, each above the one before. The forecast names the signal, its value, its
-doubling time, the step it expects the level at and its horizon (`by_step`: past it with nothing, it was false),
-once per episode (a new one after the value falls back or a backoff). The levels are absolute and far from
-healthy values, and the horizon short: in `benchmarks/divergence_bench.py` the unstable runs doubled every 0.6-2.4
-steps at their forecast, and the healthy Muon runs at twice the LR, the only healthy growth a 200-step horizon
-forecast, every 35-43. So the rule does not depend on the model's width or parametrisation. `observe` and `watch` are the rule on plain numbers;
-`verdict` is the check (`check.py`) that feeds them.
+A signal is *alarmed* above its level (null: not judged); alarmed on `persist` stats steps in a row where QK-clip
+cannot act (QK-norm on, or QK-clip removed), it asks its `Backoff` for a lower LR and a rewind to before the growth
+began (`action: backoff`). Before that, once per episode, a *forecast*: from a log-linear fit of the values read
+every step (the residual RMS the model keeps, QK-clip's max logit: no host read of their own), or of the rising last
+`trend_points` stats-step values (`log_z`). The levels are absolute and far from healthy values, and the horizon
+short: in `benchmarks/divergence_bench.py` the unstable runs doubled every 0.6-2.4 steps at their forecast, the only
+healthy growth forecast (Muon at twice the LR, 200-step horizon) every 35-43, so the rule does not depend on width
+or parametrisation.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from types import SimpleNamespace
 
 from steadylm.errors import ConfigError
 from steadylm.stability.backoff import Backoff
 from steadylm.stability.check import Check
-from steadylm.stability.stats import stats_metrics
+from steadylm.stability.stats import OWN, UPDATE, stats_metrics
 from steadylm.stability.verdict import Verdict
 
 SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
@@ -54,9 +44,7 @@ def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
     """The signals' values from one stats step's metrics (`GradParamStats`); a signal not measured is absent."""
     blocks = [v for k, v in metrics.items() if k.startswith("stability/act_rms/block_")]
     logits = [v for k, v in metrics.items() if k.startswith("stability/max_attn_logit/block_")]
-    out = {}
-    if blocks:
-        out["residual_rms"] = max(blocks)
+    out = {"residual_rms": max(blocks)} if blocks else {}
     if "stability/update_ratio" in metrics:
         out["update_ratio"] = metrics["stability/update_ratio"]
     if "stability/log_z" in metrics:
@@ -66,27 +54,9 @@ def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
     return out
 
 
-def _watched(watch: dict, where: str) -> dict[str, tuple[str, str]]:
-    """`callbacks.stability.signals.watch`: `{name: {value: CHECK.KEY, level: X}}`, a value a check measures (its
-    `measure` key) forecast and alarmed at `level` like the built-in signals, every step."""
-    out = {}
-    for name, spec in watch.items():
-        value = str((spec or {}).get("value", ""))
-        level = (spec or {}).get("level")
-        if name in SIGNALS or value.count(".") != 1 or not isinstance(level, (int, float)) or not level > 0:
-            raise ConfigError(
-                f"{where}.watch.{name} must be {{value: CHECK.KEY, level: X > 0}} (a check's measured key) under a "
-                f"name that is not a built-in signal's"
-            )
-        out[name] = tuple(value.split("."))
-    return out
-
-
 def _flat(value) -> list[float]:
     """A reduced value (a float, or nested lists of them) as a flat list."""
-    if isinstance(value, list):
-        return [x for v in value for x in _flat(v)]
-    return [float(value)]
+    return [x for v in value for x in _flat(v)] if isinstance(value, list) else [float(value)]
 
 
 def _log_linear(points, least: int) -> tuple[float, float] | None:
@@ -96,55 +66,38 @@ def _log_linear(points, least: int) -> tuple[float, float] | None:
         return None
     n = len(pts)
     ms, mv = sum(s for s, _ in pts) / n, sum(v for _, v in pts) / n
-    sxx = sum((s - ms) ** 2 for s, _ in pts)
-    syy = sum((v - mv) ** 2 for _, v in pts)
+    sxx, syy = sum((s - ms) ** 2 for s, _ in pts), sum((v - mv) ** 2 for _, v in pts)
     if not sxx or not syy:
         return None
     slope = sum((s - ms) * (v - mv) for s, v in pts) / sxx
     return slope, slope * slope * sxx / syy
 
 
-def _in_warmup(pl_module, step: int) -> bool:
-    """The LR is still ramping up at optimizer step `step` (the first warmup, or a re-warmup after a rewind)."""
-    applied = pl_module.applied_steps(step)
-    warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
-    start, length = getattr(pl_module, "rewarm", (0, 0))
-    return applied < warmup or (length > 0 and applied < start + length)
-
-
 class Precursors(Check):
     name = "signals"
 
     def __init__(
-        self,
-        residual_rms: float | None = 100.0,
-        update_ratio: float | None = None,
-        log_z: float | None = None,
-        attn_logit: float | None = 100.0,
-        persist: int = 3,
-        action: str = "backoff",
-        trend_points: int = 3,
-        horizon: int = 25,
-        forecast_from: float = 0.25,
-        trend_window: int = 32,
-        min_fit: float = 0.9,
-        lr_backoff: float | None = 0.1,
-        max_backoffs: int = 2,
-        rewind: bool = True,
-        rewarm_steps: int = 100,
-        watch: dict | None = None,
-        forecast_lr: float | None = None,
-    ) -> None:
+        self, residual_rms=100.0, update_ratio=None, log_z=None, attn_logit=100.0, persist=3, action="backoff",
+        trend_points=3, horizon=25, forecast_from=0.25, trend_window=32, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
+        rewind=True, rewarm_steps=100, watch=None, forecast_lr=None,
+    ) -> None:  # fmt: skip
         where = "callbacks.stability.signals"
         if forecast_lr is not None and not 0 < forecast_lr < 1:
             raise ConfigError(f"{where}.forecast_lr={forecast_lr} must be in (0, 1), or null for a forecast that logs")
         self.forecast_lr = forecast_lr
-        self.holding: dict | None = None  # a forecast's LR hold under way (`_hold`)
+        self.holding: dict | None = None  # a forecast's LR hold under way (`verdict`)
         self.levels = {"residual_rms": residual_rms, "update_ratio": update_ratio, "log_z": log_z}
         self.levels["attn_logit"] = attn_logit
-        self.watched = _watched(watch or {}, where)  # your own signals: {name: (check, key)}, read every step
+        self.watched = {}  # your own signals, `watch: {name: {value: CHECK.KEY, level: X}}`: {name: (check, key)}
+        for name, spec in (watch or {}).items():
+            value, level = str((spec or {}).get("value", "")), (spec or {}).get("level")
+            if name in SIGNALS or value.count(".") != 1 or not isinstance(level, (int, float)) or not level > 0:
+                raise ConfigError(
+                    f"{where}.watch.{name} must be {{value: CHECK.KEY, level: X > 0}} (a check's measured key) under a "
+                    f"name that is not a built-in signal's"
+                )
+            self.watched[name] = tuple(value.split("."))
         self.levels.update({name: float(watch[name]["level"]) for name in self.watched})
-        names = (*SIGNALS, *self.watched)
         for name, level in self.levels.items():
             if level is not None and not level > 0:
                 raise ConfigError(f"{where}.{name}={level} must be > 0, or null to not judge it")
@@ -152,15 +105,16 @@ class Precursors(Check):
             raise ConfigError(f"{where}.action={action!r} must be backoff or log")
         if persist < 1 or trend_points < 2 or horizon < 1 or not 0 < forecast_from <= 1:
             raise ConfigError(f"{where}: persist >= 1, trend_points >= 2, horizon >= 1 and forecast_from in (0, 1]")
-        self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
-        self.horizon, self.forecast_from = int(horizon), float(forecast_from)
         if trend_window < 4 or not 0 <= min_fit < 1:
             raise ConfigError(f"{where}: trend_window >= 4 and min_fit in [0, 1)")
+        self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
+        self.horizon, self.forecast_from = int(horizon), float(forecast_from)
         self.trend_window, self.min_fit = int(trend_window), float(min_fit)
-        self.series: dict[str, deque] = {s: deque(maxlen=self.trend_window) for s in (*STEPWISE, *self.watched)}
+        self.series = {s: deque(maxlen=self.trend_window) for s in (*STEPWISE, *self.watched)}  # per-step values
         self.stepwise: set[str] = set()  # the signals this fit reads every step (their forecast comes from there)
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
-        self.history: dict[str, deque] = {s: deque(maxlen=self.trend_points) for s in SIGNALS}
+        self.history = {s: deque(maxlen=self.trend_points) for s in SIGNALS}  # stats-step values
+        names = (*SIGNALS, *self.watched)
         self.streak = {s: 0 for s in names}
         self.onset = {s: -1 for s in names}  # the step the current episode began (its first forecast or alarm)
         self.forecast = {s: False for s in names}  # forecast already given in this episode
@@ -184,93 +138,27 @@ class Precursors(Check):
             return {}
         return {"residual_rms": ("max", self._net.residual_rms)}
 
-    def verdict(self, m, view) -> list[Verdict]:
-        """Every step: the forecasts of the signals read every step . After a stats step (its
-        values travel with the next step's measurement): the alarms, a backoff, and the other forecasts."""
-        cfg = view.model_cfg
-        qk_norm = bool(cfg is not None and cfg.qk_norm)
-        # Read every step at no host read of their own: the residual stream's RMS this check measured, and the
-        # max attention logit QK-clip measured (not under QK-norm).
-        values = {}
-        if "residual_rms" in m.values.get(self.name, {}):
-            values["residual_rms"] = m.values[self.name]["residual_rms"]
-        head_max = m.values.get("qk_clip", {}).get("head_max")
-        if head_max is not None and not qk_norm:
-            values["attn_logit"] = max(map(max, head_max))
-        for name, (check, key) in self.watched.items():
-            got = m.values.get(check, {}).get(key)
-            if got is not None:
-                values[name] = float(max(_flat(got)))
-        out = self.watch(m.step, values)
-        if self.holding is not None:
-            out = self._release(m.step) + out
-        stats = m.values.get("stats")
-        if not stats:
-            return self._hold(out) if self.forecast_lr is not None else out
-        parts = []  # (stats step, its signal values): the update of the step before `m.step`, then `m.step`'s own
-        if "delta" in stats:
-            parts.append(
-                (m.step - 1, signal_values(stats_metrics({k: stats[k] for k in ("param", "delta", "total")}), qk_norm))
-            )
-        if "grad" in stats:
-            parts.append(
-                (
-                    m.step,
-                    signal_values(stats_metrics({k: stats[k] for k in ("grad", "log_z", "logit", "act")}), qk_norm),
-                )
-            )
-        for step, values in parts:
-            out += self._judge_stats(step, values, view)
-        return self._hold(out) if self.forecast_lr is not None else out
-
-    def _hold(self, out: list[Verdict]) -> list[Verdict]:
-        """`forecast_lr`: a forecast acts before the loss turns. The snapshot from before the precursor's growth is
-        pinned (an alarm's rewind then finds it) and the LR scale is lowered until the forecast's horizon passes
-        (`_release`): a forecast that did not come true lowers no LR for good. One hold at a time."""
-        if self.forecast_lr is None or self.holding is not None or any(v.action == "backoff" for v in out):
-            return out
-        first = next((v for v in out if v.kind == "forecast"), None)
-        if first is None:
-            return out
-        d = first.detail
-        self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}
-        pin = self.onset[d["signal"]] - 1
-        detail = {**self.holding, "value": d["value"], "expected_step": d["expected_step"], "pinned_before": pin}
-        context = {"temporary": True, "factor": self.forecast_lr, "pin_before": pin}
-        return [*out, Verdict("backoff", "forecast_hold", detail, onset=first.onset, context=context)]
-
-    def _release(self, step: int) -> list[Verdict]:
-        """The hold's end: its horizon passed with nothing (while the alarm it forecast is under way it holds on),
-        or a backoff, which lowers the LR for good, came."""
-        h = self.holding
-        if h is None or not (h.get("superseded") or (step > h["until"] and self.streak[h["signal"]] == 0)):
-            return []
-        self.holding = None
-        detail = {"signal": h["signal"], "until": h["until"], "factor": 1 / h["factor"], "released": True}
-        context = {"temporary": True, "factor": 1 / h["factor"], "unpin": True}
-        return [Verdict("log", "forecast_hold", detail, onset=step, context=context)]
-
-    def _judge_stats(self, step: int, values: dict[str, float], view) -> list[Verdict]:
-        """One stats step's signals: alarms, a backoff, the stats-step forecasts."""
-        out = []
-        for v in self.observe(step, values, _in_warmup(view.module, step), may_back_off=not self.qk_clip_acts):
-            request = v.context.get("backoff")
-            if request is not None:
-                why = (
-                    f"{request['signal']} stayed above {request['threshold']:g} on {self.persist} measurements in a row"
-                )
-                keys = ("lr_backoff", "lr_scale", "backoffs", "onset", "rewind_before", "signal", "value")
-                context = {"backoff": {k: request[k] for k in keys if k in request}, "policy": self.backoff}
-                context.update(cause=request["signal"], why=why)
-                v = Verdict("backoff", v.kind, v.detail, onset=v.onset, context=context)
-            out.append(v)
-        return out
-
     def watch(self, step: int, values: dict[str, float]) -> list[Verdict]:
-        """One step's values of the signals read every step: a `forecast` when the log-linear fit of the last
-        `trend_window` values explains at least `min_fit` of their variance (a noisy plateau has a slope too)
-        and reaches the level within `horizon` steps, from at least `forecast_from` of it."""
-        out = []
+        """`verdict`'s per-step rule on one step's plain values `{signal: value}`."""
+        return self.verdict(SimpleNamespace(step=step), None, values)
+
+    def verdict(self, m, view, values: dict[str, float] | None = None) -> list[Verdict]:
+        """Every step, from the values read every step (`values`: `watch`'s, alone): a `forecast` when the log-linear
+        fit of the last `trend_window` values explains `min_fit` of their variance (a noisy plateau has a slope too)
+        and reaches the level within `horizon` steps. After a stats step: `observe` its values. A quiet step calls
+        no helper."""
+        step, out, watching = m.step, [], values is not None
+        if not watching:  # read at no host read of their own: this check's residual RMS, QK-clip's logits
+            qk_norm = bool(view.model_cfg is not None and view.model_cfg.qk_norm)
+            mine = m.values.get(self.name, {})
+            values = {"residual_rms": mine["residual_rms"]} if "residual_rms" in mine else {}
+            head_max = m.values.get("qk_clip", {}).get("head_max")
+            if head_max is not None and not qk_norm:
+                values["attn_logit"] = max(map(max, head_max))
+            for name, (check, key) in self.watched.items():
+                got = m.values.get(check, {}).get(key)
+                if got is not None:
+                    values[name] = float(max(_flat(got)))
         for name, value in values.items():
             level = self.levels[name]
             if level is None or not math.isfinite(value):
@@ -289,69 +177,95 @@ class Precursors(Check):
                     detail = {"signal": name, "value": value, "threshold": level, "streak": 1}
                     out.append(Verdict("log", "precursor", detail, onset=step))
                 continue
-            fit = _log_linear(self.series[name], FIT_POINTS)
-            if self.forecast[name] or value > level or fit is None or fit[0] <= 0 or fit[1] < self.min_fit:
+            if self.forecast[name] or value > level:
                 continue
-            v = self._forecasting(name, step, value, level, fit[0], self.series[name][0][0])
-            if v is not None:
+            fit = _log_linear(self.series[name], FIT_POINTS)
+            if fit is not None and fit[0] > 0 and fit[1] >= self.min_fit:
+                out += self._forecasting(name, step, value, level, fit[0], self.series[name][0][0])
+        if watching:
+            return out
+        h = self.holding  # a forecast's hold ends when its horizon passed with nothing (while the alarm it forecast
+        # is under way it holds on), or when a backoff, which lowers the LR for good, came
+        if h is not None and (h.get("superseded") or (step > h["until"] and self.streak[h["signal"]] == 0)):
+            self.holding = None
+            detail = {"signal": h["signal"], "until": h["until"], "factor": 1 / h["factor"], "released": True}
+            context = {"temporary": True, "factor": 1 / h["factor"], "unpin": True}
+            out.insert(0, Verdict("log", "forecast_hold", detail, onset=step, context=context))
+        stats = m.values.get("stats") or {}
+        for at, keys in ((step - 1, UPDATE), (step, OWN)):  # the update of the stats step before `m.step`; its own
+            if keys[0] not in stats:
+                continue
+            signals = signal_values(stats_metrics({k: stats[k] for k in keys}), qk_norm)
+            # the LR still ramping up at `at`: the first warmup, or a re-warmup after a rewind
+            applied, (start, length) = view.module.applied_steps(at), getattr(view.module, "rewarm", (0, 0))
+            warmup = int(getattr(view.module, "optim_cfg", {}).get("warmup_steps", 0))
+            in_warmup = applied < warmup or (length > 0 and applied < start + length)
+            for v in self.observe(at, signals, in_warmup, may_back_off=not self.qk_clip_acts):
+                request = v.context.get("backoff")
+                if request is not None:
+                    keep = ("lr_backoff", "lr_scale", "backoffs", "onset", "rewind_before", "signal", "value")
+                    sig = request["signal"]
+                    why = f"{sig} stayed above {request['threshold']:g} on {self.persist} measurements in a row"
+                    context = {"backoff": {k: request[k] for k in keep if k in request}, "policy": self.backoff}
+                    context.update(cause=sig, why=why)
+                    v = Verdict("backoff", v.kind, v.detail, onset=v.onset, context=context)
                 out.append(v)
-        return out
+        # `forecast_lr`: a forecast acts before the loss turns, one at a time. The snapshot from before the growth is
+        # pinned (an alarm's rewind then finds it) and the LR scale lowered until the forecast's horizon passes: one
+        # that did not come true lowers no LR for good.
+        if self.forecast_lr is None or self.holding is not None or any(v.action == "backoff" for v in out):
+            return out
+        first = next((v for v in out if v.kind == "forecast"), None)
+        if first is None:
+            return out
+        d = first.detail
+        self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}
+        pin = self.onset[d["signal"]] - 1
+        detail = {**self.holding, "value": d["value"], "expected_step": d["expected_step"], "pinned_before": pin}
+        context = {"temporary": True, "factor": self.forecast_lr, "pin_before": pin}
+        return [*out, Verdict("backoff", "forecast_hold", detail, onset=first.onset, context=context)]
 
-    def _forecasting(self, name: str, step: int, value: float, level: float, rate: float, since: int):
-        """The `forecast` verdict of a signal growing at `rate` (log per step) since step `since`, when it
-        reaches `level` within the horizon; it states that horizon (`by_step`): past it, the forecast was false."""
+    def _forecasting(self, name: str, step: int, value: float, level: float, rate: float, since: int) -> list:
+        """The `forecast` of a signal growing at `rate` (log per step) since step `since`, when it reaches `level`
+        within the horizon (`by_step`: past it, the forecast was false); [] when not."""
         expected = step + math.log(level / value) / rate
         if expected - step > self.horizon:
-            return None
+            return []
         self.forecast[name] = True
         if self.onset[name] < 0:
             self.onset[name] = since  # the growth was under way at the first point of the fit
-        detail = {
-            "signal": name,
-            "value": value,
-            "threshold": level,
-            "doubling_steps": math.log(2) / rate,
-            "expected_step": int(round(expected)),
-            "by_step": step + self.horizon,
-        }
+        detail = {"signal": name, "value": value, "threshold": level, "doubling_steps": math.log(2) / rate}
+        detail.update(expected_step=int(round(expected)), by_step=step + self.horizon)
         metrics = {f"stability/forecast/{name}": float(detail["expected_step"])}  # TensorBoard's view of it
-        return Verdict("log", "forecast", detail, onset=step, metrics=metrics)
+        return [Verdict("log", "forecast", detail, onset=step, metrics=metrics)]
 
     def streak_steps(self) -> int:
         """Steps an alarm streak takes to ask for a backoff (0: never judged, no stats)."""
         return self.persist * self.every_n_steps if self.every_n_steps else 0
 
-    def trend(self, name: str) -> float | None:
-        """Growth rate of log(value) per step over the recent measurements (least squares); None: too few, or
-        not rising at every one of them (a noisy plateau has a slope too)."""
-        points = [(s, math.log(v)) for s, v in self.history[name] if v > 0]
-        if len(points) < self.trend_points or any(b[1] <= a[1] for a, b in zip(points, points[1:])):
-            return None
-        n = len(points)
-        ms, mv = sum(s for s, _ in points) / n, sum(v for _, v in points) / n
-        var = sum((s - ms) ** 2 for s, _ in points)
-        return sum((s - ms) * (v - mv) for s, v in points) / var if var else None
-
     def observe(self, step: int, values: dict[str, float], in_warmup: bool, may_back_off: bool = True) -> list[Verdict]:
-        """One stats step's values (all-reduced): the `forecast` and `precursor` verdicts, and at most one
-        backoff request (in a `precursor` verdict's `context["backoff"]`); none when not `may_back_off` (QK-clip
-        owns the mitigation of a model without QK-norm)."""
+        """One stats step's values (all-reduced): the `forecast` and `precursor` verdicts, and at most one backoff
+        request (in a `precursor` verdict's `context["backoff"]`); none when not `may_back_off` (QK-clip owns the
+        mitigation of a model without QK-norm)."""
         out: list[Verdict] = []
         asked = False
         for name in SIGNALS:
             level, value = self.levels[name], values.get(name)
-            if level is None or value is None or not math.isfinite(value):
-                continue
-            if name in AFTER_WARMUP and in_warmup:
+            if level is None or value is None or not math.isfinite(value) or (name in AFTER_WARMUP and in_warmup):
                 continue
             self.history[name].append((step, value))
-            if value < level * self.forecast_from and self.streak[name] == 0:
+            low = value < level * self.forecast_from
+            if low and self.streak[name] == 0:
                 self.forecast[name], self.onset[name] = False, -1  # the episode is over
             if value <= level:
                 self.streak[name] = 0
-                v = self._forecast(name, step, value, level)
-                if v is not None:
-                    out.append(v)
+                # a signal not read every step is forecast from its last `trend_points`, each above the one before
+                if name in GROWING and name not in self.stepwise and not self.forecast[name] and not low:
+                    points = [(s, math.log(v)) for s, v in self.history[name] if v > 0]
+                    if len(points) >= self.trend_points and all(b[1] > a[1] for a, b in zip(points, points[1:])):
+                        fit = _log_linear(self.history[name], 2)
+                        if fit is not None and fit[0] > 0:
+                            out += self._forecasting(name, step, value, level, fit[0], self.history[name][0][0])
                 continue
             if name == "attn_logit":
                 continue  # QK-clip's alarm, not this class's
@@ -369,15 +283,6 @@ class Precursors(Check):
             out.append(Verdict("log", "precursor", detail, onset=step, context=context))
         return out
 
-    def _forecast(self, name: str, step: int, value: float, level: float) -> Verdict | None:
-        """The forecast from the stats steps' values, for a signal not read every step (`watch` has those)."""
-        if name not in GROWING or name in self.stepwise or self.forecast[name] or value < level * self.forecast_from:
-            return None
-        rate = self.trend(name)
-        if rate is None or rate <= 0:
-            return None
-        return self._forecasting(name, step, value, level, rate, self.history[name][0][0])
-
     def restart(self) -> None:
         """After a backoff (this check's or QK-clip's) the LR, the weights and so the trends start again."""
         if self.holding is not None:
@@ -389,28 +294,20 @@ class Precursors(Check):
             series.clear()
 
     def state_dict(self) -> dict:
-        return {
-            "history": {k: [list(p) for p in v] for k, v in self.history.items()},
-            "series": {k: [list(p) for p in v] for k, v in self.series.items()},
-            "streak": dict(self.streak),
-            "onset": dict(self.onset),
-            "forecast": dict(self.forecast),
-            "alarms": self.alarms,
-            "holding": self.holding,
-            **self.backoff.state_dict(),
-        }
+        lists = lambda d: {k: [list(p) for p in v] for k, v in d.items()}  # plain types: JSON-safe
+        state = {"history": lists(self.history), "series": lists(self.series), "streak": dict(self.streak)}
+        state.update(onset=dict(self.onset), forecast=dict(self.forecast), alarms=self.alarms, holding=self.holding)
+        return {**state, **self.backoff.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        for name in self.history:
+            self.history[name] = deque(map(tuple, state["history"].get(name, [])), maxlen=self.trend_points)
         for name in self.streak:
-            if name in self.history:
-                points = state["history"].get(name, [])
-                self.history[name] = deque((tuple(p) for p in points), maxlen=self.trend_points)
             self.streak[name] = int(state["streak"].get(name, 0))
             self.onset[name] = int(state["onset"].get(name, -1))
             self.forecast[name] = bool(state["forecast"].get(name, False))
-        for name in (*STEPWISE, *self.watched):
-            points = state.get("series", {}).get(name, [])
-            self.series[name] = deque((tuple(p) for p in points), maxlen=self.trend_window)
+        for name in self.series:
+            self.series[name] = deque(map(tuple, state.get("series", {}).get(name, [])), maxlen=self.trend_window)
         self.alarms = int(state["alarms"])
         self.holding = state.get("holding")
         self.backoff.load_state_dict(state)

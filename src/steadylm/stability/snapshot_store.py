@@ -1,13 +1,10 @@
-"""Where a snapshot's tensors live: never in the memory the training itself runs in.
+"""Where a snapshot's tensors live, never in the memory training runs in; both reuse their storage and are bitwise.
 
 - `HostBuffers` (`store: memory`; `auto` on a GPU): pinned host buffers, copied `non_blocking` on the training
-  stream (the copy engine works while the step computes; stream order reads the weights before the update).
-- `SnapshotFile` (`store: disk`; `auto` on a CPU, where host memory *is* training memory: 12 more bytes a
-  parameter): a file per snapshot in `stability/snapshots/`, written by a background thread during forward and
-  backward (the step waits for it before its update), then synced and its pages dropped (`fdatasync`,
-  `POSIX_FADV_DONTNEED`), so it holds no RAM once on disk.
-
-Both reuse their storage for the next snapshot (`write` again) and hold the tensors bitwise.
+  stream (stream order reads the weights before the update).
+- `SnapshotFile` (`store: disk`; `auto` on a CPU, where host memory *is* training memory): a file written by a
+  background thread during forward and backward (the update waits for it), then synced and dropped from the page
+  cache (`fdatasync`, `POSIX_FADV_DONTNEED`): it holds no RAM once on disk.
 """
 
 from __future__ import annotations
@@ -40,14 +37,12 @@ class HostBuffers:
     def write(self, tensors: list[torch.Tensor]) -> None:
         old, self.buffers = self.buffers, []
         for i, t in enumerate(tensors):
-            buf = old[i] if i < len(old) and old[i].shape == t.shape and old[i].dtype == t.dtype else None
-            if buf is None:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            reuse = i < len(old) and old[i].shape == t.shape and old[i].dtype == t.dtype
+            buf = old[i] if reuse else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
             buf.copy_(t, non_blocking=True)
             self.buffers.append(buf)
-        self.event = None
-        if tensors and tensors[0].is_cuda:
-            self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event() if tensors and tensors[0].is_cuda else None
+        if self.event is not None:
             self.event.record()
 
     def wait(self) -> None:
@@ -88,8 +83,8 @@ class SnapshotFile:
 
     def wait_written(self) -> None:
         """Block until the write has read every tensor: before anything changes the live ones (the update)."""
-        if self.written is not None:
-            written, self.written = self.written, None
+        written, self.written = self.written, None
+        if written is not None:
             written.result()
 
     def _readable(self) -> None:
@@ -100,20 +95,18 @@ class SnapshotFile:
     def wait(self) -> None:
         """The last write is on disk and out of the page cache (a failed write raises here)."""
         self._readable()
-        if self.flushed is not None:
-            flushed, self.flushed = self.flushed, None
+        flushed, self.flushed = self.flushed, None
+        if flushed is not None:
             flushed.result()
 
     def write(self, tensors: list[torch.Tensor]) -> None:
-        """Start writing `tensors` in the background (the copy overlaps the step's forward and backward, as a
-        GPU's copy engine does); `wait_written` before they change."""
+        """Start writing `tensors` in the background (as a GPU's copy engine); `wait_written` before they change."""
         self.wait()
         hosts = [t.detach().to("cpu").contiguous() for t in tensors]  # a copy only for GPU or strided tensors
         self.layout, offset = [], 0
         for h in hosts:
-            n = h.numel() * h.element_size()
-            self.layout.append((h.shape, h.dtype, offset, n))
-            offset += n
+            self.layout.append((h.shape, h.dtype, offset, h.numel() * h.element_size()))
+            offset += self.layout[-1][3]
         self.written = self.flusher.submit(self._write, hosts)
         self.flushed = self.flusher.submit(self._flush, self.fd)  # one worker: after the write
 
@@ -122,7 +115,7 @@ class SnapshotFile:
             view, done = _bytes(h), 0
             while done < n:  # one pwrite moves at most ~2 GB
                 done += os.pwrite(self.fd, view[done:], offset + done)
-        os.ftruncate(self.fd, sum(n for *_, n in self.layout))
+        os.ftruncate(self.fd, self.nbytes())
 
     def _flush(self, fd: int) -> None:
         try:
@@ -132,12 +125,12 @@ class SnapshotFile:
             log.warning("%s: syncing a snapshot file failed (%s); it stays in the page cache", self.path, err)
 
     def _read_into(self, t: torch.Tensor, i: int) -> None:
-        _, _, offset, n = self.layout[i]
         if t.device.type != "cpu" or not t.is_contiguous():
             host = torch.empty(t.shape, dtype=t.dtype)
             self._read_into(host, i)
             t.copy_(host)
             return
+        _, _, offset, n = self.layout[i]
         view, done = _bytes(t), 0
         while done < n:
             got = os.preadv(self.fd, [view[done:]], offset + done)
@@ -148,11 +141,9 @@ class SnapshotFile:
     def read(self, start: int = 0, stop: int | None = None, copy: bool = True) -> list[torch.Tensor]:
         """The tensors `start:stop`, read from the file (always fresh ones)."""
         self._readable()
-        out = []
-        for i in range(*slice(start, stop).indices(len(self.layout))):
-            shape, dtype, _, _ = self.layout[i]
-            out.append(torch.empty(shape, dtype=dtype))
-            self._read_into(out[-1], i)
+        out = [torch.empty(shape, dtype=dtype) for shape, dtype, _, _ in self.layout[start:stop]]
+        for i, t in enumerate(out, start):
+            self._read_into(t, i)
         return out
 
     def read_into(self, live: list[torch.Tensor]) -> None:

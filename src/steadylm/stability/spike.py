@@ -1,16 +1,11 @@
-"""`SpikeDetector`: a loss spike that persists asks for a rollback; a one-off is logged; a grad-norm spike alone is counted.
+"""`SpikeDetector`: a loss spike that persists asks for a rollback; a one-off is logged; a grad-norm spike is counted.
 
-A robust statistic, so healthy runs raise nothing at any batch size or depth: each value in log space, against
-the median of the last `window` accepted values in units of 1.4826·MAD (one wild value cannot inflate it), the
-scale at least `noise_floor / sqrt(sequences per step)`. A loss spikes above median + `sigma`·scale; a grad norm
-above median + max(`sigma`·scale, log `grad_ratio`), only counted (`stability/grad_spikes`) unless the loss
-confirms it, since clipping bounds its update. Armed after `warmup` values; spikes and non-finite values never
-enter the window (kept in `state_dict`).
-
-A loss spike opens an *episode* at its onset. Back under the bar within `patience` steps: a one-off, a `log`
-verdict (the owner ranks the onset batch's samples). Above for `patience` steps in a row: `action: rollback`
-(default) asks for a rollback to before the onset, and the owner re-runs the onset batch on the restored weights
-to name the cause (`cause`); `action: skip` also skips each spiking step (read at the step); `log` only reports.
+Robust, so healthy runs raise nothing at any batch size or depth: each value in log space against the median of the
+last `window` accepted ones, in units of 1.4826·MAD (one wild value cannot inflate it) at least `noise_floor /
+sqrt(sequences per step)`. A grad-norm spike alone is only counted (`stability/grad_spikes`): clipping bounds its
+update. A loss spike opens an episode: back under the bar within `patience` steps it is a one-off (`log`; the owner
+ranks the onset batch's samples); above for `patience` steps, `action: rollback` rolls back to before the onset and
+the owner re-runs the onset batch on the restored weights to name the cause; `skip` also skips each spiking step.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from itertools import repeat
 
 from steadylm.errors import ConfigError
 from steadylm.stability.check import Check, StepView
-from steadylm.stability.measure import Measurement
 from steadylm.stability.verdict import OK, Verdict
 
 ACTIONS = ("log", "skip", "rollback")
@@ -31,27 +25,18 @@ SIGNALS = ("loss", "grad_norm")
 MAD_TO_STD = 1.4826
 
 
-class RobustWindow(deque):
-    """The last `size` values (log space), as a deque: `append`, `len` cost no Python call."""
-
-    def __init__(self, size: int, values=()) -> None:
-        super().__init__(values, maxlen=size)
+def RobustWindow(size: int, values=()) -> deque:
+    """The last `size` values (log space): a plain deque, so `append` and `len` cost no Python call."""
+    return deque(values, maxlen=size)
 
 
 class SpikeDetector(Check):
     name = "spike"
 
     def __init__(
-        self,
-        sigma: float = 6.0,
-        window: int = 128,
-        warmup: int = 32,
-        action: str = "rollback",
-        signals: tuple[str, ...] = SIGNALS,
-        patience: int = 4,
-        noise_floor: float = 0.1,
-        grad_ratio: float = 4.0,
-    ) -> None:
+        self, sigma=6.0, window=128, warmup=32, action="rollback", signals=SIGNALS, patience=4, noise_floor=0.1,
+        grad_ratio=4.0,
+    ) -> None:  # fmt: skip
         key = "callbacks.stability.spike"
         if action not in ACTIONS:
             raise ConfigError(f"{key}.action={action!r} is not one of {', '.join(ACTIONS)}")
@@ -75,105 +60,64 @@ class SpikeDetector(Check):
         """`action: skip` skips the spiking step itself: its value must be read at the step (no deferral)."""
         return self.action == "skip"
 
-    def bar(self, signal: str) -> float | None:
-        """The value above which `signal` is a spike now; None while not armed."""
-        stats = self.stats[signal]
-        if len(stats) < self.warmup:
-            return None
-        # Median and 1.4826·MAD: `statistics` rather than numpy (22 against 76 us on 128 values); builtins in `map`.
-        med = statistics.median(stats)
-        scale = MAD_TO_STD * statistics.median(map(abs, map(operator.sub, stats, repeat(med))))
-        if signal == "loss":
-            return math.exp(med + self.sigma * max(scale, self.noise_floor / math.sqrt(self.sequences)))
-        return math.exp(med + max(self.sigma * scale, math.log(self.grad_ratio)))
-
     def window_state(self) -> dict:
         return {s: list(st) for s, st in self.stats.items()}
 
     def load_window_state(self, state: dict) -> None:
         self.stats = {s: RobustWindow(self.window, state.get(s, ())) for s in self.signals}
 
-    def verdict(self, m: Measurement, view: StepView) -> Verdict:
-        if m.nonfinite:
+    def verdict(self, m, view: StepView) -> Verdict:
+        if m.loss_nonfinite or m.grad_nonfinite:
             return OK
         if m.batches:
             sequences = 0
             for b in m.batches:
                 sequences += int(b[0].shape[0])
             self.sequences = max(1, sequences * view.world_size)
-        loss_bar = self.bar("loss") if "loss" in self.stats else None
+        loss_bar = grad_bar = None  # the value above which each signal spikes now (None: not armed)
+        for signal, stats in self.stats.items():
+            if len(stats) >= self.warmup:
+                # 1.4826·MAD: `statistics` rather than numpy (22 against 76 us on 128 values), builtins in `map`
+                med = statistics.median(stats)
+                scale = MAD_TO_STD * statistics.median(map(abs, map(operator.sub, stats, repeat(med))))
+                if signal == "loss":
+                    loss_bar = math.exp(med + self.sigma * max(scale, self.noise_floor / math.sqrt(self.sequences)))
+                else:
+                    grad_bar = math.exp(med + max(self.sigma * scale, math.log(self.grad_ratio)))
         high = loss_bar is not None and m.loss > loss_bar
-        verdict = OK
-        if self.episode is not None:
+        verdict, ep = OK, self.episode
+        if ep is not None:
             if high:
                 return self._continue(m)
-            verdict = self._recovered(m)
+            self.episode = None  # back under the bar at `m.step`: a one-off; the owner adds the ranked samples
+            if not ep.get("reported"):
+                n, back = len(ep["values"]), f"back under it at step {m.step}"
+                why = f"one step above the bar, {back} with the same weights: the batch was unusual, not the model"
+                if n > 1:
+                    why = f"{n} steps above the bar, {back}: a bad batch or a transient"
+                cause = "data" if n == 1 else "inconclusive"
+                detail = {**self.detail(ep), "cause": cause, "evidence": why, "recovered_at": m.step}
+                verdict = Verdict("log", "loss_spike", detail, onset=ep["onset"], context={"episode": ep, "rank": True})
         if high:
-            return self._open(m, loss_bar)
-        if "grad_norm" in self.stats:
-            grad_bar = self.bar("grad_norm")
-            if grad_bar is not None and m.grad_norm > grad_bar:
-                self.grad_spikes += 1  # clipping bounds the update and the loss did not confirm it: counted only
-            elif m.grad_norm > 0:
-                self.stats["grad_norm"].append(math.log(m.grad_norm))
+            self.episode = {"onset": m.step, "bar": loss_bar, "values": [], "grad_norm": m.grad_norm,
+                            "grad_bar": grad_bar, "batches": m.batches, "batch_idx": m.batch_idx}  # fmt: skip
+            return self._continue(m)
+        if grad_bar is not None and m.grad_norm > grad_bar:
+            self.grad_spikes += 1  # clipping bounds the update and the loss did not confirm it: counted only
+        elif "grad_norm" in self.stats and m.grad_norm > 0:
+            self.stats["grad_norm"].append(math.log(m.grad_norm))
         if "loss" in self.stats and m.loss > 0:
             self.stats["loss"].append(math.log(m.loss))
         return verdict
 
-    def _open(self, m: Measurement, bar: float) -> Verdict:
-        grad_bar = self.bar("grad_norm") if "grad_norm" in self.stats else None
-        self.episode = {
-            "onset": m.step,
-            "bar": bar,
-            "values": [m.loss],
-            "grad_norm": m.grad_norm,
-            "grad_bar": grad_bar,
-            "batches": m.batches,
-            "batch_idx": m.batch_idx,
-        }
-        if self.patience <= 1:
-            return self._persisted()
-        return Verdict("skip", suspect=True) if self.action == "skip" else Verdict(suspect=True)
-
-    def _continue(self, m: Measurement) -> Verdict:
+    def _continue(self, m) -> Verdict:
+        """One more step of the episode above the bar (its first opens it); `patience` of them: it persisted."""
         ep = self.episode
         ep["values"].append(m.loss)
         if ep.get("reported"):
             return Verdict(suspect=True)  # `action: log`: reported once, watched until the loss is back
-        if len(ep["values"]) >= self.patience:
-            return self._persisted()
-        return Verdict("skip", suspect=True) if self.action == "skip" else Verdict(suspect=True)
-
-    def detail(self, ep: dict) -> dict:
-        return {
-            "value": ep["values"][0],
-            "threshold": ep["bar"],
-            "sigma": self.sigma,
-            "grad_norm": ep["grad_norm"],
-            "grad_spike": ep["grad_bar"] is not None and ep["grad_norm"] > ep["grad_bar"],
-            "steps_above": len(ep["values"]),
-            "peak": max(ep["values"]),
-        }
-
-    def _recovered(self, m: Measurement) -> Verdict:
-        """The loss came back under the bar at `m.step`: a one-off; the owner adds the ranked samples."""
-        ep, self.episode = self.episode, None
-        if ep.get("reported"):
-            return OK
-        if len(ep["values"]) == 1:
-            cause = "data"
-            why = (
-                f"one step above the bar, back under it at step {m.step} with the same weights: "
-                "the batch was unusual, not the model"
-            )
-        else:
-            cause = "inconclusive"
-            why = f"{len(ep['values'])} steps above the bar, back under it at step {m.step}: a bad batch or a transient"
-        detail = {**self.detail(ep), "cause": cause, "evidence": why, "recovered_at": m.step}
-        return Verdict("log", "loss_spike", detail, onset=ep["onset"], context={"episode": ep, "rank": True})
-
-    def _persisted(self) -> Verdict:
-        ep = self.episode
+        if len(ep["values"]) < self.patience:
+            return Verdict("skip" if self.action == "skip" else "ok", suspect=True)
         if self.action == "log":
             ep["reported"] = True
             why = f"above the bar for {len(ep['values'])} steps; not rolled back (callbacks.stability.spike.action=log)"
@@ -183,6 +127,11 @@ class SpikeDetector(Check):
         detail = {**self.detail(ep), "persisting": True}
         return Verdict("rollback", "loss_spike", detail, onset=ep["onset"], reason=reason, suspect=True,
                        context={"episode": ep})  # fmt: skip
+
+    def detail(self, ep: dict) -> dict:
+        detail = {"value": ep["values"][0], "threshold": ep["bar"], "sigma": self.sigma, "grad_norm": ep["grad_norm"]}
+        grad_spike = ep["grad_bar"] is not None and ep["grad_norm"] > ep["grad_bar"]
+        return {**detail, "grad_spike": grad_spike, "steps_above": len(ep["values"]), "peak": max(ep["values"])}
 
     @staticmethod
     def cause(ep: dict, good_loss: float | None, to_step: int) -> tuple[str, str]:

@@ -1,17 +1,13 @@
-"""`GradParamStats`: the numbers that show a run drifting toward divergence before it gets there.
-
-Every `every_n_steps` steps (on the logging steps): per-block grad norm, param norm and update/param ratio
-‖Δθ‖/‖θ‖, max attention logit per layer, activation RMS per block, and the mean log Z of the output logits
-(Wortsman et al. 2023's output-logit divergence shows as its drift), each switched on for that step only.
-Alarms (`update_ratio`, `attn_logit`) are `log` verdicts; they never change training. As a `Check`: `arm`
-switches the measurements on, `measure` sends them into the step's collective and keeps a device copy of the
-weights; the next step's `measure` sends the update's norms (no host read of its own). All logged at the stats
-step; the update's part is lost only with the update (a restore abandons it).
+"""`GradParamStats`: the numbers that show a run drifting toward divergence before it gets there, on the logging
+steps only: per-block grad norm, param norm and update ratio ‖Δθ‖/‖θ‖, max attention logit, activation RMS, and the
+output's mean log Z (Wortsman et al. 2023). They travel in the step's collective, the update's (from a device copy
+of the weights) in the next step's, with no host read of their own; the alarms are `log` verdicts.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -20,10 +16,11 @@ from steadylm.logging_steps import is_logging_step
 from steadylm.stability.check import Check
 from steadylm.stability.verdict import OK, Verdict
 
+OWN, UPDATE = ("grad", "log_z", "logit", "act"), ("param", "delta", "total")  # a stats step's values; its update's
+
 
 def stats_metrics(values: dict) -> dict[str, float]:
-    """The logged metrics of a stats step from its reduced values (`GradParamStats.measure`'s keys): the step's own
-    part (grad, logit, act, log_z) or its update's (param, delta, total), whichever `values` holds."""
+    """The logged metrics of a stats step from its reduced values (`OWN` or `UPDATE`, whichever `values` holds)."""
     metrics = {}
     if "grad" in values:
         if not math.isnan(values["log_z"][0]):  # NaN: no output head was measured
@@ -44,12 +41,9 @@ def stats_metrics(values: dict) -> dict[str, float]:
 class GradParamStats(Check):
     name = "stats"
 
-    def __init__(
-        self, every_n_steps: int = 10, update_ratio_alarm: float = 1.0, attn_logit_alarm: float = 100.0
-    ) -> None:
+    def __init__(self, every_n_steps=10, update_ratio_alarm=1.0, attn_logit_alarm=100.0) -> None:
         self.every_n_steps = max(1, int(every_n_steps))
-        self.update_ratio_alarm = float(update_ratio_alarm)
-        self.attn_logit_alarm = float(attn_logit_alarm)
+        self.update_ratio_alarm, self.attn_logit_alarm = float(update_ratio_alarm), float(attn_logit_alarm)
         self.armed_step = -1
         self._hooks: list = []
         self._act: dict[int, torch.Tensor] = {}
@@ -57,10 +51,6 @@ class GradParamStats(Check):
         self._owner: torch.Tensor | None = None  # block index of each parameter (n_blocks for the rest)
         self._owner_key: tuple = ()
         self._held: dict | None = None  # the stats step's device values, waiting for its update
-
-    @staticmethod
-    def _blocks(pl_module) -> list[torch.nn.Module]:
-        return list(getattr(getattr(pl_module, "net", None), "blocks", []))
 
     def _sleep_after(self, step: int) -> None:
         """Asleep (`Check.next_step`) until the first stats step after `step`: a quiet step costs nothing."""
@@ -73,27 +63,33 @@ class GradParamStats(Check):
             if self._held is None:
                 self._sleep_after(view.step)
             return
-        self.armed_step = view.step
-        for i, block in enumerate(self._blocks(view.module)):
+        self.armed_step, net = view.step, view.module.net
+        for i, block in enumerate(getattr(net, "blocks", [])):
             block.attn.track_max_logit = True
-            self._hooks.append(block.register_forward_hook(self._rms_hook(i)))
-        head = getattr(view.module.net, "lm_head", None)
+            self._hooks.append(block.register_forward_hook(partial(self._rms_hook, i)))
+        head = getattr(net, "lm_head", None)
         if head is not None:
             self._hooks.append(head.register_forward_hook(self._log_z_hook))
 
     def _log_z_hook(self, module, args, out) -> None:
         self._log_z = out.detach().float().logsumexp(-1).mean()
 
-    def _rms_hook(self, i: int):
-        def hook(module, args, out):
-            self._act[i] = out.detach().float().pow(2).mean().sqrt()
-
-        return hook
+    def _rms_hook(self, i: int, module, args, out) -> None:
+        self._act[i] = out.detach().float().pow(2).mean().sqrt()
 
     def measure(self, view) -> dict:
-        """The last stats step's update, now that it is in the weights; and, on a stats step, its own numbers,
-        with a copy of the weights the update will be applied to (kept on the device for the next step)."""
-        out = self._report_update() if self._held is not None else {}
+        """The last stats step's update, now in the weights; on a stats step its own numbers, and a device copy of
+        the weights its update will be applied to."""
+        out = {}
+        if self._held is not None:
+            held, self._held = self._held, None
+            n, before = held["n"], held["before"]
+            param = per_tensor_norms(before)
+            moved = per_tensor_norms(sub_tensors([p.detach() for p in held["params"]], before))
+            # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
+            totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
+            out = {"param": ("mean", self._per_block(param, n)), "delta": ("mean", self._per_block(moved, n))}
+            out["total"] = ("mean", totals)
         if self.armed_step == view.step:
             out.update(self._hold(view.module))
         else:
@@ -105,7 +101,7 @@ class GradParamStats(Check):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        blocks = self._blocks(pl_module)
+        blocks = list(getattr(getattr(pl_module, "net", None), "blocks", []))
         params = [p for p in pl_module.parameters() if p.requires_grad]
         key = tuple(map(id, params))
         if self._owner is None or self._owner_key != key:  # built once: a host-to-device copy
@@ -136,44 +132,28 @@ class GradParamStats(Check):
         squares = torch.zeros(n + 1, device=norms.device).index_add_(0, self._owner, norms.square())
         return squares[:n].sqrt()
 
-    def _report_update(self) -> dict:
-        held, self._held = self._held, None
-        n, before = held["n"], held["before"]
-        delta = sub_tensors([p.detach() for p in held["params"]], before)
-        param, moved = per_tensor_norms(before), per_tensor_norms(delta)
-        # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
-        totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
-        return {
-            "param": ("mean", self._per_block(param, n)),
-            "delta": ("mean", self._per_block(moved, n)),
-            "total": ("mean", totals),
-        }
-
     def restored(self) -> None:
         """Weights restored: the held copy is of weights that no longer exist."""
         self._held = None
 
     def verdict(self, m, view) -> list[Verdict] | Verdict:
-        """The stats step's numbers that travelled with `m`: its own (a stats step's `m`) and its update's (the
-        step after it); their metrics and alarms, at the stats step."""
+        """The metrics and alarms, at the stats step, of its numbers that travelled with `m` (its own, its update's)."""
         values = m.values.get(self.name)
         if not values:
             return OK
         out = []
         if "delta" in values:  # the update of the stats step before `m.step`
-            metrics = stats_metrics({k: values[k] for k in ("param", "delta", "total")})
+            metrics = stats_metrics({k: values[k] for k in UPDATE})
             out.append(Verdict(onset=m.step - 1, metrics=metrics))
             ratio = [metrics[k] for k in metrics if k.startswith("stability/update_ratio/block_")]
-            worst = max([metrics["stability/update_ratio"], *ratio])
+            total = metrics["stability/update_ratio"]
+            worst = max([total, *ratio])
             if worst > self.update_ratio_alarm:
                 block = max(range(len(ratio)), key=ratio.__getitem__) if ratio else None
-                total = metrics["stability/update_ratio"]
                 detail = {"value": worst, "threshold": self.update_ratio_alarm, "global": total, "block": block}
                 out.append(Verdict("log", "update_ratio", detail, onset=m.step - 1))
         if "grad" in values:  # `m.step` is a stats step
-            out.append(
-                Verdict(onset=m.step, metrics=stats_metrics({k: values[k] for k in ("grad", "log_z", "logit", "act")}))
-            )
+            out.append(Verdict(onset=m.step, metrics=stats_metrics({k: values[k] for k in OWN})))
             logit = values["logit"]
             if logit and max(logit) > self.attn_logit_alarm:
                 i = max(range(len(logit)), key=logit.__getitem__)

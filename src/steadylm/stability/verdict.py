@@ -1,8 +1,5 @@
-"""`Verdict`: what a check concludes about one step's measurement; the step owner (`step.py`) applies it.
-
-Checks never act on the Trainer themselves: they return a verdict, so the order in which verdicts are
-applied, the escalation and the budget live in one place.
-"""
+"""`Verdict`: what a check concludes about one step's measurement. Checks never act on the Trainer: the owner
+(`step.py`) applies every verdict, so their order, the escalation and the budget live in one place."""
 
 from __future__ import annotations
 
