@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from steadylm.model import GPTConfig
-from steadylm.model.attention import CausalSelfAttention
+from steadylm.model.gpt import CausalSelfAttention
 
 CFG = GPTConfig(n_layer=1, n_head=2, d_model=32, context_length=16, vocab_size=64, init="torch_default")
 W = 4

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from steadylm.config import compose
 from steadylm.errors import ConfigError
 from steadylm.model import GPT, GPTConfig
-from steadylm.model.attention import apply_rope, rope_tables
+from steadylm.model.gpt import apply_rope, rope_tables
 
 V, T = 64, 16
 SWITCHES = list(

@@ -17,7 +17,7 @@ import lightning as L
 from tests.helpers import fit
 
 SRC = str(Path(__file__).resolve().parents[1] / "src" / "steadylm")
-MAX_FUNCTIONS, MAX_FILES = 35, 13
+MAX_FUNCTIONS, MAX_FILES = 35, 12
 
 
 class CountCalls(L.Callback):
