@@ -1,8 +1,4 @@
-"""The LightningModule: next-token loss, the optimizer (AdamW, or Muon + AdamW) and the LR of each update.
-
-Stability checks live in callbacks (`steadylm.stability`). Targets are never cast: a float or wrongly shaped
-target is a data bug, refused with a clear message.
-"""
+"""The LightningModule: next-token loss, the optimizer (AdamW, or Muon + AdamW) and the LR of each update."""
 
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ def _plain(cfg: Any) -> dict:
 
 
 def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
-    """Refuse targets that cross-entropy would accept but mean something else."""
+    """Refuse targets that cross-entropy would accept but mean something else: never cast, a data bug."""
     if targets.dtype != torch.long:
         raise TypeError(
             f"targets must be int64 token ids (torch.long), got {targets.dtype}; "
@@ -72,12 +68,10 @@ class LMModule(L.LightningModule):
         self.net = GPT(GPTConfig(**model))
         if compile:
             self.net.compile()  # in place: the state_dict keys stay `net.*`, no weight stored twice
-        # The resolved run config travels inside every checkpoint so `generate`/`doctor` need nothing else.
-        self.run_config = run_config
+        self.run_config = run_config  # saved in every checkpoint: `generate`/`doctor` need nothing else
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
-        # The LR state, written only here (the suite asks through `skip_step`, `scale_lr`, `continue_from`): the LR
-        # follows the applied steps, times `lr_scale` (a backoff lowers it).
+        # The LR state, written only through `skip_step`, `scale_lr` and `continue_from`.
         self.skipped_steps = 0
         self.lr_scale = 1.0
         # After a rewind the LR warms up again from the restored step: (applied step it began, its length).

@@ -1,13 +1,6 @@
-"""The learning-rate schedule: one `Schedule` object, built once from `optim`, read by the module, doctor and benchmarks.
-
-Linear warmup, then down to `min_lr` by `total_steps`, per applied optimizer step: `cosine` (default), `linear`,
-or `wsd` (warmup-stable-decay): flat at `lr` until the last `decay_fraction` of the run, then `1 - sqrt` (a lower
-final loss than linear at the same decay length; Hägele et al. 2024). Every wsd step before the decay has any
-longer run's LR, so a checkpoint from the flat part anneals to a shorter budget (`ckpt_path=<it>
-trainer.max_steps=<budget>`). No scheduler object: before each update the module sets every group's LR from
-the applied steps, the LR scale and a re-warmup after a rewind (`Schedule.lr_of`), as nanochat and OLMo-core do.
-It reads only `optim` and holds no state.
-"""
+"""The learning-rate schedule: linear warmup, then `cosine`, `linear` or `wsd` (flat, then a `1 - sqrt` decay over
+the last `decay_fraction`: Hägele et al. 2024) down to `min_lr` at `total_steps`, per applied step. No scheduler
+object or state: before each update the module sets the LR from `Schedule.lr_of`, as nanochat and OLMo-core do."""
 
 from __future__ import annotations
 
@@ -51,7 +44,6 @@ class Schedule:
 
     @classmethod
     def from_optim(cls, optim: Mapping) -> Schedule:
-        """The run's schedule from the `optim` config group (a DictConfig or a plain dict)."""
         return cls(
             lr=float(optim["lr"]),
             min_lr=float(optim["min_lr"]),
@@ -69,7 +61,6 @@ class Schedule:
         return self.warmup_steps
 
     def __call__(self, step: int) -> float:
-        """The scheduled LR of applied step `step` (0-based)."""
         return self.lr_of(step)
 
     def lr_of(self, step: int, scale: float = 1.0, rewarm: tuple[int, int] = (0, 0)) -> float:

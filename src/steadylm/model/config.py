@@ -1,7 +1,5 @@
-"""`GPTConfig`: the shape and switches of the transformer, GPT-2 (the defaults) or Llama (rotary, RMSNorm, SwiGLU,
-grouped-query attention, no biases). Startup builds it from `cfg.model` first, so a bad value stops the run with
-one `ConfigError` naming the key. Free of torch: it builds no model.
-"""
+"""`GPTConfig`: the transformer's shape and switches, checked at startup so a bad value stops the run with one
+`ConfigError` naming the key. Free of torch: it builds no model."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from steadylm.model.config import GPTConfig
 
 
 def layer(cls: type[nn.Module], init: str, *args, **kwargs) -> nn.Module:
-    """`cls(*args, **kwargs)`, skipping PyTorch's default init (most of building a big model on a CPU) when
-    `init_weights` overwrites it: built on the meta device, then given memory on the default one."""
+    """`cls(*args, **kwargs)`, built on the meta device when `init_weights` overwrites PyTorch's default init (most of
+    building a big model on a CPU)."""
     if init == "torch_default":
         return cls(*args, **kwargs)
     return cls(*args, device="meta", **kwargs).to_empty(device=torch.get_default_device())
