@@ -40,6 +40,7 @@ import lightning as L
 import torch
 
 from steadylm.config import compose
+from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.data.prepare import prepare
 from steadylm.schedule import set_lr
 from steadylm.train import build
@@ -117,8 +118,7 @@ def val_loss(module, loader, batches: int) -> float:
         for i, (x, y) in enumerate(loader):
             if i == batches:
                 break
-            s, c = module.token_losses(module.net(x), y)
-            ce, n = ce + float(s), n + int(c)
+            ce, n = ce + float(module.target_losses(x, y).sum()), n + int((y != IGNORE_INDEX).sum())
     return ce / max(n, 1)
 
 

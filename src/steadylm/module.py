@@ -82,23 +82,13 @@ class LMModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)
 
-    @staticmethod
-    def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy over non-padding targets, their count), in fp32: the exact per-token accounting."""
-        check_targets(logits, targets)
-        flat = logits.float().view(-1, logits.shape[-1])
-        tgt = targets.view(-1)
-        ce_sum = F.cross_entropy(flat, tgt, ignore_index=IGNORE_INDEX, reduction="sum")
-        return ce_sum, (tgt != IGNORE_INDEX).sum()
-
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean cross-entropy over non-padding tokens, plus z-loss; returns (loss, z_term)."""
-        ce_sum, count = self.token_losses(logits, targets)
-        # sum / count rather than mean: an all-padding batch (end of an epoch on one rank) gives 0, not NaN.
-        n = count.clamp(min=1)
-        ce = ce_sum / n
-        flat = logits.float().view(-1, logits.shape[-1])
-        valid = targets.view(-1) != IGNORE_INDEX
+        """Mean cross-entropy over non-padding targets in fp32, plus z-loss; returns (loss, z_term). A sum / count,
+        not a mean: an all-padding batch (the end of an epoch on one rank) gives 0, not NaN."""
+        check_targets(logits, targets)
+        flat, valid = logits.float().view(-1, logits.shape[-1]), targets.view(-1) != IGNORE_INDEX
+        n = valid.sum().clamp(min=1)
+        ce = F.cross_entropy(flat, targets.view(-1), ignore_index=IGNORE_INDEX, reduction="sum") / n
         z = flat.new_zeros(())
         if self.z_loss:
             # z-loss (PaLM): keeps log Z near 0 so logits cannot drift to where bf16 softmax loses precision.
