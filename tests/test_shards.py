@@ -5,7 +5,8 @@ import h5py
 import numpy as np
 import pytest
 
-from steadylm.data.shards import open_tokens, read_shard_info, write_shard
+from steadylm.data.prepare import write_shard
+from steadylm.data.shards import open_tokens, read_shard_info
 from steadylm.errors import DataError
 from tests.helpers import raw_shard
 

@@ -13,7 +13,6 @@ import itertools
 import operator
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
 
 PAD_INDEX = -1
@@ -120,10 +119,6 @@ class EpochBatchSampler(Sampler[list[int]]):
         G = self.global_batch
         ids = self.global_windows(np.arange(batch_idx * G, (batch_idx + 1) * G), epoch)
         return ids[self.rank :: self.world_size].tolist()
-
-    def permutation(self, epoch: int | None = None) -> torch.Tensor:
-        """The whole epoch's global order, cut or padded to len(self) * global_batch (O(n_windows): for tests)."""
-        return torch.from_numpy(self.global_windows(np.arange(len(self) * self.global_batch), epoch))
 
     def __iter__(self):
         # A block of batches' order at a time, handed out by C iterators: a step calls no function here.
