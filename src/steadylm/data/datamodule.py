@@ -1,9 +1,5 @@
-"""`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders.
-
-Every shard is checked against the model config before training (vocabulary, tokenizer, context length), each
-mismatch one `DataError` naming shard and key. Batches come from `EpochBatchSampler` (exact epochs across ranks,
-static shapes, resumable); each loader has its own `torch.Generator`, so none draws from the global one.
-"""
+"""`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders, every shard checked
+against the model config (vocabulary, tokenizer, context length) before training."""
 
 from __future__ import annotations
 
@@ -129,7 +125,7 @@ class ShardDataModule(L.LightningDataModule):
             # Several ranks: a bad window on one stops all of them with its one-line error (loaded only then).
             from steadylm.data.consensus import ConsensusLoader as loader
         workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator().manual_seed(self.seed)  # the loader's own: none draws from the global one
         return loader(dataset, batch_sampler=sampler, pin_memory=self.pin_memory, generator=gen, **workers)
 
     def train_dataloader(self) -> DataLoader:
@@ -177,8 +173,7 @@ class ShardDataModule(L.LightningDataModule):
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)
 
     def state_dict(self) -> dict:
-        """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume; while fitting, the batches
-        done are the Trainer's (the sampler runs ahead by prefetch)."""
+        """The sampler's position for an exact resume; while fitting, the Trainer's (the sampler runs ahead)."""
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:

@@ -84,7 +84,7 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
                     "(prepare writes uncompressed shards)",
                     stacklevel=2,
                 )
-            if deep and (real_max := scan_tokens(ds, path, vocab_size, "vocab_size", progress=progress)) != max_id:
+            if deep and (real_max := scan_tokens(ds, path, vocab_size, progress=progress)) != max_id:
                 raise DataError(
                     f"{path}: attribute max_token_id={max_id} but the largest id stored is {real_max}; {REWRITE}"
                 )
@@ -93,9 +93,8 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
         raise DataError(f"{path}: unreadable shard ({type(e).__name__}: {e}); {REWRITE}") from None
 
 
-def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> int:
-    """The largest id of `ds`, read in blocks; the first id >= `limit` is one `DataError` naming file, offset and id
-    (`what` names the bound: `vocab_size` or `model.vocab_size`)."""
+def scan_tokens(ds, path, vocab_size: int, *, progress: bool = False) -> int:
+    """The largest id of `ds`, read in blocks; the first id >= `vocab_size` is one `DataError` naming its offset."""
     from tqdm import tqdm
 
     n, real_max = int(ds.shape[0]), 0
@@ -109,10 +108,10 @@ def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> i
                     f"{path}: unreadable tokens at offset {start} ({type(e).__name__}: {str(e).splitlines()[0]}); "
                     + REWRITE
                 ) from None
-            if (m := int(block.max())) >= limit:
-                off = int(np.argmax(block >= limit))
+            if (m := int(block.max())) >= vocab_size:
+                off = int(np.argmax(block >= vocab_size))
                 raise DataError(
-                    f"{path}: token id {int(block[off])} at token offset {start + off} is >= {what} {limit} "
+                    f"{path}: token id {int(block[off])} at token offset {start + off} is >= vocab_size {vocab_size} "
                     f"(out-of-vocabulary id); {REWRITE}"
                 )
             real_max = max(real_max, m)
