@@ -158,7 +158,6 @@ class ShardDataModule(L.LightningDataModule):
         sizes = [i.n_bytes for i in self._infos("val")]
         return None if None in sizes else int(sum(sizes))
 
-    # UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say
     bytes_per_token = property(lambda self: self.val_n_bytes / self.val_n_tokens if self.val_n_bytes else None)
 
     def window_location(self, window: int) -> dict:

@@ -1,9 +1,7 @@
-"""Fixed-length training windows over HDF5 token shards: window i of a shard is `tokens[i*T : i*T + T + 1]`.
+"""Training windows over HDF5 shards: window i of a shard is `tokens[i*T : i*T + T + 1]`, -1 is padding (y = -100).
 
-Each process opens its own files (handles are never pickled). Index -1 is padding: x = zeros, y = -100. Every
-window is checked as it is read, so a bad id or short read is a `ShardReadError` naming file and offset, not a
-CUDA error.
-"""
+Each process opens its own files (handles are never pickled). Every window is checked as it is read, so a bad id
+or a short read is a `ShardReadError` naming file and offset, not a CUDA error."""
 
 from __future__ import annotations
 

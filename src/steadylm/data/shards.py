@@ -1,8 +1,7 @@
-"""HDF5 token shards (format 1, and 2 with `n_bytes`): validate and open for random reads (prepare writes them).
+"""HDF5 token shards (format 1, and 2 with `n_bytes`) as prepare writes them: validated, opened for random reads.
 
-A shard is a 1-D unsigned-integer dataset `tokens` (documents separated by `eos_id`) and attributes naming its
-tokenizer; a bad shard is one `DataError` naming the file, the problem and the fix.
-"""
+A shard is a 1-D unsigned-integer `tokens` (documents separated by `eos_id`) plus attributes; a bad one is one
+`DataError` naming the file, the problem and the fix."""
 
 from __future__ import annotations
 
