@@ -7,8 +7,8 @@ from torch.utils.data import DataLoader
 
 from steadylm.data.datamodule import ShardDataModule
 from steadylm.data.dataset import TokenWindows
+from steadylm.data.prepare import write_shard
 from steadylm.data.sampler import EpochBatchSampler
-from steadylm.data.shards import write_shard
 from steadylm.errors import DataError
 
 BYTES = dict(vocab_size=257, eos_id=256, tokenizer="bytes")
@@ -292,13 +292,13 @@ def test_feistel_permutation_is_a_bijection_for_awkward_sizes():
     assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # no visible trend with position
 
 
-def test_batch_windows_is_what_iter_yields_and_permutation_agrees():
+def test_batch_windows_is_what_iter_yields_and_global_windows_agree():
     for W in (1, 3):
         for r in range(W):
             s = EpochBatchSampler(101, 4, rank=r, world_size=W, seed=5)
             s.set_epoch(2)
             assert list(s) == [s.batch_windows(i) for i in range(len(s))]
-            perm = s.permutation()
+            perm = s.global_windows(np.arange(len(s) * s.global_batch))
             assert [perm[i * s.global_batch : (i + 1) * s.global_batch][r::W].tolist() for i in range(len(s))] == list(
                 s
             )
@@ -336,9 +336,9 @@ def test_index_over_a_billion_virtual_tokens_has_flat_memory_and_full_coverage()
         np.add.at(seen, ids, 1)
     assert seen.min() == 1 and seen.max() == 1
     assert first[0] == samplers[0].batch_windows(0)
-    # locate/shard_span name the file and token range behind any window
-    name, start, end = ds.shard_span(len(ds) - 1)
-    assert name == "train-00999.h5" and end - start == T + 1 and end <= 1_000_000
+    # locate names the shard and token offset behind any window
+    shard, start = ds.locate(len(ds) - 1)
+    assert ds.paths[shard].name == "train-00999.h5" and start + T + 1 <= 1_000_000
 
 
 # --- every window checked as it is read ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from steadylm.config import compose
-from steadylm.data.shards import write_shard
+from steadylm.data.prepare import write_shard
 from steadylm.devices import Devices
 from steadylm.doctor import run_checks
 from steadylm.doctor.check import FAIL, OK, WARN, guarded

@@ -5,7 +5,8 @@ import h5py
 import numpy as np
 import pytest
 
-from steadylm.data.shards import open_tokens, read_shard_info, write_shard
+from steadylm.data.prepare import write_shard
+from steadylm.data.shards import open_tokens, read_shard_info
 from steadylm.errors import DataError
 from tests.helpers import raw_shard
 
@@ -212,8 +213,8 @@ def test_scan_names_the_first_bad_offset_across_blocks(tmp_path, monkeypatch):
     raw_shard(p, toks, {"max_token_id": 199})
     _expect(p, "token id 280 at token offset 700 is >= vocab_size 257", deep=True, progress=True)
     with h5py.File(p, "r") as f:
-        with pytest.raises(DataError, match="deep.h5: token id 280 at token offset 700 is >= model.vocab_size 256"):
-            shards.scan_tokens(f["tokens"], p, 256, "model.vocab_size")
+        with pytest.raises(DataError, match="deep.h5: token id 280 at token offset 700 is >= vocab_size 256"):
+            shards.scan_tokens(f["tokens"], p, 256)
 
 
 def test_open_tokens_refuses_wrong_dtype(tmp_path):

@@ -1,9 +1,5 @@
-"""`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders.
-
-Every shard is checked against the model config before training (vocabulary, tokenizer, context length), each
-mismatch one `DataError` naming shard and key. Batches come from `EpochBatchSampler` (exact epochs across ranks,
-static shapes, resumable); each loader has its own `torch.Generator`, so none draws from the global one.
-"""
+"""`ShardDataModule`: the prepared shards in `data.dir` as Lightning train/val dataloaders, every shard checked
+against the model config (vocabulary, tokenizer, context length) before training."""
 
 from __future__ import annotations
 
@@ -129,7 +125,7 @@ class ShardDataModule(L.LightningDataModule):
             # Several ranks: a bad window on one stops all of them with its one-line error (loaded only then).
             from steadylm.data.consensus import ConsensusLoader as loader
         workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator().manual_seed(self.seed)  # the loader's own: none draws from the global one
         return loader(dataset, batch_sampler=sampler, pin_memory=self.pin_memory, generator=gen, **workers)
 
     def train_dataloader(self) -> DataLoader:
@@ -162,7 +158,6 @@ class ShardDataModule(L.LightningDataModule):
         sizes = [i.n_bytes for i in self._infos("val")]
         return None if None in sizes else int(sum(sizes))
 
-    # UTF-8 bytes per val token (shard format 2 records the bytes); None when a shard does not say
     bytes_per_token = property(lambda self: self.val_n_bytes / self.val_n_tokens if self.val_n_bytes else None)
 
     def window_location(self, window: int) -> dict:
@@ -177,8 +172,7 @@ class ShardDataModule(L.LightningDataModule):
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)
 
     def state_dict(self) -> dict:
-        """`{"train_sampler": {"epoch", "batches_done"}}` for an exact mid-epoch resume; while fitting, the batches
-        done are the Trainer's (the sampler runs ahead by prefetch)."""
+        """The sampler's position for an exact resume; while fitting, the Trainer's (the sampler runs ahead)."""
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:

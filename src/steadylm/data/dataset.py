@@ -1,10 +1,7 @@
-"""Fixed-length training windows over HDF5 token shards, safe to use in DataLoader workers.
+"""Training windows over HDF5 shards: window i of a shard is `tokens[i*T : i*T + T + 1]`, -1 is padding (y = -100).
 
-Window i of a shard is `tokens[i*T : i*T + T + 1]`; windows never cross shards. Files are opened lazily by the
-process that reads them and never pickled, so each worker opens its own. Index -1 is padding (`EpochBatchSampler`):
-x = zeros, y = -100 (left out of the loss). Every window is checked as it is read (one `max()`): an id the model
-cannot embed, a short read or an unreadable chunk is a `ShardReadError` naming file and offset, never a CUDA error.
-"""
+Each process opens its own files (handles are never pickled). Every window is checked as it is read, so a bad id
+or a short read is a `ShardReadError` naming file and offset, not a CUDA error."""
 
 from __future__ import annotations
 
@@ -18,20 +15,16 @@ from torch.utils.data import Dataset
 
 from steadylm.data.sampler import PAD_INDEX
 from steadylm.data.shards import REWRITE, ShardInfo, open_tokens, read_shard_info
-from steadylm.errors import DataError
+from steadylm.errors import DataError, one_line
 
 IGNORE_INDEX = -100  # the target of a padding position: cross-entropy leaves it out
 
 
 class ShardReadError(DataError):
-    """A bad window found mid-run. Torch re-raises one from a worker as `ShardReadError("Caught ... Original
-    Traceback ...")`; only the original sentence is kept, so the entry point still prints one line."""
+    """A bad window found mid-run; one re-raised from a worker ("Caught ... Original Traceback ...") keeps its line."""
 
     def __init__(self, message: str):
-        message, tag = str(message), f"{type(self).__name__}: "
-        if "Original Traceback" in message and (last := [ln for ln in message.splitlines() if tag in ln]):
-            message = last[-1].split(tag, 1)[1]
-        super().__init__(message)
+        super().__init__(one_line(message))
 
 
 class TokenWindows(Dataset):
@@ -58,11 +51,6 @@ class TokenWindows(Dataset):
         """Global window index -> (shard number, token offset of the window's first token)."""
         s = int(np.searchsorted(self.starts, index, side="right")) - 1
         return s, (int(index) - int(self.starts[s])) * self.context_length
-
-    def shard_span(self, index: int) -> tuple[str, int, int]:
-        """Global window index -> (shard file name, first token offset, end offset, exclusive)."""
-        s, off = self.locate(index)
-        return self.paths[s].name, off, off + self.context_length + 1
 
     def __getitem__(self, index):
         return self.__getitems__([index])[0]

@@ -20,6 +20,7 @@ the same command resumes from the units already encoded (a different command sta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,13 +35,14 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from itertools import chain, islice
 from pathlib import Path
 
+import h5py
 import numpy as np
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 from steadylm.cli import run_command
 from steadylm.data.readers import ReadStats, Unit, doc_units, plan_units, read_unit, resolve_inputs
-from steadylm.data.shards import FORMAT_VERSION, token_dtype, write_shard
+from steadylm.data.shards import DATASET, FORMAT_VERSION, ShardInfo
 from steadylm.data.tokenizer import (
     ByteTokenizer,
     get_tokenizer,
@@ -63,6 +65,7 @@ BPE_VOCAB_RANGE = (512, 32768)
 VAL_SLICE_TOKENS = 2048  # the shortest val slice: many model windows long, so few windows straddle two slices
 MAX_VAL_SLICES = 100
 STAGE_PREFIX = ".prepare-"
+CHUNK_TOKENS = 64 * 1024
 
 
 def stdlib_files() -> list[Path]:
@@ -194,6 +197,58 @@ def _worker_init() -> None:
 
 
 # --- merging units into shards --------------------------------------------------------------------------
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if int(vocab_size) <= 65536 else np.dtype(np.uint32)
+
+
+def write_shard(
+    path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, tokenizer: str, n_bytes: int | None = None
+) -> ShardInfo:
+    """Write `tokens` to `path` atomically (nothing appears on failure); format 2 with `n_bytes`, else format 1."""
+    path = Path(path)
+    partial = path.with_suffix(".h5.partial")
+    try:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or arr.size == 0:
+            raise DataError(
+                f"{path}: refusing to write a shard of shape {arr.shape}; tokens must be a non-empty 1-D array"
+            )
+        if arr.dtype.kind not in "ui":
+            raise DataError(f"{path}: refusing to write tokens of dtype {arr.dtype}; token ids must be integers")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= vocab_size:
+            raise DataError(
+                f"{path}: token ids span {lo}..{hi} but vocab_size is {vocab_size}; the tokenizer and vocab_size disagree"
+            )
+        if not 0 <= eos_id < vocab_size:
+            raise DataError(f"{path}: eos_id {eos_id} is outside vocab_size {vocab_size}")
+        data = arr.astype(token_dtype(vocab_size), copy=False)
+        version, n_bytes = (1, None) if n_bytes is None else (2, int(n_bytes))
+        info = ShardInfo(
+            path, data.size, int(vocab_size), int(eos_id), str(tokenizer), hi, data.dtype.name, n_bytes, version
+        )
+        with h5py.File(partial, "w") as f:
+            ds = f.create_dataset(DATASET, shape=data.shape, dtype=data.dtype, chunks=(min(CHUNK_TOKENS, data.size),))
+            for name in ("vocab_size", "eos_id", "tokenizer"):
+                f.attrs[name] = getattr(info, name)
+            ds[...] = data
+            # Written last: a reader that sees them knows the data before them is complete.
+            for name in ("n_tokens", "max_token_id", "n_bytes", "format_version"):
+                if getattr(info, name) is not None:
+                    f.attrs[name] = getattr(info, name)
+        os.replace(partial, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        if isinstance(e, DataError) or not isinstance(e, Exception):
+            raise
+        raise DataError(
+            f"{path}: could not write shard ({type(e).__name__}: {e}); nothing was left behind, "
+            "free disk space or fix the output folder and re-run prepare"
+        ) from e
+    return info
 
 
 class _SplitWriter:

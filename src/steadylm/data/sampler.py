@@ -1,10 +1,6 @@
-"""Epoch-exact, rank-aware batch sampler with static batch shapes and mid-epoch resume.
-
-Every window is visited once per epoch across all ranks; the last global batch is padded with -1
-(see `TokenWindows`), so every rank yields as many equally shaped batches and none waits alone in a
-collective. The order depends only on (seed, epoch, rank, world_size): a keyed Feistel bijection of
-[0, n_windows), evaluated on any positions, so memory stays O(1) in the corpus size and any batch's
-windows can be recomputed (`batch_windows`) for resume and forensics.
+"""Every window once per epoch across ranks, in static-shape batches (the last padded with -1, so no rank waits
+alone in a collective), resumable mid-epoch. The order is a keyed Feistel bijection of (seed, epoch): O(1) memory,
+and any batch's windows can be recomputed (`batch_windows`).
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ import itertools
 import operator
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
 
 PAD_INDEX = -1
@@ -30,11 +25,8 @@ def _mix64(x: int) -> int:
 
 
 class FeistelPermutation:
-    """A keyed pseudo-random bijection of [0, n), evaluated on any positions in O(len) time and O(1) state.
-
-    A balanced six-round Feistel network permutes [0, 4^k), the smallest even-bit domain >= n; a position that
-    lands outside [0, n) is encrypted again until it falls inside (cycle walking). For shuffling, not secrecy.
-    """
+    """A keyed bijection of [0, n) in O(1) state: six Feistel rounds permute [0, 4^k) >= n, and a position that
+    lands outside [0, n) is encrypted again until it falls inside (cycle walking). For shuffling, not secrecy."""
 
     ROUNDS = 6
 
@@ -90,6 +82,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self.batches_done = 0  # batches handed out in the current epoch
         self.start_batch = 0  # batches to skip on the next iteration (resume), then reset
+        self.per_block = max(1, _BLOCK // self.global_batch)
         self._order: tuple[int, FeistelPermutation] | None = None  # (epoch, its order), keys hashed once
         # Lightning calls `set_epoch` on `loader.batch_sampler.sampler`, never on the batch sampler itself.
         self.sampler = self
@@ -121,24 +114,17 @@ class EpochBatchSampler(Sampler[list[int]]):
         ids = self.global_windows(np.arange(batch_idx * G, (batch_idx + 1) * G), epoch)
         return ids[self.rank :: self.world_size].tolist()
 
-    def permutation(self, epoch: int | None = None) -> torch.Tensor:
-        """The whole epoch's global order, cut or padded to len(self) * global_batch (O(n_windows): for tests)."""
-        return torch.from_numpy(self.global_windows(np.arange(len(self) * self.global_batch), epoch))
-
     def __iter__(self):
         # A block of batches' order at a time, handed out by C iterators: a step calls no function here.
         start, self.start_batch = self.start_batch, 0
-        self.batches_done, per_block = start, max(1, _BLOCK // self.global_batch)
-        return itertools.chain.from_iterable(map(self._block, range(start, len(self), per_block)))
+        self.batches_done = start
+        return itertools.chain.from_iterable(map(self._block, range(start, len(self), self.per_block)))
 
     def _block(self, first: int):
         """An iterator over this rank's batches `first`, ... of the block; `batches_done` counts what it yielded."""
-        G, last = self.global_batch, min(first + max(1, _BLOCK // self.global_batch), len(self))
-        rows = self.global_windows(np.arange(first * G, last * G)).reshape(last - first, G)[
-            :, self.rank :: self.world_size
-        ]
-        self._before, self._rows = first, iter(rows.tolist())
-        self._size = last - first
+        self._before, self._size, G = first, min(self.per_block, len(self) - first), self.global_batch
+        rows = self.global_windows(np.arange(first * G, (first + self._size) * G)).reshape(self._size, G)
+        self._rows = iter(rows[:, self.rank :: self.world_size].tolist())
         return self._rows
 
     @property

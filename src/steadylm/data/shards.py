@@ -1,14 +1,10 @@
-"""HDF5 token shards (format 1, and 2 with `n_bytes`): write atomically, validate, open for random reads.
+"""HDF5 token shards (format 1, and 2 with `n_bytes`) as prepare writes them: validated, opened for random reads.
 
-The only code that knows the layout: a 1-D unsigned-integer dataset `tokens` (documents separated by `eos_id`) and
-attributes naming its tokenizer. A write goes to `*.h5.partial` then is renamed, so no partial file has a shard's
-name; a bad shard is one `DataError` naming the file, the problem and the fix.
-"""
+A shard is a 1-D unsigned-integer `tokens` (documents separated by `eos_id`) plus attributes; a bad one is one
+`DataError` naming the file, the problem and the fix."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +17,6 @@ from steadylm.errors import DataError
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DATASET = "tokens"
-CHUNK_TOKENS = 64 * 1024
 # A window of T+1 <= 64Ki tokens touches at most two 128-256 KiB chunks; 16 MiB keeps nearby windows' chunks per
 # worker per shard. HDF5 advises ~100x as many hash slots as chunks, prime.
 RDCC_NBYTES = 16 * 1024 * 1024
@@ -41,58 +36,6 @@ class ShardInfo:
     dtype: str
     n_bytes: int | None = None  # format 2 only
     format_version: int = FORMAT_VERSION
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if int(vocab_size) <= 65536 else np.dtype(np.uint32)
-
-
-def write_shard(
-    path, tokens: np.ndarray, *, vocab_size: int, eos_id: int, tokenizer: str, n_bytes: int | None = None
-) -> ShardInfo:
-    """Write `tokens` to `path` atomically (nothing appears on failure); format 2 with `n_bytes`, else format 1."""
-    path = Path(path)
-    partial = path.with_suffix(".h5.partial")
-    try:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1 or arr.size == 0:
-            raise DataError(
-                f"{path}: refusing to write a shard of shape {arr.shape}; tokens must be a non-empty 1-D array"
-            )
-        if arr.dtype.kind not in "ui":
-            raise DataError(f"{path}: refusing to write tokens of dtype {arr.dtype}; token ids must be integers")
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= vocab_size:
-            raise DataError(
-                f"{path}: token ids span {lo}..{hi} but vocab_size is {vocab_size}; the tokenizer and vocab_size disagree"
-            )
-        if not 0 <= eos_id < vocab_size:
-            raise DataError(f"{path}: eos_id {eos_id} is outside vocab_size {vocab_size}")
-        data = arr.astype(token_dtype(vocab_size), copy=False)
-        version, n_bytes = (1, None) if n_bytes is None else (2, int(n_bytes))
-        info = ShardInfo(
-            path, data.size, int(vocab_size), int(eos_id), str(tokenizer), hi, data.dtype.name, n_bytes, version
-        )
-        with h5py.File(partial, "w") as f:
-            ds = f.create_dataset(DATASET, shape=data.shape, dtype=data.dtype, chunks=(min(CHUNK_TOKENS, data.size),))
-            for name in ("vocab_size", "eos_id", "tokenizer"):
-                f.attrs[name] = getattr(info, name)
-            ds[...] = data
-            # Written last: a reader that sees them knows the data before them is complete.
-            for name in ("n_tokens", "max_token_id", "n_bytes", "format_version"):
-                if getattr(info, name) is not None:
-                    f.attrs[name] = getattr(info, name)
-        os.replace(partial, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-        if isinstance(e, DataError) or not isinstance(e, Exception):
-            raise
-        raise DataError(
-            f"{path}: could not write shard ({type(e).__name__}: {e}); nothing was left behind, "
-            "free disk space or fix the output folder and re-run prepare"
-        ) from e
-    return info
 
 
 def _attr(f: h5py.File, path: Path, name: str):
@@ -140,7 +83,7 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
                     "(prepare writes uncompressed shards)",
                     stacklevel=2,
                 )
-            if deep and (real_max := scan_tokens(ds, path, vocab_size, "vocab_size", progress=progress)) != max_id:
+            if deep and (real_max := scan_tokens(ds, path, vocab_size, progress=progress)) != max_id:
                 raise DataError(
                     f"{path}: attribute max_token_id={max_id} but the largest id stored is {real_max}; {REWRITE}"
                 )
@@ -149,9 +92,8 @@ def read_shard_info(path, *, deep: bool = False, progress: bool = False) -> Shar
         raise DataError(f"{path}: unreadable shard ({type(e).__name__}: {e}); {REWRITE}") from None
 
 
-def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> int:
-    """The largest id of `ds`, read in blocks; the first id >= `limit` is one `DataError` naming file, offset and id
-    (`what` names the bound: `vocab_size` or `model.vocab_size`)."""
+def scan_tokens(ds, path, vocab_size: int, *, progress: bool = False) -> int:
+    """The largest id of `ds`, read in blocks; the first id >= `vocab_size` is one `DataError` naming its offset."""
     from tqdm import tqdm
 
     n, real_max = int(ds.shape[0]), 0
@@ -165,10 +107,10 @@ def scan_tokens(ds, path, limit: int, what: str, *, progress: bool = False) -> i
                     f"{path}: unreadable tokens at offset {start} ({type(e).__name__}: {str(e).splitlines()[0]}); "
                     + REWRITE
                 ) from None
-            if (m := int(block.max())) >= limit:
-                off = int(np.argmax(block >= limit))
+            if (m := int(block.max())) >= vocab_size:
+                off = int(np.argmax(block >= vocab_size))
                 raise DataError(
-                    f"{path}: token id {int(block[off])} at token offset {start + off} is >= {what} {limit} "
+                    f"{path}: token id {int(block[off])} at token offset {start + off} is >= vocab_size {vocab_size} "
                     f"(out-of-vocabulary id); {REWRITE}"
                 )
             real_max = max(real_max, m)

@@ -1,20 +1,15 @@
 """`DataSource`: what startup, doctor and the stability suspects may ask of any `data:` DataModule.
 
-A data source is one file: a LightningDataModule named by `data._target_` with these members; nothing outside it
-reads its config keys, so a new source needs no edit elsewhere. `vocab_size` fills a null `model.vocab_size`,
-`tokenizer_name` a null `data.tokenizer`; `bytes_per_token` (val bits per byte) and `n_train_windows` (doctor;
-a stream) may be `None`; `window_ids(batch_idx)` (this rank's windows, `[]` if unknown) and `window_location(window)`
-(`{shard, shard_path, start, end}`, `{}` if unknown) feed spike suspects; `state_dict()` / `load_state_dict()` are
-exact resume (in every checkpoint). `setup("fit")` runs before anything else is built, so a bad source refuses with
-one line up front; a DataModule lacking a member is refused at startup naming it (`missing_members`).
+Only the DataModule reads its config keys, so a new source is one file. `bytes_per_token` and `n_train_windows` may
+be `None`, `window_ids` `[]` and `window_location` `{}` when unknown; `setup("fit")` runs before anything else is
+built, so a bad source refuses with one line up front.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
-@runtime_checkable
 class DataSource(Protocol):
     @property
     def vocab_size(self) -> int: ...
