@@ -40,8 +40,8 @@ import lightning as L
 import torch
 
 from steadylm.config import compose
-from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.data.prepare import prepare
+from steadylm.model.gpt import IGNORE_INDEX
 from steadylm.schedule import set_lr
 from steadylm.train import build
 

@@ -12,11 +12,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.compat import attached_trainer, foreach_norm
-from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
-from steadylm.model.gpt import chunked_head_loss, chunked_token_losses
+from steadylm.model.gpt import IGNORE_INDEX, chunked_head_loss, chunked_token_losses
 from steadylm.model.mup import param_groups
 from steadylm.schedule import Schedule, set_lr
 

@@ -16,8 +16,7 @@ from torch.utils.data import Dataset
 from steadylm.data.sampler import PAD_INDEX
 from steadylm.data.shards import REWRITE, ShardInfo, open_tokens, read_shard_info
 from steadylm.errors import DataError, one_line
-
-IGNORE_INDEX = -100  # the target of a padding position: cross-entropy leaves it out
+from steadylm.model.gpt import IGNORE_INDEX
 
 
 class ShardReadError(DataError):

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.eval.tasks import Item
+from steadylm.model.gpt import IGNORE_INDEX
 
 TargetLosses = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steadylm.data.dataset import IGNORE_INDEX
 from steadylm.model import mup
 from steadylm.model.config import GPTConfig
 from steadylm.model.init import init_weights, layer, make_norm
 from steadylm.model.switches import require_understood
+
+IGNORE_INDEX = -100  # the target of a padding position: the loss leaves it out (torch's cross_entropy default)
 
 
 def rope_tables(head_dim: int, context_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

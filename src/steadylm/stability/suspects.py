@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
-from steadylm.data.dataset import IGNORE_INDEX
+from steadylm.model.gpt import IGNORE_INDEX
 from steadylm.stability.events import stability_dir
 
 PREVIEW_CHARS = 160
