@@ -1,18 +1,12 @@
-"""`Recovery`: snapshots of the last good state, rollback to them, escalation, and a bounded budget.
+"""`Recovery`: snapshots of the last good state, rollback to them with escalation, and a bounded budget.
 
-Every `every_n_steps` steps, at the start of the step, weights, buffers, optimizer state, RNGs and the spike
-window are copied aside, never into training memory (`snapshot_store`: pinned host memory on a GPU, a file in
-the run dir on a CPU; under FSDP each rank its own shards). A snapshot is *known-good* once its step's loss is
-finite and no check found it suspect; the last `keep` are kept. Rollback restores, bitwise, the newest
-known-good one taken before the trouble (a checkpoint on disk when none is there); the LR follows the applied
-steps, the batches since are skipped, and every rank decides alike from the same reduced values.
-
-Escalation: a second rollback at the same place (within `same_place_steps`) restores the older snapshot and
-skips `skip_steps` more (doubling each time); a third also multiplies the LR scale by `lr_backoff`. Past
-`max_rollbacks` all ranks stop (`checkpoints/diverged.ckpt` and `checkpoints/last_good.ckpt`). At the end, a
-final loss (median of the last `final_window` steps) more than `final_margin` above the best since the last
-restore has diverged (`final_verdict`); one that ended before getting back to the best before that restore was
-cut short (`unrecovered`), not diverged.
+Every `every_n_steps` steps the state (weights, buffers, optimizer, RNGs, the spike window) is copied aside, never
+into training memory (`snapshot_store`); it is *known-good* once its step's loss is finite and no check found it
+suspect, and the last `keep` are kept. A rollback restores, bitwise, the newest known-good one from before the
+trouble (a checkpoint when there is none) and skips the batches since; a repeat at the same place goes further back
+and skips more, a third lowers the LR, past `max_rollbacks` the run stops. Every rank decides alike from the same
+reduced values. At the end a final loss far above the best since the last restore has diverged (`final_verdict`);
+one that never got back to the best before that restore was cut short (`unrecovered`), not diverged.
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from steadylm.checkpointing import rng_state, set_rng_state
 from steadylm.errors import ConfigError
@@ -72,16 +67,6 @@ def _live_tensors(pl_module) -> list[torch.Tensor]:
     return [p.detach() for p in pl_module.parameters()] + [b for b in pl_module.buffers()]
 
 
-def _map_leaves(obj, leaf: type, fn):
-    if isinstance(obj, leaf):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_leaves(v, leaf, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_leaves(v, leaf, fn) for v in obj)
-    return obj
-
-
 def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None, store=None) -> Snapshot:
     """Copy the current state into `reuse`'s storage, else `store` (a new `HostBuffers` when None); asynchronous:
     `store.wait_written()` before anything changes the weights or the optimizer state."""
@@ -92,7 +77,7 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
         tensors.append(t)
         return _Slot(len(tensors) - 1)
 
-    optim = [_map_leaves(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
+    optim = [apply_to_collection(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
     target = reuse.store if reuse is not None else (store if store is not None else HostBuffers())
     target.write(tensors)
     return Snapshot(
@@ -113,7 +98,7 @@ def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
-        opt.load_state_dict(_map_leaves(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
+        opt.load_state_dict(apply_to_collection(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
 
 
 class Recovery:
@@ -241,10 +226,8 @@ class Recovery:
 
     def close(self) -> None:
         """The fit is over: every snapshot's file is removed (`good` stays, as a record of the steps)."""
-        for snap in {
-            id(s): s for s in [*self.good, self.candidate, self._spare, self.first, self.pinned] if s
-        }.values():
-            snap.store.close()
+        for snap in filter(None, (self.candidate, *self.good, self._spare, self.first, self.pinned)):
+            snap.store.close()  # one held twice: closing again is a no-op
         self.candidate = self._spare = None
         if self._flusher is not None:
             self._flusher.shutdown(wait=True)
@@ -349,9 +332,8 @@ class Recovery:
         ones included) at or before `latest`; `to_first`: the held first one when there is one. No strike, no budget
         (the caller bounds it). None when memory holds none: the caller keeps its weights."""
         kept = [s for s in (self.first, self.pinned, *self.good) if s is not None and s.step <= latest]
-        earliest = min(kept, key=lambda s: s.step, default=None)
-        first = self.first if self.first is not None and self.first.step <= latest else None
-        snap = (first if to_first else None) or self.newest_good(before=before) or earliest
+        first = self.first if to_first and any(s is self.first for s in kept) else None
+        snap = first or self.newest_good(before=before) or min(kept, key=lambda s: s.step, default=None)
         if snap is None:
             return None
         restored = self._restore(trainer, pl_module, snap)
