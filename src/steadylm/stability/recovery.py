@@ -152,13 +152,12 @@ class Recovery:
     def maybe_snapshot(self, trainer, pl_module, detectors) -> None:
         """At the start of a step, every `every_n_steps`: copy the state; `detectors()`: the checks' windows."""
         step = trainer.global_step
-        if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
+        if not self.every_n_steps or step % self.every_n_steps or any(s.step == step for s in self.good):
+            return  # not due, or taken already (the accumulated micro-batches of one step)
+        if self.candidate is not None and self.candidate.step == step:
             return
-        if any(s.step == step for s in self.good):
-            return  # taken already (the accumulated micro-batches of one step)
-        reuse, self._spare = self._spare, None
-        if reuse is None and self.candidate is not None:
-            reuse = self.candidate  # never confirmed (its step's value not read yet): the newer one replaces it
+        # A candidate never confirmed (its step's value not read yet) is replaced by the newer one.
+        reuse, self._spare = self._spare or self.candidate, None
         if reuse is not None and reuse.store.kind != self._where(pl_module):
             reuse.store.close()  # the snapshots moved to host memory: a file is not reused
             reuse = None
@@ -245,7 +244,7 @@ class Recovery:
                 if self.hold_first and self.first is None:
                     self.first = c
                 if len(self.good) > self.keep:
-                    self._drop(self.good.popleft())
+                    self._release(self.good.popleft())
             else:
                 self._set_spare(c)
         if not m.nonfinite:
@@ -297,7 +296,7 @@ class Recovery:
         set_rng_state(snap.rng)
         # Newer snapshots hold the weights being abandoned.
         while self.good and self.good[-1].step > snap.step:
-            self._drop(self.good.pop())
+            self._release(self.good.pop())
         if not self.good:  # the held first snapshot, evicted by newer ones and now the newest again
             self.good.append(snap)
         if self.candidate is not None:
@@ -306,8 +305,9 @@ class Recovery:
         source = "memory" if snap.store.kind == "memory" else "snapshot_file"
         return {"source": source, "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
 
-    def _drop(self, snap: Snapshot) -> None:
-        if snap is not self.first and snap is not self.pinned:  # a held snapshot keeps its storage
+    def _release(self, snap: Snapshot | None) -> None:
+        """`snap` is let go: its storage serves the next snapshot unless it is still good, first or pinned."""
+        if snap is not None and all(snap is not s for s in (self.first, self.pinned, *self.good)):
             self._set_spare(snap)
 
     def pin(self, before: int) -> None:
@@ -318,14 +318,12 @@ class Recovery:
 
     def unpin(self) -> None:
         pinned, self.pinned = self.pinned, None
-        if pinned is not None and pinned not in self.good and pinned is not self.first:
-            self._set_spare(pinned)
+        self._release(pinned)
 
     def release_first(self) -> None:
         """Stop holding the first snapshot beyond `keep` (its buffers serve the next snapshot)."""
         first, self.first, self.hold_first = self.first, None, False
-        if first is not None and first not in self.good and first is not self.pinned:
-            self._set_spare(first)
+        self._release(first)
 
     def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
         """Restore the newest good snapshot taken at or before `before`, else the earliest (the held first and the pinned
