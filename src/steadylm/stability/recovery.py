@@ -195,7 +195,6 @@ class Recovery:
             )
 
     def _where(self, pl_module) -> str:
-        """Where new snapshots go: `store`, or under auto host memory on a GPU, a file on a CPU."""
         if self.where is None:
             on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
             self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
