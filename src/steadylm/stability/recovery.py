@@ -1,18 +1,12 @@
-"""`Recovery`: snapshots of the last good state, rollback to them, escalation, and a bounded budget.
+"""`Recovery`: snapshots of the last good state, rollback to them with escalation, and a bounded budget.
 
-Every `every_n_steps` steps, at the start of the step, weights, buffers, optimizer state, RNGs and the spike
-window are copied aside, never into training memory (`snapshot_store`: pinned host memory on a GPU, a file in
-the run dir on a CPU; under FSDP each rank its own shards). A snapshot is *known-good* once its step's loss is
-finite and no check found it suspect; the last `keep` are kept. Rollback restores, bitwise, the newest
-known-good one taken before the trouble (a checkpoint on disk when none is there); the LR follows the applied
-steps, the batches since are skipped, and every rank decides alike from the same reduced values.
-
-Escalation: a second rollback at the same place (within `same_place_steps`) restores the older snapshot and
-skips `skip_steps` more (doubling each time); a third also multiplies the LR scale by `lr_backoff`. Past
-`max_rollbacks` all ranks stop (`checkpoints/diverged.ckpt` and `checkpoints/last_good.ckpt`). At the end, a
-final loss (median of the last `final_window` steps) more than `final_margin` above the best since the last
-restore has diverged (`final_verdict`); one that ended before getting back to the best before that restore was
-cut short (`unrecovered`), not diverged.
+Every `every_n_steps` steps the state (weights, buffers, optimizer, RNGs, the spike window) is copied aside, never
+into training memory (`snapshot_store`); it is *known-good* once its step's loss is finite and no check found it
+suspect, and the last `keep` are kept. A rollback restores, bitwise, the newest known-good one from before the
+trouble (a checkpoint when there is none) and skips the batches since; a repeat at the same place goes further back
+and skips more, a third lowers the LR, past `max_rollbacks` the run stops. Every rank decides alike from the same
+reduced values. At the end a final loss far above the best since the last restore has diverged (`final_verdict`);
+one that never got back to the best before that restore was cut short (`unrecovered`), not diverged.
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from steadylm.checkpointing import rng_state, set_rng_state
 from steadylm.errors import ConfigError
@@ -72,16 +67,6 @@ def _live_tensors(pl_module) -> list[torch.Tensor]:
     return [p.detach() for p in pl_module.parameters()] + [b for b in pl_module.buffers()]
 
 
-def _map_leaves(obj, leaf: type, fn):
-    if isinstance(obj, leaf):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_leaves(v, leaf, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_leaves(v, leaf, fn) for v in obj)
-    return obj
-
-
 def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None, store=None) -> Snapshot:
     """Copy the current state into `reuse`'s storage, else `store` (a new `HostBuffers` when None); asynchronous:
     `store.wait_written()` before anything changes the weights or the optimizer state."""
@@ -92,7 +77,7 @@ def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict |
         tensors.append(t)
         return _Slot(len(tensors) - 1)
 
-    optim = [_map_leaves(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
+    optim = [apply_to_collection(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
     target = reuse.store if reuse is not None else (store if store is not None else HostBuffers())
     target.write(tensors)
     return Snapshot(
@@ -113,7 +98,7 @@ def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
-        opt.load_state_dict(_map_leaves(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
+        opt.load_state_dict(apply_to_collection(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
 
 
 class Recovery:
@@ -167,13 +152,12 @@ class Recovery:
     def maybe_snapshot(self, trainer, pl_module, detectors) -> None:
         """At the start of a step, every `every_n_steps`: copy the state; `detectors()`: the checks' windows."""
         step = trainer.global_step
-        if not self.every_n_steps or step % self.every_n_steps or (self.candidate and self.candidate.step == step):
+        if not self.every_n_steps or step % self.every_n_steps or any(s.step == step for s in self.good):
+            return  # not due, or taken already (the accumulated micro-batches of one step)
+        if self.candidate is not None and self.candidate.step == step:
             return
-        if any(s.step == step for s in self.good):
-            return  # taken already (the accumulated micro-batches of one step)
-        reuse, self._spare = self._spare, None
-        if reuse is None and self.candidate is not None:
-            reuse = self.candidate  # never confirmed (its step's value not read yet): the newer one replaces it
+        # A candidate never confirmed (its step's value not read yet) is replaced by the newer one.
+        reuse, self._spare = self._spare or self.candidate, None
         if reuse is not None and reuse.store.kind != self._where(pl_module):
             reuse.store.close()  # the snapshots moved to host memory: a file is not reused
             reuse = None
@@ -211,7 +195,6 @@ class Recovery:
             )
 
     def _where(self, pl_module) -> str:
-        """Where new snapshots go: `store`, or under auto host memory on a GPU, a file on a CPU."""
         if self.where is None:
             on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
             self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
@@ -241,10 +224,8 @@ class Recovery:
 
     def close(self) -> None:
         """The fit is over: every snapshot's file is removed (`good` stays, as a record of the steps)."""
-        for snap in {
-            id(s): s for s in [*self.good, self.candidate, self._spare, self.first, self.pinned] if s
-        }.values():
-            snap.store.close()
+        for snap in filter(None, (self.candidate, *self.good, self._spare, self.first, self.pinned)):
+            snap.store.close()  # one held twice: closing again is a no-op
         self.candidate = self._spare = None
         if self._flusher is not None:
             self._flusher.shutdown(wait=True)
@@ -262,7 +243,7 @@ class Recovery:
                 if self.hold_first and self.first is None:
                     self.first = c
                 if len(self.good) > self.keep:
-                    self._drop(self.good.popleft())
+                    self._release(self.good.popleft())
             else:
                 self._set_spare(c)
         if not m.nonfinite:
@@ -314,7 +295,7 @@ class Recovery:
         set_rng_state(snap.rng)
         # Newer snapshots hold the weights being abandoned.
         while self.good and self.good[-1].step > snap.step:
-            self._drop(self.good.pop())
+            self._release(self.good.pop())
         if not self.good:  # the held first snapshot, evicted by newer ones and now the newest again
             self.good.append(snap)
         if self.candidate is not None:
@@ -323,8 +304,9 @@ class Recovery:
         source = "memory" if snap.store.kind == "memory" else "snapshot_file"
         return {"source": source, "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
 
-    def _drop(self, snap: Snapshot) -> None:
-        if snap is not self.first and snap is not self.pinned:  # a held snapshot keeps its storage
+    def _release(self, snap: Snapshot | None) -> None:
+        """`snap` is let go: its storage serves the next snapshot unless it is still good, first or pinned."""
+        if snap is not None and all(snap is not s for s in (self.first, self.pinned, *self.good)):
             self._set_spare(snap)
 
     def pin(self, before: int) -> None:
@@ -335,23 +317,20 @@ class Recovery:
 
     def unpin(self) -> None:
         pinned, self.pinned = self.pinned, None
-        if pinned is not None and pinned not in self.good and pinned is not self.first:
-            self._set_spare(pinned)
+        self._release(pinned)
 
     def release_first(self) -> None:
         """Stop holding the first snapshot beyond `keep` (its buffers serve the next snapshot)."""
         first, self.first, self.hold_first = self.first, None, False
-        if first is not None and first not in self.good and first is not self.pinned:
-            self._set_spare(first)
+        self._release(first)
 
     def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
         """Restore the newest good snapshot taken at or before `before`, else the earliest (the held first and the pinned
         ones included) at or before `latest`; `to_first`: the held first one when there is one. No strike, no budget
         (the caller bounds it). None when memory holds none: the caller keeps its weights."""
         kept = [s for s in (self.first, self.pinned, *self.good) if s is not None and s.step <= latest]
-        earliest = min(kept, key=lambda s: s.step, default=None)
-        first = self.first if self.first is not None and self.first.step <= latest else None
-        snap = (first if to_first else None) or self.newest_good(before=before) or earliest
+        first = self.first if to_first and any(s is self.first for s in kept) else None
+        snap = first or self.newest_good(before=before) or min(kept, key=lambda s: s.step, default=None)
         if snap is None:
             return None
         restored = self._restore(trainer, pl_module, snap)

@@ -1,10 +1,8 @@
 """Where a snapshot's tensors live, never in the memory training runs in; both reuse their storage and are bitwise.
 
-- `HostBuffers` (`store: memory`; `auto` on a GPU): pinned host buffers, copied `non_blocking` on the training
-  stream (stream order reads the weights before the update).
-- `SnapshotFile` (`store: disk`; `auto` on a CPU, where host memory *is* training memory): a file written by a
-  background thread during forward and backward (the update waits for it), then synced and dropped from the page
-  cache (`fdatasync`, `POSIX_FADV_DONTNEED`): it holds no RAM once on disk.
+- `HostBuffers` (`store: memory`; `auto` on a GPU): pinned host buffers, copied `non_blocking` on the training stream.
+- `SnapshotFile` (`store: disk`; `auto` on a CPU, where host memory *is* training memory): written by a background
+  thread during forward and backward, then synced and dropped from the page cache: it holds no RAM once on disk.
 """
 
 from __future__ import annotations
