@@ -2,8 +2,8 @@
 
 A check has three parts, and nothing else to edit to add one:
 
-- `measure(view) -> {key: (op, tensor)}`, on the device after backward, `op` "mean" or "max" over ranks: every
-  check's values join the step's one collective (with the loss and grad norm) and reach the host once.
+- `measure(view) -> {key: (op, tensor)}`, on the device after backward, `op` "mean" or "max" over ranks: they join
+  the step's one collective.
 - `verdict(m, view) -> Verdict | list[Verdict]`, on the host, from the step's `Measurement` (`m.values[name]`:
   its keys, reduced; one step late when the read is deferred). It may `log`, `backoff` (`context["backoff"]`:
   the evidence its `Backoff` granted, `context["policy"]`: that `Backoff`), `skip` (only with
@@ -15,9 +15,7 @@ Optional hooks for checks that act on the model (QK-clip, the stats): `arm(view)
 forward; `after_update(view, reduced)` once the update is in the weights, `reduced[name][key]` a "max" value
 still on the device; `restored()` after the suite restored weights; `restart()` after any LR backoff. A check
 that judges some steps only sets `next_step`, the first step it wants again: before it the owner calls none
-of its hooks, so a quiet step costs it nothing. Add one in config, `callbacks.stability.checks.<name>:
-{_target_: my.module.MyCheck, ...}`; the owner (`Stability.judge`) applies every verdict, so escalation and
-the rollback budget stay in one place.
+of its hooks. Add one in config, `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
 """
 
 from __future__ import annotations

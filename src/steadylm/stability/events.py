@@ -1,6 +1,5 @@
-"""The append-only events log, `<run_dir>/stability/events.jsonl`: one JSON line per detection or action of the
-stability callbacks (`emit`), which `diagnose` and the tests read. Only global rank 0 writes (all ranks reach the same
-decisions), and each line is flushed as it is written so a crash right after an event still leaves it on disk."""
+"""The append-only events log, `<run_dir>/stability/events.jsonl`: one JSON line per detection or action; only
+global rank 0 writes (all ranks reach the same decisions), each line flushed so a crash still leaves it on disk."""
 
 from __future__ import annotations
 

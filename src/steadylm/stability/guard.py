@@ -1,8 +1,6 @@
-"""`NonFiniteGuard`: a non-finite loss or gradient on any rank skips the optimizer step on all ranks (the verdict
-comes from the all-reduced measurement). A skip leaves weights, moments, step count and weight decay untouched
-(`found_inf` when deferred, else every `.grad` set to None: zeroed grads would still decay and move AdamW) and the
-LR does not advance; `max_consecutive` in a row roll back to before the streak, or stop. Under fp16 a non-finite
-gradient with a finite loss is the loss scaler's business (`LossScaleMonitor`)."""
+"""`NonFiniteGuard`: a non-finite loss or gradient on any rank skips the step on all ranks; `max_consecutive` in a
+row roll back to before the streak, or stop. A skip drops the grads (zeroed ones would still decay and move AdamW).
+Under fp16 a non-finite gradient with a finite loss is the loss scaler's business (`LossScaleMonitor`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The one per-optimizer-step measurement: loss and pre-clip grad norm, and whether each is finite.
+"""The one per-optimizer-step measurement: loss, pre-clip grad norm and every check's values, all-reduced once.
 
-Taken after backward (after the fp16 unscale, before clipping and the update), packed with every check's values
-(`Check.measure`) into one tensor per reduction (mean, max), all-reduced once each and copied to the host once:
-every check reads the same reduced value, so every rank decides alike and none waits alone in a collective.
-Deferred (the default with a fused optimizer): the copy is read one step later, so the CPU never waits for the
-GPU; a non-finite step is still skipped at the step, on the device, through the optimizer's `found_inf` (as
-GradScaler does), and only what follows from the host value (events, rollback, stop) comes a step late. Read at
-the step itself under fp16's scaler, a non-fused optimizer, or a check that acts before the update (`defer=false`).
+One reduced value for all, so every rank decides alike and none waits alone in a collective. Deferred (with a
+fused optimizer and no fp16 scaler) the host reads it a step late, so the CPU never waits for the GPU; a
+non-finite step is still skipped on the device, through the optimizer's `found_inf` (as GradScaler does).
 """
 
 from __future__ import annotations
@@ -98,7 +94,7 @@ class Packed:
 
 
 class InFlight:
-    """One step's reduced values on their way to the host, and the per-parameter norms (kept on the device)."""
+    """One step's reduced values on their way to the host, and the per-parameter norms (on the device)."""
 
     def __init__(self, step: int, packed: Packed, norms, params: list, net, world: int, batches, batch_idx) -> None:
         self.step, self.packed, self.norms, self.params, self.net, self.world = step, packed, norms, params, net, world

@@ -2,10 +2,7 @@
 
 Robust, so healthy runs raise nothing at any batch size or depth: each value in log space against the median of the
 last `window` accepted ones, in units of 1.4826·MAD (one wild value cannot inflate it) at least `noise_floor /
-sqrt(sequences per step)`. A grad-norm spike alone is only counted (`stability/grad_spikes`): clipping bounds its
-update. A loss spike opens an episode: back under the bar within `patience` steps it is a one-off (`log`; the owner
-ranks the onset batch's samples); above for `patience` steps, `action: rollback` rolls back to before the onset and
-the owner re-runs the onset batch on the restored weights to name the cause; `skip` also skips each spiking step.
+sqrt(sequences per step)`. A grad-norm spike alone is only counted: clipping bounds its update.
 """
 
 from __future__ import annotations
@@ -77,7 +74,7 @@ class SpikeDetector(Check):
         loss_bar = grad_bar = None  # the value above which each signal spikes now (None: not armed)
         for signal, stats in self.stats.items():
             if len(stats) >= self.warmup:
-                # 1.4826·MAD: `statistics` rather than numpy (22 against 76 us on 128 values), builtins in `map`
+                # `statistics` rather than numpy: 22 against 76 us on 128 values
                 med = statistics.median(stats)
                 scale = MAD_TO_STD * statistics.median(map(abs, map(operator.sub, stats, repeat(med))))
                 if signal == "loss":

@@ -1,19 +1,8 @@
-"""`Stability`: the one callback that owns each optimizer step's stability checks.
+"""`Stability`: the one callback that owns each optimizer step's stability checks (start at `on_before_optimizer_step`).
 
-One optimizer step, as Lightning runs it:
-
-- `on_train_batch_start` (each micro-batch): the batch is kept for the measurement; at the step's first, the
-  checks `arm` (QK-clip's and the stats' tracking); every N steps `Recovery` starts a snapshot;
-- forward, loss, backward (`LMModule`); each micro-batch's loss reaches `on_before_backward`;
-- `on_before_optimizer_step` -> `step` (read it: the whole order is there);
-- `LMModule.on_before_optimizer_step`: every group's LR from the applied steps and the LR scale; clipping; the update;
-- `on_train_batch_end`: the checks' `after_update` (QK-clip bounds the logits the next step starts from, on the
-  device); before a checkpoint, the measurement in flight is acted on.
-
-Every check (guard, spike, loss scale, init loss, QK-clip, stats, signals, and those named in config) follows the
-one protocol of `check.py`: it returns `Verdict`s and this class applies them, so escalation, the one LR backoff,
-the rollback budget and the stop live here. Every decision comes from the one all-reduced measurement, so every
-rank applies the same verdicts: no rank ever raises or stops alone.
+Every check follows the protocol of `check.py`: it returns `Verdict`s and this class applies them, so escalation,
+the one LR backoff, the rollback budget and the stop live here. Every decision comes from the one all-reduced
+measurement, so every rank applies the same verdicts: no rank ever raises or stops alone.
 """
 
 from __future__ import annotations
@@ -39,8 +28,7 @@ from steadylm.stability.verdict import Verdict
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 
 
-# The built-in checks, by config key: each module is imported only when its node is in the config, so a suite cut
-# to `guard`, `spike` and `recovery` loads none of the others.
+# The built-in checks, by config key: a module is imported only when its node is in the config.
 CHECKS = {
     "guard": "steadylm.stability.guard:NonFiniteGuard",
     "spike": "steadylm.stability.spike:SpikeDetector",
@@ -54,8 +42,7 @@ BUILT_IN = (*CHECKS, "recovery", "measure")
 
 
 def _part(name: str, settings, cls=None):
-    """A check built from its config node `callbacks.stability.<name>`, or None when the node is null (removed).
-    `cls`: its class; by default the built-in check's, imported here (`CHECKS`)."""
+    """A check built from its config node `callbacks.stability.<name>`, or None when the node is null (removed)."""
     if settings is None:
         return None
     if cls is None:
@@ -120,7 +107,7 @@ class Stability(L.Callback):
         # Judged in this order, the built-in checks first, then `callbacks.stability.checks` in config order.
         built_in = (self.guard, self.spike, self.loss_scale, self.init_loss, self.qk_clip, self.stats, self.signals)
         self.checks = [c for c in built_in if c is not None] + _checks_from_config(checks)
-        self._judged: list = self.checks  # those that apply to this fit, and those with each hook (`setup`)
+        self._judged: list = self.checks  # those that apply to this fit (`setup`)
         self._hooked: dict[str, list] = {"arm": [], "measure": [], "after_update": []}
         self._rewinds = any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks)
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
@@ -149,9 +136,8 @@ class Stability(L.Callback):
         if self.signals is not None:  # where QK-clip acts it owns the mitigation; the signals read the stats
             self.signals.qk_clip_acts = self.qk_clip in self._judged
             self.signals.every_n_steps = self.stats.every_n_steps if self.stats in self._judged else None
-        # Growth that crosses tau during the LR warmup began near the start (at 10x the stable LR the max logit is
-        # 10x the stable run's by step 19 and crosses 100 at 60): recovery holds the fit's first snapshot until
-        # the warmup, and a streak begun at its end, are over; a rewind then goes back to it.
+        # Growth that crosses tau during the LR warmup began near the start: recovery holds the fit's first
+        # snapshot until the warmup, and a streak begun at its end, are over; a rewind then goes back to it.
         warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
         streaks = [c.streak_steps() for c in self._judged if hasattr(c, "streak_steps")]
         self._hold_until = warmup + max(streaks, default=0) if self._rewinds else -1
@@ -222,12 +208,9 @@ class Stability(L.Callback):
             self.in_step = False
 
     def judge(self, trainer, pl_module, optimizer, m: Measurement, view: StepView | None = None) -> None:
-        """Every check's verdicts on `m`, in order (2. guard: non-finite, skip, a streak -> rollback; 3. spike:
-        persisting -> rollback; 4. fp16 loss scale; step 0's loss against ln(V); QK-clip's record of its clip;
-        the stats and the precursor signals of the last stats step; then the checks named in config); the
-        snapshot of `m.step` is confirmed or dropped (5), the verdicts' metrics logged, and the verdicts applied in
-        the same order (6; a rollback, a rewind or a stop ends the list: it acted on `m`). A check asleep at
-        `m.step` (`Check.next_step`) is asked only when `m` carries its own values."""
+        """Every check's verdicts on `m`, in `self.checks` order; the snapshot of `m.step` confirmed or dropped;
+        the verdicts applied in the same order (a rollback, a rewind or a stop ends the list: it acted on `m`).
+        A check asleep at `m.step` (`Check.next_step`) is asked only when `m` carries its own values."""
         view = view or self._view(trainer, pl_module)
         verdicts, suspect = [], False
         for c in self._judged:
@@ -286,11 +269,8 @@ class Stability(L.Callback):
         return False
 
     def skip(self, trainer, pl_module, step: int) -> None:
-        """Step `step` does not count: its update never reaches the weights and the LR does not advance.
-
-        Decided at the step itself: no grads, so the optimizer leaves weights, moments, step count and decay
-        alone. Decided a step late (deferred): the device already skipped it; only the count is left to do.
-        """
+        """Step `step` does not count: its update never reaches the weights and the LR does not advance (a step
+        late, deferred, the device already skipped it: only the count is left to do)."""
         if step == self._skipped_at:
             return
         self._skipped_at = step
@@ -323,10 +303,8 @@ class Stability(L.Callback):
         emit(trainer, m.step, "rollback", "rollback", restored)
 
     def stop(self, trainer, pl_module, step: int, v: Verdict, detail: dict, why=None, m=None) -> None:
-        """Stop every rank together (all reach it from the same reduced values), keeping the last good state.
-
-        `why`: what made the verdict's own remedy impossible; `m`: the measurement behind it (for the forensics).
-        """
+        """Stop every rank together (all reach it from the same reduced values), keeping the last good state;
+        `why`: what made the verdict's own remedy impossible."""
         self.stopped = True
         if self.in_step:
             self._drop_grads(pl_module)
@@ -366,8 +344,8 @@ class Stability(L.Callback):
         }
 
     def _save_last_good(self, trainer, pl_module) -> dict:
-        """`diverged.ckpt` (the state now) beside `last_good.ckpt` (the newest known-good snapshot); the run ends
-        on the good weights. Every rank calls it: saving is collective."""
+        """`diverged.ckpt` (the state now) beside `last_good.ckpt` (the newest known-good snapshot); every rank
+        calls it: saving is collective."""
         folder = checkpoint_dir(trainer)
         out = {}
         try:
@@ -376,7 +354,6 @@ class Stability(L.Callback):
             snap = self.recovery.newest_good()
             if snap is not None:
                 restore_weights_and_optimizer(trainer, pl_module, snap)
-                # The LR of a resume from it continues where those weights left off.
                 pl_module.continue_from(snap.applied, trainer.global_step)
                 trainer.save_checkpoint(folder / "last_good.ckpt")
                 out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
@@ -406,19 +383,23 @@ class Stability(L.Callback):
 
     # -- the one LR backoff: QK-clip's and the precursor signals' ------------------------------------------------
     def back_off(self, trainer, pl_module, step: int, cause: str, backoff, detail: dict, why: str) -> bool:
-        """Apply a backoff a check's `Backoff` granted (`detail`: its evidence): the LR scale times the factor,
-        a rewind to the good snapshot from before `rewind_before` (and a re-warmup), the `lr_backoff` event and
-        the rollback's. Every rank reaches it from the same reduced values. True when it rewound."""
+        """Apply a backoff a check's `Backoff` granted (`detail`: its evidence): the LR scaled, maybe a rewind
+        (and a re-warmup), and their events. True when it rewound."""
         pl_module.scale_lr(detail["lr_backoff"])
         keys = ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
-        target = {k: detail.pop(k) for k in keys if k in detail}  # QK-clip's rewind_target, else before the onset
+        target = {k: detail.pop(k) for k in keys if k in detail}
         detail = {**detail, "cause": cause, "reason": why}
         restored = None
-        if "rewind_before" in target:
-            target = {"rewind_latest": target["rewind_before"], "rewind_first": True, **target}
-            # the LR ramps up again from the restored weights over `rewarm_steps`, as at the start
-            restored = self._rewind(trainer, pl_module, target, backoff.rewarm_steps)
+        if "rewind_before" in target:  # back to the snapshot QK-clip's `rewind_target` names, else before the onset
+            before = target["rewind_before"]
+            latest, first = target.get("rewind_latest", before), target.get("rewind_first", True)
+            restored = self.recovery.rewind(trainer, pl_module, before, latest, to_first=first)
         if restored is not None:
+            if self.in_step:  # the step under way was computed on the abandoned weights
+                self._drop_grads(pl_module)
+            self.measure.abandon()  # the step just done measured the abandoned weights
+            # the LR ramps up again from the restored weights over `rewarm_steps`, as at the start
+            self._continue_from(trainer, pl_module, restored, backoff.rewarm_steps)
             detail["rewound_to"] = restored["to_step"]
             if "growth_from" in target:
                 detail["growth_from"] = target["growth_from"]  # the last step the logits were below the floor
@@ -431,23 +412,9 @@ class Stability(L.Callback):
             c.restart()
         return restored is not None
 
-    def _rewind(self, trainer, pl_module, target: dict, rewarm_steps: int) -> dict | None:
-        """Back to the snapshot QK-clip's `rewind_target` names (the weights grown since are the damage the clip
-        cannot undo); the LR schedule resumes where those weights left off."""
-        restored = self.recovery.rewind(
-            trainer, pl_module, target["rewind_before"], target["rewind_latest"], to_first=target["rewind_first"]
-        )
-        if restored is None:
-            return None
-        if self.in_step:  # the step under way was computed on the abandoned weights
-            self._drop_grads(pl_module)
-        self.measure.abandon()  # the step just done measured the abandoned weights
-        self._continue_from(trainer, pl_module, restored, rewarm_steps)
-        return restored
-
     def _continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
-        """After a restore: the LR schedule resumes at the restored weights' applied steps, the checks' windows
-        at theirs. Pops `applied` and `detectors` from `restored` (the rest is the event's)."""
+        """After a restore: the LR schedule and the checks' windows resume at the restored weights'; pops
+        `applied` and `detectors` from `restored` (the rest is the event's)."""
         for c in (c for c in self.checks if overrides(c, "restored")):  # what the abandoned weights showed
             c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
@@ -508,15 +475,12 @@ class Stability(L.Callback):
     # -- resume -----------------------------------------------------------------------------------------------
     def _parts(self) -> dict:
         """Everything with state a checkpoint keeps, by name (a check's is its config key)."""
-        parts = {c.name: c for c in self.checks}
-        parts.update(recovery=self.recovery, measure=self.measure)
-        return {name: part for name, part in parts.items() if part is not None}
+        return {**{c.name: c for c in self.checks}, "recovery": self.recovery, "measure": self.measure}
 
     def state_dict(self) -> dict:
         return {name: part.state_dict() for name, part in self._parts().items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.measure.load_state_dict(state.get("measure"))
         for name, part in self._parts().items():
-            if name != "measure" and name in state:
+            if name in state:
                 part.load_state_dict(state[name])

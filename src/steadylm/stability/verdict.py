@@ -1,5 +1,4 @@
-"""`Verdict`: what a check concludes about one step's measurement. Checks never act on the Trainer: the owner
-(`step.py`) applies every verdict, so their order, the escalation and the budget live in one place."""
+"""`Verdict`: what a check concludes about one step's measurement; the owner (`step.py`) applies it."""
 
 from __future__ import annotations
 
