@@ -1,9 +1,6 @@
-"""Preemption: a signal (SLURM's SIGTERM, or SIGUSR1 before the time limit; Kubernetes' SIGTERM; Ctrl-C) stops
-every rank at the same optimizer-step boundary with `checkpoints/preempted.ckpt` (never one rank alone: the others
-would hang in a collective); `finish_preempted` writes `result.json` (`status: preempted`), prints the resume
-command, requeues after a pre-timeout signal (submitit's SIGUSR2 through its own handler) and exits 75,
-`EX_TEMPFAIL`: not failure (1), bad input (2), divergence (3) or a kill (128+N), so a scheduler can requeue on it.
-"""
+"""Preemption (docs/resume.md): a signal stops every rank at the same optimizer-step boundary with
+`checkpoints/preempted.ckpt` (never one rank alone: the others would hang in a collective), then the run requeues
+if asked and exits 75, `EX_TEMPFAIL`, which a scheduler can requeue on (failure is 1, divergence 3, a kill 128+N)."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from steadylm.errors import ConfigError
 
 log = logging.getLogger("steadylm")
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL (see the module docstring)
+PREEMPTED_EXIT = 75
 
 
 def submitit_signal(env: dict[str, str]) -> int | None:
@@ -49,13 +46,9 @@ def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
 
 
 class Preempted(Exception):
-    """Ends `trainer.fit` on every rank at the same step once the checkpoint is written; `train` catches it."""
+    """Ends `trainer.fit` on every rank at one step, the state saved (so SaveOnException leaves it alone)."""
 
-    state_saved = True  # SaveOnException leaves it alone: the state is already on disk
-
-    def __init__(self, record: dict[str, Any]):
-        super().__init__(f"{record['signal']} at step {record['step']}")
-        self.record = record
+    state_saved = True
 
 
 class CollectiveFlag:
@@ -67,8 +60,7 @@ class CollectiveFlag:
         self.group = self._work = None  # no group with one process: the local flag is the answer
         self._buffer: torch.Tensor | None = None
 
-    def setup(self) -> None:
-        """Collective (every rank calls it): the group the flag travels on."""
+    def setup(self) -> None:  # collective
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.group = dist.new_group(backend="gloo")
 
@@ -81,7 +73,7 @@ class CollectiveFlag:
         return agreed
 
     def wait(self) -> int:
-        """Finish the all-reduce in flight (every rank has one at the same polls) and return its result."""
+        """Finish the all-reduce in flight (every rank has one at the same polls): its result."""
         if self._work is None:
             return 0
         self._work.wait()
@@ -91,12 +83,10 @@ class CollectiveFlag:
 
 class Preemption(L.Callback):
     """Last of the callbacks (`place_last`, even with `callbacks=none`), it saves in `on_train_batch_end` after their
-    step bookkeeping, as `ModelCheckpoint` would, and only then arms `on_train_batch_start` to raise `Preempted` as
-    the next batch starts, after Lightning logged the step: not `should_stop`,
-    whose early-stopping validation and end-of-epoch last.ckpt resume=auto would prefer. Its handlers replace
-    Lightning's (a mid-loop `SIGTERMException`, exit 0) from `on_train_start`. A second Ctrl-C interrupts at once.
-    Its batch-end hook is armed by the first signal, or for the whole fit where ranks must agree (DDP): a quiet
-    single-process step calls nothing here."""
+    step bookkeeping and raises `Preempted` as the next batch starts, after Lightning logged the step: not
+    `should_stop`, whose validation and end-of-epoch last.ckpt resume=auto would prefer. Its handlers replace
+    Lightning's (a mid-loop `SIGTERMException`) from `on_train_start`. Its batch-end hook is armed by the first
+    signal, or for the whole fit where ranks must agree (DDP): a quiet single-process step calls nothing here."""
 
     def __init__(
         self,
@@ -110,7 +100,7 @@ class Preemption(L.Callback):
             raise ConfigError(f"callbacks.preemption.every_n_steps={every_n_steps} must be >= 1")
         self.path = Path(dirpath) / filename
         self.signals = signal_numbers(signals, "callbacks.preemption.signals")
-        self.submitit = submitit_signal(dict(os.environ))  # submitit's requeue signal, caught too
+        self.submitit = submitit_signal(dict(os.environ))
         if self.submitit not in (None, *self.signals):
             self.signals.append(self.submitit)
         self.requeue_signals = signal_numbers(requeue_signals, "callbacks.preemption.requeue_signals")
@@ -147,7 +137,7 @@ class Preemption(L.Callback):
         if step == self._last_step or step % self.every_n_steps:
             return  # inside gradient accumulation (not a step boundary), or not a polling step
         self._last_step = step
-        agreed = self.flag.poll(self.received) if self.flag.group is not None else self.received
+        agreed = self.flag.poll(self.received)
         if agreed:  # collective: every rank is at this step
             trainer.save_checkpoint(self.path, weights_only=False)
             name, path = signal.Signals(agreed).name, str(self.path)
@@ -158,7 +148,7 @@ class Preemption(L.Callback):
 
     def _stop(self, trainer, pl_module, batch, batch_idx) -> None:
         self.flag.wait()
-        raise Preempted(self.record)
+        raise Preempted
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.flag.wait()  # leave no all-reduce in flight
@@ -187,7 +177,6 @@ class Preemption(L.Callback):
 
 
 def preemption_callback(trainer) -> Preemption:
-    """The trainer's `Preemption` (`place_last` made sure there is one)."""
     return next(c for c in trainer.callbacks if isinstance(c, Preemption))
 
 
@@ -226,9 +215,9 @@ def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
 
 
 def finish_preempted(cfg, preemption: Preemption) -> None:
-    """The end of a preempted run (result.json written): one line, the requeue, exit 75. A multirun ends too (the
-    signal was for the process), after its `hydra.callbacks`' `on_multirun_end` (the sweep summary), which Hydra
-    never reaches; a submitit job's sweep is summarised by its submitting process."""
+    """After result.json: one line, the requeue, exit 75. A multirun ends too (the signal was for the process), after
+    the `on_multirun_end` of its `hydra.callbacks` (the sweep summary), which Hydra never reaches; a submitit job's
+    sweep is summarised by its submitting process."""
     record = preemption.record
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
