@@ -1,31 +1,23 @@
 """Preemption (docs/resume.md): a signal stops every rank at the same optimizer-step boundary with
-`checkpoints/preempted.ckpt` (never one rank alone: the others would hang in a collective), then the run requeues
-if asked and exits 75, `EX_TEMPFAIL`, which a scheduler can requeue on (failure is 1, divergence 3, a kill 128+N)."""
+`checkpoints/preempted.ckpt` (never one rank alone: the others would hang in a collective); `steadylm.requeue` ends
+the process."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from steadylm.distributed import in_multirun, is_rank_zero_process
 from steadylm.errors import ConfigError
 
 log = logging.getLogger("steadylm")
-
-PREEMPTED_EXIT = 75
 
 
 def submitit_signal(env: dict[str, str]) -> int | None:
@@ -109,8 +101,6 @@ class Preemption(L.Callback):
         self.received = 0  # the first signal this process received (0: none)
         self.record: dict[str, Any] | None = None  # set on every rank when the run stopped for a signal
         self.previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's requeue among them)
-        self._last_step = -1
-        self._trainer = None
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -162,18 +152,9 @@ class Preemption(L.Callback):
             return "submitit"
         return "scontrol" if signum in self.requeue_signals else None
 
-    def hand_over(self) -> None:
-        """Submitit's signal to its own handler, which requeues the job (a refusal is reported; exit 75 still)."""
-        handler = self.previous.get(self.submitit)
-        if self.record and self.record["requeue"] == "submitit" and callable(handler):
-            try:
-                handler(self.submitit, None)
-            except Exception as err:
-                log.error("submitit did not requeue the job: %s", err)
-
-    def stopped_by_lightning(self, trainer) -> None:
-        """Lightning's SIGTERM handler ended the run (before `on_train_start`): preempted, with no new checkpoint."""
-        self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if isinstance(exception, SIGTERMException):  # Lightning's handler, before ours: no new checkpoint
+            self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
 
 
 def preemption_callback(trainer) -> Preemption:
@@ -184,51 +165,3 @@ def place_last(callbacks: list, dirpath: str | os.PathLike) -> list:
     """`callbacks` with the one `Preemption` last (a default one when the config has none)."""
     found = [c for c in callbacks if isinstance(c, Preemption)] or [Preemption(dirpath=str(dirpath))]
     return [c for c in callbacks if not isinstance(c, Preemption)] + found[-1:]
-
-
-def resume_command(output_dir: str, overrides: list[str], script: str) -> str:
-    """The command that continues this run: the same overrides, the same run dir, `resume=auto`."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("resume", "ckpt_path", "hydra.run.dir")]
-    return shlex.join(["python", script, *kept, f"hydra.run.dir={output_dir}", "resume=auto"])
-
-
-def slurm_requeue_command(env: dict[str, str]) -> list[str] | None:
-    """`scontrol requeue <job>` for this SLURM job (array tasks as JOB_TASK); None outside SLURM."""
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return ["scontrol", "requeue", f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"]
-    return ["scontrol", "requeue", env["SLURM_JOB_ID"]] if env.get("SLURM_JOB_ID") else None
-
-
-def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
-    """Ask SLURM to requeue this job when the signal was a pre-timeout one; a note for the user's line."""
-    if record["requeue"] == "submitit":
-        return "; submitit requeues the job, and it resumes by itself"
-    if record["requeue"] != "scontrol" or (command := slurm_requeue_command(env)) is None:
-        return ""
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"; `{shlex.join(command)}` failed ({err}): resubmit the job yourself"
-    if done.returncode:
-        return f"; `{shlex.join(command)}` failed ({done.stderr.strip() or done.returncode}): resubmit it yourself"
-    return f"; requeued SLURM job {command[-1]} (it resumes by itself with resume=auto)"
-
-
-def finish_preempted(cfg, preemption: Preemption) -> None:
-    """After result.json: one line, the requeue, exit 75. A multirun ends too (the signal was for the process), after
-    the `on_multirun_end` of its `hydra.callbacks` (the sweep summary), which Hydra never reaches; a submitit job's
-    sweep is summarised by its submitting process."""
-    record = preemption.record
-    if is_rank_zero_process():
-        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-        script = "train.py" if record["requeue"] == "submitit" else sys.argv[0] or "train.py"  # not submitit's
-        command = resume_command(str(cfg.paths.output_dir), overrides, script)
-        saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
-        line = f"preempted: {record['signal']} at step {record['step']}, {saved}; resume with: {command}"
-        print(line + requeue(record, dict(os.environ)), file=sys.stderr, flush=True)
-        if in_multirun() and record["requeue"] != "submitit":
-            config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
-            for node in reversed(list((config.hydra.get("callbacks") or {}).values())):
-                instantiate(node).on_multirun_end(config=config)
-    preemption.hand_over()
-    sys.exit(PREEMPTED_EXIT)
