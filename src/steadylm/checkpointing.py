@@ -195,9 +195,8 @@ def set_rng_state(state: dict) -> None:
 
 
 class RNGState(L.Callback):
-    """Carry the global RNGs through checkpoints, for a bitwise-identical resume: applied once, at
-    `on_train_start`, after the resumed loaders are built. Our loaders have their own `torch.Generator`, so a
-    validation never draws from the global generators nor shifts the training stream."""
+    """Carry the global RNGs through checkpoints for a bitwise resume, set at `on_train_start`, after the resumed
+    loaders are built (which draw from their own `torch.Generator`, as validation does: the stream never shifts)."""
 
     _pending: dict | None = None
 
