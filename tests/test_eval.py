@@ -15,7 +15,7 @@ from steadylm.errors import SteadyError
 from steadylm.eval.fetch import fetch
 from steadylm.eval.score import correct, encode_pair, score
 from steadylm.eval.tasks import load_task
-from steadylm.generate import load_checkpoint
+from steadylm.generate import load_checkpoint, load_model
 from steadylm.model.gpt import chunked_token_losses
 
 HELLASWAG_ROW = {
@@ -133,9 +133,7 @@ def own_score(ckpt, task_path, limit=None):
 
 
 def load_checkpoint_meta(ckpt):
-    from steadylm import checkpointing
-
-    net, meta = checkpointing.load_checkpoint(ckpt, "cpu")
+    net, meta = load_model(ckpt, "cpu")
     return net.eval(), meta
 
 

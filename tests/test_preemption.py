@@ -13,20 +13,14 @@ import stat
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from steadylm.checkpointing import latest_checkpoint, safe_load
 from steadylm.errors import ConfigError
-from steadylm.preemption import (
-    PREEMPTED_EXIT,
-    Preemption,
-    requeue,
-    resume_command,
-    signal_numbers,
-    slurm_requeue_command,
-    submitit_signal,
-)
+from steadylm.preemption import Preemption, signal_numbers, submitit_signal
+from steadylm.requeue import PREEMPTED_EXIT, requeue, resume_command, slurm_requeue_command
 from steadylm.result import finish_job
 from steadylm.sweep import summarize_sweep
 from steadylm.train import train
@@ -153,6 +147,27 @@ def test_signal_stops_at_the_next_step_boundary_with_a_checkpoint(make_cfg, tmp_
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["status"] == "preempted" and result["step"] == 5 and result["checkpoint"] == str(ckpt)
     assert result["reason"] == f"{name} at step 5"
+
+
+class SigtermBeforeOurHandlers(L.Callback):
+    def on_train_start(self, trainer, pl_module):  # runs before Preemption's (last): Lightning's handler is in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_before_our_handlers_is_a_preemption_without_a_checkpoint(make_cfg, tmp_path):
+    """Lightning's own SIGTERM handler, in place until `on_train_start`, stops the run: recorded as preempted."""
+    cfg = make_cfg(
+        "trainer.max_steps=20", "+callbacks.early={_target_: tests.test_preemption.SigtermBeforeOurHandlers}"
+    )
+    _, objects = train(cfg)
+    record = next(c for c in objects["trainer"].callbacks if isinstance(c, Preemption)).record
+    assert record == {
+        "signal": "SIGTERM",
+        "step": 1,
+        "checkpoint": None,
+        "requeue": None,
+    }  # Lightning stops after a step
+    assert not (tmp_path / "run" / "checkpoints" / "preempted.ckpt").exists()
 
 
 def test_a_second_ctrl_c_interrupts_at_once(make_cfg, tmp_path):

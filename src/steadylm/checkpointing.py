@@ -1,10 +1,9 @@
-"""Checkpoints that survive crashes and resume bitwise. Saves go to a hidden temp file, fsynced and `os.replace`d
-into place: a kill or a full disk mid-save leaves the previous checkpoint intact, and nothing overwrites or deletes a
-checkpoint it did not just write in full. Loads are `torch.load(weights_only=True)`: pickled code is refused, never run.
-"""
+"""Checkpoints that survive crashes and resume bitwise (docs/resume.md). Loads are `torch.load(weights_only=True)`:
+pickled code is refused, never run."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -62,36 +61,14 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = F
         ) from None
 
 
-def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, dict]:
-    """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`, which
-    holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`."""
-    from steadylm.model import GPT, GPTConfig  # the model is only needed here, not to resume
-
-    try:
-        ckpt = safe_load(path, map_location=device)
-    except CheckpointError as e:
-        raise SteadyError(f"ckpt={e}") from None
-    try:
-        model_cfg, meta = ckpt["hyper_parameters"]["model"], ckpt["steadylm"]
-        state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
-    except (KeyError, TypeError, AttributeError) as e:
-        raise SteadyError(
-            f"ckpt={Path(path)}: not a steadylm training checkpoint (missing {e}); pass one written by train.py"
-        ) from None
-    model = GPT(GPTConfig(**model_cfg))
-    model.load_state_dict(state)
-    return model.to(device).eval(), meta
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's CheckpointIO: a save leaves `path` either the old or the complete new file; loads are safe_load."""
+    """A save goes to a hidden temp file, fsynced and renamed into place: a kill, a full disk or a power cut mid-save
+    leaves `path` the old file or the complete new one. (Lightning's own save buffers it all in memory first.)"""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden, no `*.ckpt` glob ever matches it
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # no `*.ckpt` glob ever matches it
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
@@ -101,14 +78,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        try:  # make the rename itself durable (POSIX): without this a power cut can undo `os.replace`
+        with contextlib.suppress(OSError):  # the rename itself made durable, where the platform allows
             fd = os.open(path.parent, os.O_RDONLY)
-        except OSError:
-            return  # not supported on this platform/filesystem; the file itself is already synced
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage, weights_only=None) -> dict:
         return safe_load(path, map_location=map_location)
@@ -134,16 +109,13 @@ def resolve_ckpt_path(cfg) -> str | None:
     if resume == "auto" and ckpt_path:
         raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
     folder = Path(cfg.paths.output_dir) / "checkpoints"
-    if resume is None and os.environ.get("SUBMITIT_EXECUTOR") and (found := latest_checkpoint(folder)):
-        log.info("submitit requeued this job: continuing from %s", found)
+    how = "resume=auto" if resume else "submitit requeued this job" if os.environ.get("SUBMITIT_EXECUTOR") else None
+    if how and (found := latest_checkpoint(folder)):
+        log.info("%s: continuing from %s", how, found)
         return str(found)
-    if resume is None:
-        return str(ckpt_path) if ckpt_path else None
-    if (found := latest_checkpoint(folder)) is None:
+    if resume:
         log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
-        return None
-    log.info("resume=auto: continuing from %s", found)
-    return str(found)
+    return str(ckpt_path) if ckpt_path else None
 
 
 def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Module) -> None:
@@ -223,9 +195,8 @@ def set_rng_state(state: dict) -> None:
 
 
 class RNGState(L.Callback):
-    """Carry the global RNGs through checkpoints, for a bitwise-identical resume: applied once, at
-    `on_train_start`, after the resumed loaders are built. Our loaders have their own `torch.Generator`, so a
-    validation never draws from the global generators nor shifts the training stream."""
+    """Carry the global RNGs through checkpoints for a bitwise resume, set at `on_train_start`, after the resumed
+    loaders are built (which draw from their own `torch.Generator`, as validation does: the stream never shifts)."""
 
     _pending: dict | None = None
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from steadylm.checkpointing import load_checkpoint
 from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError, SteadyError
+from steadylm.generate import load_model
 from steadylm.model import GPT, GPTConfig, mup
 from steadylm.model.switches import require_understood
 
@@ -295,7 +295,7 @@ def export(args: ExportArgs) -> Path:
         raise SteadyError(
             f"out={out} already exists and is not an empty folder; choose another, or pass overwrite=true"
         )
-    net, meta = load_checkpoint(args.ckpt)
+    net, meta = load_model(args.ckpt)
     hf_family(net.cfg)  # refuse before any work or any file
     tok = tokenizer_of_run(meta)  # the run's tokenizer.json in its data.dir, the bytes tokenizer included
     model = to_hf_model(net, eos_id=tok.eos_id, dtype=DTYPES[args.dtype])

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from steadylm import checkpointing
+from steadylm.checkpointing import CheckpointError, safe_load
 from steadylm.cli import run_command
 from steadylm.data.tokenizer import Tokenizer, tokenizer_of_run
-from steadylm.model import GPT
+from steadylm.errors import SteadyError
+from steadylm.model import GPT, GPTConfig
 
 
 @dataclass
@@ -29,9 +30,28 @@ class GenerateArgs:
     device: str = "auto"  # auto = cuda when available
 
 
+def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+    """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`, which
+    holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`."""
+    try:
+        ckpt = safe_load(path, map_location=device)
+    except CheckpointError as e:
+        raise SteadyError(f"ckpt={e}") from None
+    try:
+        model_cfg, meta = ckpt["hyper_parameters"]["model"], ckpt["steadylm"]
+        state = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise SteadyError(
+            f"ckpt={Path(path)}: not a steadylm training checkpoint (missing {e}); pass one written by train.py"
+        ) from None
+    model = GPT(GPTConfig(**model_cfg))
+    model.load_state_dict(state)
+    return model.to(device).eval(), meta
+
+
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
-    """Rebuild the GPT (the shared loader in `steadylm.checkpointing`) and its tokenizer from a training checkpoint."""
-    model, meta = checkpointing.load_checkpoint(path, device)
+    """Rebuild the GPT and its tokenizer from a training checkpoint."""
+    model, meta = load_model(path, device)
     return model, tokenizer_of_run(meta)  # bpe: the tokenizer.json prepare saved in the run's data.dir
 
 

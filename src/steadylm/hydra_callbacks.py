@@ -1,5 +1,4 @@
-"""`SweepSummary`, the Hydra callback (`hydra.callbacks.sweep_summary`) that summarises a multirun when it ends.
-Hydra builds it for every run, so it loads the summary (`sweep.py`, a tool) only then: a single run never imports it."""
+"""The Hydra callback that summarises a multirun; Hydra builds it for every run, so it loads `sweep.py` only then."""
 
 from __future__ import annotations
 

@@ -1,34 +1,23 @@
-"""Preemption: a signal (SLURM's SIGTERM, or SIGUSR1 before the time limit; Kubernetes' SIGTERM; Ctrl-C) stops
-every rank at the same optimizer-step boundary with `checkpoints/preempted.ckpt` (never one rank alone: the others
-would hang in a collective); `finish_preempted` writes `result.json` (`status: preempted`), prints the resume
-command, requeues after a pre-timeout signal (submitit's SIGUSR2 through its own handler) and exits 75,
-`EX_TEMPFAIL`: not failure (1), bad input (2), divergence (3) or a kill (128+N), so a scheduler can requeue on it.
-"""
+"""Preemption (docs/resume.md): a signal stops every rank at the same optimizer-step boundary with
+`checkpoints/preempted.ckpt` (never one rank alone: the others would hang in a collective); `steadylm.requeue` ends
+the process."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from steadylm.distributed import in_multirun, is_rank_zero_process
 from steadylm.errors import ConfigError
 
 log = logging.getLogger("steadylm")
-
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL (see the module docstring)
 
 
 def submitit_signal(env: dict[str, str]) -> int | None:
@@ -49,13 +38,9 @@ def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
 
 
 class Preempted(Exception):
-    """Ends `trainer.fit` on every rank at the same step once the checkpoint is written; `train` catches it."""
+    """Ends `trainer.fit` on every rank at one step, the state saved (so SaveOnException leaves it alone)."""
 
-    state_saved = True  # SaveOnException leaves it alone: the state is already on disk
-
-    def __init__(self, record: dict[str, Any]):
-        super().__init__(f"{record['signal']} at step {record['step']}")
-        self.record = record
+    state_saved = True
 
 
 class CollectiveFlag:
@@ -67,8 +52,7 @@ class CollectiveFlag:
         self.group = self._work = None  # no group with one process: the local flag is the answer
         self._buffer: torch.Tensor | None = None
 
-    def setup(self) -> None:
-        """Collective (every rank calls it): the group the flag travels on."""
+    def setup(self) -> None:  # collective
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.group = dist.new_group(backend="gloo")
 
@@ -81,7 +65,7 @@ class CollectiveFlag:
         return agreed
 
     def wait(self) -> int:
-        """Finish the all-reduce in flight (every rank has one at the same polls) and return its result."""
+        """Finish the all-reduce in flight (every rank has one at the same polls): its result."""
         if self._work is None:
             return 0
         self._work.wait()
@@ -91,12 +75,10 @@ class CollectiveFlag:
 
 class Preemption(L.Callback):
     """Last of the callbacks (`place_last`, even with `callbacks=none`), it saves in `on_train_batch_end` after their
-    step bookkeeping, as `ModelCheckpoint` would, and only then arms `on_train_batch_start` to raise `Preempted` as
-    the next batch starts, after Lightning logged the step: not `should_stop`,
-    whose early-stopping validation and end-of-epoch last.ckpt resume=auto would prefer. Its handlers replace
-    Lightning's (a mid-loop `SIGTERMException`, exit 0) from `on_train_start`. A second Ctrl-C interrupts at once.
-    Its batch-end hook is armed by the first signal, or for the whole fit where ranks must agree (DDP): a quiet
-    single-process step calls nothing here."""
+    step bookkeeping and raises `Preempted` as the next batch starts, after Lightning logged the step: not
+    `should_stop`, whose validation and end-of-epoch last.ckpt resume=auto would prefer. Its handlers replace
+    Lightning's (a mid-loop `SIGTERMException`) from `on_train_start`. Its batch-end hook is armed by the first
+    signal, or for the whole fit where ranks must agree (DDP): a quiet single-process step calls nothing here."""
 
     def __init__(
         self,
@@ -110,7 +92,7 @@ class Preemption(L.Callback):
             raise ConfigError(f"callbacks.preemption.every_n_steps={every_n_steps} must be >= 1")
         self.path = Path(dirpath) / filename
         self.signals = signal_numbers(signals, "callbacks.preemption.signals")
-        self.submitit = submitit_signal(dict(os.environ))  # submitit's requeue signal, caught too
+        self.submitit = submitit_signal(dict(os.environ))
         if self.submitit not in (None, *self.signals):
             self.signals.append(self.submitit)
         self.requeue_signals = signal_numbers(requeue_signals, "callbacks.preemption.requeue_signals")
@@ -119,8 +101,6 @@ class Preemption(L.Callback):
         self.received = 0  # the first signal this process received (0: none)
         self.record: dict[str, Any] | None = None  # set on every rank when the run stopped for a signal
         self.previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's requeue among them)
-        self._last_step = -1
-        self._trainer = None
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -147,7 +127,7 @@ class Preemption(L.Callback):
         if step == self._last_step or step % self.every_n_steps:
             return  # inside gradient accumulation (not a step boundary), or not a polling step
         self._last_step = step
-        agreed = self.flag.poll(self.received) if self.flag.group is not None else self.received
+        agreed = self.flag.poll(self.received)
         if agreed:  # collective: every rank is at this step
             trainer.save_checkpoint(self.path, weights_only=False)
             name, path = signal.Signals(agreed).name, str(self.path)
@@ -158,7 +138,7 @@ class Preemption(L.Callback):
 
     def _stop(self, trainer, pl_module, batch, batch_idx) -> None:
         self.flag.wait()
-        raise Preempted(self.record)
+        raise Preempted
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.flag.wait()  # leave no all-reduce in flight
@@ -172,22 +152,12 @@ class Preemption(L.Callback):
             return "submitit"
         return "scontrol" if signum in self.requeue_signals else None
 
-    def hand_over(self) -> None:
-        """Submitit's signal to its own handler, which requeues the job (a refusal is reported; exit 75 still)."""
-        handler = self.previous.get(self.submitit)
-        if self.record and self.record["requeue"] == "submitit" and callable(handler):
-            try:
-                handler(self.submitit, None)
-            except Exception as err:
-                log.error("submitit did not requeue the job: %s", err)
-
-    def stopped_by_lightning(self, trainer) -> None:
-        """Lightning's SIGTERM handler ended the run (before `on_train_start`): preempted, with no new checkpoint."""
-        self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if isinstance(exception, SIGTERMException):  # Lightning's handler, before ours: no new checkpoint
+            self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
 
 
 def preemption_callback(trainer) -> Preemption:
-    """The trainer's `Preemption` (`place_last` made sure there is one)."""
     return next(c for c in trainer.callbacks if isinstance(c, Preemption))
 
 
@@ -195,51 +165,3 @@ def place_last(callbacks: list, dirpath: str | os.PathLike) -> list:
     """`callbacks` with the one `Preemption` last (a default one when the config has none)."""
     found = [c for c in callbacks if isinstance(c, Preemption)] or [Preemption(dirpath=str(dirpath))]
     return [c for c in callbacks if not isinstance(c, Preemption)] + found[-1:]
-
-
-def resume_command(output_dir: str, overrides: list[str], script: str) -> str:
-    """The command that continues this run: the same overrides, the same run dir, `resume=auto`."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("resume", "ckpt_path", "hydra.run.dir")]
-    return shlex.join(["python", script, *kept, f"hydra.run.dir={output_dir}", "resume=auto"])
-
-
-def slurm_requeue_command(env: dict[str, str]) -> list[str] | None:
-    """`scontrol requeue <job>` for this SLURM job (array tasks as JOB_TASK); None outside SLURM."""
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return ["scontrol", "requeue", f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"]
-    return ["scontrol", "requeue", env["SLURM_JOB_ID"]] if env.get("SLURM_JOB_ID") else None
-
-
-def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
-    """Ask SLURM to requeue this job when the signal was a pre-timeout one; a note for the user's line."""
-    if record["requeue"] == "submitit":
-        return "; submitit requeues the job, and it resumes by itself"
-    if record["requeue"] != "scontrol" or (command := slurm_requeue_command(env)) is None:
-        return ""
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"; `{shlex.join(command)}` failed ({err}): resubmit the job yourself"
-    if done.returncode:
-        return f"; `{shlex.join(command)}` failed ({done.stderr.strip() or done.returncode}): resubmit it yourself"
-    return f"; requeued SLURM job {command[-1]} (it resumes by itself with resume=auto)"
-
-
-def finish_preempted(cfg, preemption: Preemption) -> None:
-    """The end of a preempted run (result.json written): one line, the requeue, exit 75. A multirun ends too (the
-    signal was for the process), after its `hydra.callbacks`' `on_multirun_end` (the sweep summary), which Hydra
-    never reaches; a submitit job's sweep is summarised by its submitting process."""
-    record = preemption.record
-    if is_rank_zero_process():
-        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-        script = "train.py" if record["requeue"] == "submitit" else sys.argv[0] or "train.py"  # not submitit's
-        command = resume_command(str(cfg.paths.output_dir), overrides, script)
-        saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
-        line = f"preempted: {record['signal']} at step {record['step']}, {saved}; resume with: {command}"
-        print(line + requeue(record, dict(os.environ)), file=sys.stderr, flush=True)
-        if in_multirun() and record["requeue"] != "submitit":
-            config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
-            for node in reversed(list((config.hydra.get("callbacks") or {}).values())):
-                instantiate(node).on_multirun_end(config=config)
-    preemption.hand_over()
-    sys.exit(PREEMPTED_EXIT)

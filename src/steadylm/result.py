@@ -41,9 +41,8 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
 def finish_job(
     cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None, preempted: dict | None = None
 ) -> tuple[float | None, str, str | None]:
-    """Record the job's outcome (rank 0); return the metric a sweeper optimises (NaN when diverged), the status
-    and its reason. An unstable job keeps its metric: it finished, its loss is real. A job stopped by a signal
-    (`preempted`: the record of `steadylm.preemption`) records the step and the checkpoint `resume=auto` takes."""
+    """Record the job's outcome (rank 0; `preempted`: the Preemption callback's record); return the metric a sweeper
+    optimises (NaN when diverged: an unstable job keeps its metric, its loss is real), the status and its reason."""
     run_dir, lr, model = Path(cfg.paths.output_dir), float(cfg.optim.lr), cfg.model
     reason = divergence(metrics, run_dir, error)
     status = "diverged" if reason else "ok"

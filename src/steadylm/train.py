@@ -24,7 +24,7 @@ from steadylm.console import copy_console, quiet
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
-from steadylm.preemption import Preempted, finish_preempted, place_last, preemption_callback
+from steadylm.preemption import Preempted, place_last, preemption_callback
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
@@ -83,10 +83,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
     try:
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
-    except Preempted:  # every rank stopped at one step, its state saved: the record is on the callback
+    except (Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
         pass
-    except SIGTERMException:  # a SIGTERM that reached Lightning's own handler (before the first step)
-        preemption_callback(trainer).stopped_by_lightning(trainer)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return metrics, objects
 
@@ -111,8 +109,10 @@ def _app(cfg: DictConfig) -> float | None:
             return finish_job(cfg, {}, err)[0]
         preemption = preemption_callback(objects["trainer"])
         value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
-        if preemption.record:
-            finish_preempted(cfg, preemption)  # exits 75 (or submitit requeues)
+        if preemption.record:  # a signal stopped the run: requeue.py, loaded only then, exits 75
+            from steadylm.requeue import finish_preempted
+
+            finish_preempted(cfg, preemption)
         if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
             print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
         if status == "diverged" and not in_multirun():
