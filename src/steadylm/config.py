@@ -160,12 +160,10 @@ def hydra_error_message(err: Exception) -> str:
         close = difflib.get_close_matches(leaf, known, n=2)
         hint = f"did you mean {' or '.join(full_key[: -len(leaf)] + c for c in close)}? " if close else ""
         return f"{full_key} is not a config key; {hint}(to add a new key on purpose, write +{full_key}=...)"
-    if isinstance(err, HydraException):
-        return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     if isinstance(err, OSError):
         where = err.filename or "the run folder"
         return f"cannot create {where} ({err.strerror or err}); pass hydra.run.dir=<a folder you can write>"
-    return str(err)
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 @contextlib.contextmanager
