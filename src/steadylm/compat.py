@@ -1,15 +1,12 @@
-"""Every private attribute of Lightning, torch or OmegaConf that steadylm touches, in one place.
-
-Each function borrows one internal, says why no public API does the job, and is exercised by
-`tests/test_compat.py`: an upgrade that moves it breaks this file and one test, never a run halfway through.
-Nothing outside this module may reach a `_private` name of either library.
-"""
+"""Every private attribute of Lightning, torch or OmegaConf that steadylm touches, each exercised by
+`tests/test_compat.py`: an upgrade that moves one breaks this file and one test, never a run halfway through."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 
 def cpu_has_bf16() -> bool:
@@ -17,14 +14,19 @@ def cpu_has_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-# The L2 norm of each tensor of a list, in one fused kernel (torch has no public foreach norm); an alias, not a
-# wrapper, so the per-step gradient norm calls no function of ours.
-foreach_norm = torch._foreach_norm
+# Fused per-tensor kernels torch has no public name for; aliases, not wrappers, so a step calls no function of ours.
+foreach_norm = torch._foreach_norm  # the L2 norm of each tensor of a list
+sub_tensors = torch._foreach_sub  # `a[i] - b[i]` for every i
 
 
 def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of each tensor, as one 1-D fp32 tensor."""
     return torch.stack(foreach_norm(tensors)).float()
+
+
+def copy_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each tensor in one fused kernel (`torch._foreach_mul` by 1; no public foreach copy-out)."""
+    return torch._foreach_mul(tensors, 1.0)
 
 
 def logged_step(trainer: Any) -> int:
@@ -42,17 +44,16 @@ def attached_trainer(module: Any) -> Any | None:
     return module._trainer
 
 
-FOUND_INF = "found_inf"  # the optimizer attribute below: a caller may test whether its flag is still the one set
+# GradScaler's undocumented protocol with the fused optimizers: every later `step()` skips itself on the device
+# (weights, moments and step counts left alone) while this attribute, a 0-dim float written in place, is 1.
+FOUND_INF = "found_inf"
 
 
 def set_found_inf(optimizer: Any, flag: torch.Tensor) -> None:
-    """Every later `step()` skips itself on the device while `flag` (0-dim float, written in place) is 1:
-    GradScaler's undocumented protocol with the fused optimizers (weights, moments and step counts left alone)."""
     setattr(optimizer, FOUND_INF, flag)
 
 
 def read_found_inf(optimizer: Any) -> torch.Tensor | None:
-    """The flag `set_found_inf` left on `optimizer` (None: none): what an optimizer of ours reads in `step()`."""
     return getattr(optimizer, FOUND_INF, None)
 
 
@@ -75,21 +76,4 @@ def set_loss_scale(scaler: torch.amp.GradScaler, value: float) -> None:
 
 def relaunches_script(strategy: Any) -> bool:
     """The strategy starts its extra processes by re-running the command line (Lightning's DDP launcher)."""
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
     return isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
-
-
-def copy_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A copy of each tensor in one fused kernel (`torch._foreach_mul` by 1; no public foreach copy-out)."""
-    return torch._foreach_mul(tensors, 1.0)
-
-
-def sub_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`a[i] - b[i]` for every i, in one fused kernel (`torch._foreach_sub`)."""
-    return torch._foreach_sub(a, b)
-
-
-def config_child(node: Any, key: Any) -> Any:
-    """A DictConfig/ListConfig child as its node, without resolving interpolations (OmegaConf has no public call)."""
-    return node._get_node(key)

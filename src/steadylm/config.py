@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from steadylm.devices import ACCELERATORS, ALLOWED_DEVICES, parse_devices
-from steadylm.errors import ConfigError
+from steadylm.errors import ConfigError, exit_with
 
 # `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
@@ -44,13 +42,14 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
 def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
     """Every key named `context_length` outside `model` and `hydra`, with its resolved value."""
 
-    def leaves(node: Any, prefix: str = "") -> Iterator[str]:
+    def copies(node: Any, prefix: str = "") -> Iterator[str]:
         for k, v in node.items() if isinstance(node, dict) else enumerate(node):
-            if k != "hydra":
-                yield from leaves(v, f"{prefix}{k}.") if isinstance(v, (dict, list)) else [f"{prefix}{k}"]
+            if isinstance(v, (dict, list)) and k != "hydra":
+                yield from copies(v, f"{prefix}{k}.")
+            elif k == "context_length" and prefix != "model.":
+                yield f"{prefix}{k}"
 
-    keys = [k for k in leaves(OmegaConf.to_container(cfg, resolve=False)) if k.rsplit(".", 1)[-1] == "context_length"]
-    return [(k, OmegaConf.select(cfg, k)) for k in keys if k != "model.context_length"]
+    return [(k, OmegaConf.select(cfg, k)) for k in copies(OmegaConf.to_container(cfg, resolve=False))]
 
 
 # Type checks for values as written: a bool is no number, and `_num` is NaN (failing every comparison) for a non-number.
@@ -74,13 +73,11 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("data.num_workers", d.num_workers, _whole(d.num_workers, 0), "a whole number >= 0"),
         ("data.val_fraction", val_fraction, 0 < _num(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
-        ("trainer.accelerator", t.accelerator, str(t.accelerator) in ACCELERATORS, f"one of {', '.join(ACCELERATORS)}"),
         ("trainer.max_steps", t.max_steps, _whole(t.max_steps, 1), "a whole number of optimizer steps > 0"),
         ("trainer.accumulate_grad_batches", accumulate, _whole(accumulate, 1), "a whole number >= 1"),
         ("trainer.log_every_n_steps", t.log_every_n_steps, _whole(t.log_every_n_steps, 1), "a whole number >= 1"),
         ("trainer.gradient_clip_val", clip, _num(clip or 0) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
         ("trainer.gradient_clip_algorithm", algorithm, algorithm in ("norm", "value", None), "norm or value"),
-        ("trainer.devices", t.devices, parse_devices(t.devices) is not None, ALLOWED_DEVICES),
         ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
@@ -163,12 +160,10 @@ def hydra_error_message(err: Exception) -> str:
         close = difflib.get_close_matches(leaf, known, n=2)
         hint = f"did you mean {' or '.join(full_key[: -len(leaf)] + c for c in close)}? " if close else ""
         return f"{full_key} is not a config key; {hint}(to add a new key on purpose, write +{full_key}=...)"
-    if isinstance(err, HydraException):
-        return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     if isinstance(err, OSError):
         where = err.filename or "the run folder"
         return f"cannot create {where} ({err.strerror or err}); pass hydra.run.dir=<a folder you can write>"
-    return str(err)
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 @contextlib.contextmanager
@@ -184,7 +179,6 @@ def hydra_errors_as_messages(started: list[bool]) -> Iterator[None]:
     except (HydraException, OSError) as err:
         if started[0]:
             raise
-        print(f"error: {hydra_error_message(err)}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(ConfigError(hydra_error_message(err)))
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

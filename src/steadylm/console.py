@@ -68,11 +68,10 @@ def copy_console(path: Path) -> Iterator[None]:
         streams = (sys.stdout, sys.stderr)
         tees = {id(s): _Tee(s, file) for s in streams}
         loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-        handlers = [h for logger in loggers if isinstance(logger, logging.Logger) for h in logger.handlers]
-        bound = [(h, h.stream) for h in handlers if isinstance(h, logging.StreamHandler) and id(h.stream) in tees]
+        handlers = [h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers]
         sys.stdout, sys.stderr = (tees[id(s)] for s in streams)
-        for h, stream in bound:
-            h.setStream(tees[id(stream)])
+        streaming = [h for h in handlers if isinstance(h, logging.StreamHandler) and id(h.stream) in tees]
+        bound = [(h, h.setStream(tees[id(h.stream)])) for h in streaming]  # setStream returns the old stream
         try:
             yield
         finally:

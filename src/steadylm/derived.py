@@ -1,9 +1,7 @@
-"""Keys that follow from something else, as functions that return the values; `resolve.py` writes them, once. A key
-the user sets keeps its value; a null one follows the data's `DataSource` members (data/source.py: vocabulary,
-tokenizer) or the run length (warmup, validation interval: a 50-step run warms up and validates like a long one,
-scaled). `data.global_batch_tokens` (tokens per optimizer step, what a recipe is written in) sets
-`trainer.accumulate_grad_batches` for this many devices, so a recipe trains the same on 1 GPU or 64: never rounded,
-never overriding silently (an inexact total or a hand-set accumulation that disagrees is refused)."""
+"""Keys that follow from something else, as functions that return the values (`resolve.py` writes them, once); a key
+the user sets keeps its value. A null vocabulary and tokenizer follow the data (data/source.py), warmup and the
+validation interval the run length; `data.global_batch_tokens` sets `trainer.accumulate_grad_batches` for this many
+devices, so a recipe trains the same on 1 GPU or 64: never rounded, never overriding a hand-set value silently."""
 
 from __future__ import annotations
 

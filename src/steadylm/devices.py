@@ -65,19 +65,17 @@ def resolve(trainer: DictConfig, cuda_devices: int, mps: bool, interactive: bool
         )
     if (devices := parse_devices(raw)) is None:
         raise ConfigError(f"trainer.devices={raw!r} is not allowed; it must be {ALLOWED_DEVICES}")
-    if accelerator == "cpu":
-        if isinstance(devices, list) or devices == -1:
-            raise ConfigError(
-                f"trainer.devices={raw} picks GPUs (-1: every GPU; a list: their ids), but this run is on the CPU, "
-                "which takes a number of processes; "
-                f"set trainer.devices={len(devices) if isinstance(devices, list) else 1} (or run on a GPU)"
-            )
-        return Devices("cpu", 1 if devices == "auto" else devices, nodes)
-    visible = cuda_devices if accelerator == "cuda" else 1  # Lightning drives one MPS device
+    if accelerator == "cpu" and (isinstance(devices, list) or devices == -1):
+        raise ConfigError(
+            f"trainer.devices={raw} picks GPUs (-1: every GPU; a list: their ids), but this run is on the CPU, "
+            "which takes a number of processes; "
+            f"set trainer.devices={len(devices) if isinstance(devices, list) else 1} (or run on a GPU)"
+        )
+    visible = cuda_devices if accelerator == "cuda" else 1  # Lightning drives one MPS device; `auto`: one CPU process
     if devices == "auto":
-        devices = 1 if interactive or accelerator == "mps" else visible
+        devices = 1 if interactive or accelerator != "cuda" else visible
     ids = list(range(visible)) if devices == -1 else devices if isinstance(devices, list) else list(range(devices))
-    if not set(ids) <= set(range(visible)):
+    if accelerator != "cpu" and not set(ids) <= set(range(visible)):
         raise ConfigError(
             f"trainer.devices={raw} asks for {len(ids)} GPUs but {visible} {'is' if visible == 1 else 'are'} "
             f"visible on this machine; set trainer.devices={visible} or fewer"

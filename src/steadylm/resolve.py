@@ -1,10 +1,6 @@
-"""The config resolved once, before anything is built, then read-only: nothing re-derives or changes a value.
-
-1. null `model.vocab_size`, `data.tokenizer` (from the DataModule) and `optim.warmup_steps` (derived.py);
-2. the config's refusals (config.py `validate_config`);
-3. the devices (devices.py), `trainer.accumulate_grad_batches` and a null `val_check_interval` (derived.py);
-4. the precision (devices.py), this machine's refusals and the memory plan (memory.py).
-Steps 1 and 3 write the config (checkpoints record them); devices and precision stay `auto` for a resume elsewhere."""
+"""The config resolved once, before anything is built, then read-only: nothing re-derives or changes a value. The
+derived keys (derived.py) are written into the config, so checkpoints record them; the devices and precision
+(devices.py) are resolved beside it, which keeps `auto` for a resume elsewhere, with this machine's refusals."""
 
 from __future__ import annotations
 
@@ -40,7 +36,7 @@ def fill(cfg: DictConfig, values: dict[str, Any]) -> None:
 
 
 def fill_derived(cfg: DictConfig) -> Any | None:
-    """Step 1 alone (doctor, tests); the DataModule it built for the vocabulary (None when that is set)."""
+    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None."""
     dm = data_source(cfg) if cfg.model.get("vocab_size") is None else None
     fill(cfg, {**from_data(cfg, dm), **from_run_length(cfg)})
     return dm
@@ -69,8 +65,7 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> Memo
     folder = Path(cfg.paths.output_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".steadylm-probe-"):
-            pass
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise ConfigError(
             f"paths.output_dir={folder} is not writable ({e.strerror or e}); "
@@ -80,7 +75,7 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> Memo
 
 
 def resolve(cfg: DictConfig) -> Resolved:
-    """Fill, check and freeze `cfg` in place (steps 1-4 above); the DataModule is built once, last unless step 1."""
+    """Fill, check and freeze `cfg` in place; the DataModule is built once (first when the vocabulary needs it)."""
     dm = fill_derived(cfg)
     validate_config(cfg)
     devices = devices_of(cfg)
