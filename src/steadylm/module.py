@@ -209,18 +209,17 @@ class LMModule(L.LightningModule):
         if not gradient_clip_val:
             return
         params = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    params.append(p)
+        for group in optimizer.param_groups:  # torch's clipping leaves out the parameters without a gradient
+            params += group["params"]
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
         if norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)  # returns the norm before clipping
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
         if self.logs_now:  # the one writer of optim/grad_norm whenever the module clips by norm
             write_metrics(self.trainer, {"optim/grad_norm": float(norm)})
-        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     @staticmethod
     def clips_by_norm(trainer: L.Trainer) -> bool:
