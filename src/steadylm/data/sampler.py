@@ -71,10 +71,6 @@ class EpochBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         drop_last: bool = False,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
         self.n_windows, self.batch_size = int(n_windows), int(batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
