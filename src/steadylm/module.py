@@ -58,11 +58,9 @@ class LMModule(L.LightningModule):
         self.run_config = run_config  # saved in every checkpoint: `generate`/`doctor` need nothing else
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
-        # The LR state, written only through `skip_step`, `scale_lr` and `continue_from`.
-        self.skipped_steps = 0
-        self.lr_scale = 1.0
-        # After a rewind the LR warms up again from the restored step: (applied step it began, its length).
-        self.rewarm: tuple[int, int] = (0, 0)
+        # The LR state, written only through `skip_step`, `scale_lr` and `continue_from`. `rewarm`: after a rewind
+        # the LR warms up again from the restored step, (applied step it began, its length).
+        self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
         self.pre_clip_grad_norm: torch.Tensor | None = None
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
 

@@ -39,9 +39,8 @@ class GPTConfig:
         optional = ("mlp_hidden", "mup_base_width", "mup_base_head_dim")  # null: a default
         for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of", "n_kv_head"):
             _positive(key, getattr(self, key))
-        for key in optional:
-            if getattr(self, key) is not None:
-                _positive(key, getattr(self, key))
+        for key in (k for k in optional if getattr(self, k) is not None):
+            _positive(key, getattr(self, key))
         # The base shape muP measures width against (null: this model's own).
         self.mup_base_width = self.d_model if self.mup_base_width is None else self.mup_base_width
         self.mup_base_head_dim = self.head_dim if self.mup_base_head_dim is None else self.mup_base_head_dim
