@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import lightning as L
 import torch
@@ -20,10 +19,6 @@ from steadylm.model.mup import param_groups
 from steadylm.schedule import Schedule, set_lr
 
 
-def _plain(cfg: Any) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
 def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
     """Refuse targets that cross-entropy would accept but mean something else: never cast, a data bug."""
     if targets.dtype != torch.long:
@@ -33,19 +28,6 @@ def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
         )
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} != logits shape {tuple(logits.shape[:-1])}")
-
-
-LOSS_PATHS = ("chunked", "plain")
-
-
-def loss_path(optim: dict) -> tuple[str, int]:
-    """(`optim.loss`, `optim.loss_chunk`), checked: chunked (default) or plain, and a positive chunk of tokens."""
-    path, chunk = optim.get("loss", "chunked"), optim.get("loss_chunk", 1024)
-    if path not in LOSS_PATHS:
-        raise ConfigError(f"optim.loss={path!r} is not allowed; use one of: {', '.join(LOSS_PATHS)}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ConfigError(f"optim.loss_chunk={chunk!r} must be a whole number of tokens >= 1 (e.g. 1024)")
-    return path, chunk
 
 
 class LMModule(L.LightningModule):
@@ -59,22 +41,26 @@ class LMModule(L.LightningModule):
         val_bytes_per_token: float | None = None,
     ):
         super().__init__()
-        model, optim = _plain(model), _plain(optim)
+        model, optim = (
+            OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c) for c in (model, optim)
+        )
         self.save_hyperparameters({"model": model, "optim": optim, "compile": compile})
         self.optim_cfg = optim
         self.z_loss = float(optim.get("z_loss", 0.0))
-        self.loss_path, self.loss_chunk = loss_path(optim)
+        self.loss_path, self.loss_chunk = path, chunk = optim.get("loss", "chunked"), optim.get("loss_chunk", 1024)
+        if path not in ("chunked", "plain"):
+            raise ConfigError(f"optim.loss={path!r} is not allowed; use one of: chunked, plain")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"optim.loss_chunk={chunk!r} must be a whole number of tokens >= 1 (e.g. 1024)")
         self.net = GPT(GPTConfig(**model))
         if compile:
             self.net.compile()  # in place: the state_dict keys stay `net.*`, no weight stored twice
         self.run_config = run_config  # saved in every checkpoint: `generate`/`doctor` need nothing else
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
-        # The LR state, written only through `skip_step`, `scale_lr` and `continue_from`.
-        self.skipped_steps = 0
-        self.lr_scale = 1.0
-        # After a rewind the LR warms up again from the restored step: (applied step it began, its length).
-        self.rewarm: tuple[int, int] = (0, 0)
+        # The LR state, written only through `skip_step`, `scale_lr` and `continue_from`. `rewarm`: after a rewind
+        # the LR warms up again from the restored step, (applied step it began, its length).
+        self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
         self.pre_clip_grad_norm: torch.Tensor | None = None
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
 
@@ -105,18 +91,13 @@ class LMModule(L.LightningModule):
         return loss, z
 
     def target_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-target cross-entropy (fp32, 0 at padding), shaped like `targets`, without gradients; chunked unless
-        `optim.loss=plain`. For the exact val loss, the suspects' per-sample losses and multiple-choice scoring."""
+        """Per-target cross-entropy (fp32, 0 at padding), shaped like `targets`, without gradients (`optim.loss=plain`:
+        one chunk of every token). For the exact val loss, the suspects' per-sample losses and multiple-choice scoring."""
         with torch.no_grad():
-            if self.loss_path == "plain":
-                logits = self(x)
-                check_targets(logits, targets)
-                flat = logits.float().view(-1, logits.shape[-1])
-                ce = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
-                return ce.view(targets.shape)
             hidden = self.net(x, head=False)
             check_targets(hidden, targets)
-            return chunked_token_losses(hidden, self.net.lm_head.weight, targets, self.loss_chunk)
+            chunk = max(1, targets.numel()) if self.loss_path == "plain" else self.loss_chunk
+            return chunked_token_losses(hidden, self.net.lm_head.weight, targets, chunk)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -136,8 +117,7 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx) -> None:
         x, y = batch
-        ce_sum, count = self.target_losses(x, y).double().sum(), (y != IGNORE_INDEX).sum()
-        self._val_totals += torch.stack([ce_sum.double(), count.double()])
+        self._val_totals += torch.stack([self.target_losses(x, y).double().sum(), (y != IGNORE_INDEX).sum().double()])
 
     def on_validation_epoch_end(self) -> None:
         """`val/loss`: sums across ranks, then one division, so every non-padding target weighs the same; `val/bpb`:
@@ -202,33 +182,23 @@ class LMModule(L.LightningModule):
         return norms, with_grad
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return self._muon() if self.optim_cfg.get("name", "adamw") == "muon" else self._adamw()
-
-    def _adamw(self) -> torch.optim.AdamW:
-        o = self.optim_cfg
-        # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
-        groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
-        return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused())
-
-    def _muon(self) -> torch.optim.Optimizer:
-        """`optim=muon`: Muon on the blocks' matrices, AdamW on the rest (loaded only by a run that picks it)."""
+        o, trainer = self.optim_cfg, attached_trainer(self)  # None in a plain loop
+        # `optim.fused`: auto = fused wherever torch has the kernel (~5x faster, on CPU too), except under fp16,
+        # whose GradScaler must unscale before clipping.
+        fp16 = trainer is not None and trainer.precision == "16-mixed"
+        fused = o.get("fused", "auto")
+        fused = self.device.type in ("cuda", "cpu") and not fp16 if fused == "auto" else bool(fused)
+        common = {"lr": o["lr"], "betas": tuple(o["betas"]), "eps": o["eps"], "fused": fused}
+        if o.get("name", "adamw") != "muon":
+            # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
+            groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
+            return torch.optim.AdamW(groups, **common)
+        # Muon on the blocks' matrices, AdamW on the rest (loaded only by a run that picks it).
         from steadylm.muon import Muon
         from steadylm.muon import param_groups as muon_groups
 
-        o, m = self.optim_cfg, self.optim_cfg["muon"]
-        knobs = {k: m[k] for k in ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")}
-        groups = muon_groups(self.net, o)
-        return Muon(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=self._use_fused(), **knobs)
-
-    def _use_fused(self) -> bool:
-        """`optim.fused`: auto = fused wherever torch has the kernel (~5x faster, on CPU too), except under fp16,
-        whose GradScaler must unscale before clipping."""
-        choice = self.optim_cfg.get("fused", "auto")
-        if choice != "auto":
-            return bool(choice)
-        trainer = attached_trainer(self)  # None in a plain loop
-        fp16 = trainer is not None and trainer.precision == "16-mixed"
-        return self.device.type in ("cuda", "cpu") and not fp16
+        knobs = ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")
+        return Muon(muon_groups(self.net, o), **common, **{k: o["muon"][k] for k in knobs})
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip here, not through the precision plugin (it refuses any clipping next to a fused optimizer, even under
@@ -237,18 +207,17 @@ class LMModule(L.LightningModule):
         if not gradient_clip_val:
             return
         params = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    params.append(p)
+        for group in optimizer.param_groups:  # torch's clipping leaves out the parameters without a gradient
+            params += group["params"]
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
         if norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)  # returns the norm before clipping
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
         if self.logs_now:  # the one writer of optim/grad_norm whenever the module clips by norm
             write_metrics(self.trainer, {"optim/grad_norm": float(norm)})
-        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     @staticmethod
     def clips_by_norm(trainer: L.Trainer) -> bool:

@@ -28,14 +28,12 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
             raise ConfigError(f"optim.schedule={self.shape!r} is not allowed; use one of: {', '.join(SHAPES)}")
-        if self.shape != "wsd":
-            return
-        if not 0 < self.decay_fraction <= 1:
+        if self.shape == "wsd" and not 0 < self.decay_fraction <= 1:
             raise ConfigError(
                 f"optim.decay_fraction={self.decay_fraction!r} is not allowed; it must be a share of the run in (0, 1]"
                 " (0.2: the last 20 % of the steps decay)"
             )
-        if self.decay_start < self.warmup_steps:
+        if self.decay_start < self.warmup_steps:  # wsd's decay only: otherwise it starts at the end of warmup
             raise ConfigError(
                 f"optim.decay_fraction={self.decay_fraction} starts wsd's decay at step {self.decay_start} of "
                 f"{self.total_steps}, inside the {self.warmup_steps}-step warmup; lower optim.decay_fraction or "
@@ -98,14 +96,6 @@ class Schedule:
         """What the LR of the steps before `decay_start` depends on (the length and `min_lr` do not enter)."""
         return self.lr, self.warmup_steps, self.shape
 
-    def first_difference(self, other: Schedule, steps: int) -> int | None:
-        """The first of applied steps 0..steps-1 that `other` gives another LR, or None: whether a run that took
-        those steps under `self` can go on under `other` as if it had been `other`'s all along."""
-        if other == self:
-            return None
-        start = min(self.decay_start, other.decay_start) if self.head == other.head else 0
-        return next((s for s in range(start, steps) if self(s) != other(s)), None)
-
 
 def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, where: str) -> None:
     """Refuse to resume `applied` steps under a schedule that would have given them other LRs; changing only the
@@ -113,7 +103,9 @@ def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, 
     if not saved_optim:
         return
     saved = Schedule.from_optim(saved_optim)
-    step = saved.first_difference(schedule, applied)
+    # The first applied step `schedule` gives another LR; none: the run goes on as if it had been this schedule's.
+    start = min(saved.decay_start, schedule.decay_start) if saved.head == schedule.head else 0
+    step = next((s for s in range(start, applied) if saved(s) != schedule(s)), None) if saved != schedule else None
     if step is None:
         return
     if saved.head != schedule.head:

@@ -88,19 +88,19 @@ class ShardDataModule(L.LightningDataModule):
                     f"from {first.path.name} ({first.tokenizer!r}, {first.vocab_size}, {first.eos_id}); "
                     "re-run prepare so all shards share one tokenizer"
                 )
+        sets = {
+            split: TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
+            for split, inf in infos.items()
+        }
         for split, inf in infos.items():
-            if all(i.n_tokens < self.context_length + 1 for i in inf):
+            if not len(sets[split]):  # no shard holds context_length + 1 tokens
                 longest = max(inf, key=lambda i: i.n_tokens)
                 raise DataError(
                     f"{longest.path}: the longest {split} shard has {longest.n_tokens} tokens, fewer than "
                     f"model.context_length + 1 = {self.context_length + 1}; lower model.context_length or prepare "
                     "more data" + (" (or a larger data.val_fraction)" if split == "val" else "")
                 )
-        self.infos = infos
-        self.train_set, self.val_set = (
-            TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
-            for inf in infos.values()
-        )
+        self.infos, self.train_set, self.val_set = infos, sets["train"], sets["val"]
         if self.drop_last and len(self.train_set) < self.batch_size * (world := self._world()[1]):
             raise DataError(
                 f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch ({self.batch_size}"

@@ -31,9 +31,7 @@ class TokenWindows(Dataset):
         self, paths, context_length: int, *, infos: list[ShardInfo] | None = None, model_vocab_size: int | None = None
     ):
         self.paths = [Path(p) for p in paths]
-        self.context_length = T = int(context_length)
-        if T < 1:
-            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        self.context_length = T = int(context_length)  # > 0: model.context_length's rule
         infos = [read_shard_info(p) for p in self.paths] if infos is None else infos
         # Ids at or above the limit are refused as they are read: the model's vocabulary when known.
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)

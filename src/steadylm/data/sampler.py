@@ -71,10 +71,6 @@ class EpochBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         drop_last: bool = False,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
         self.n_windows, self.batch_size = int(n_windows), int(batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
@@ -100,19 +96,20 @@ class EpochBatchSampler(Sampler[list[int]]):
         pos = np.asarray(positions, dtype=np.int64)
         real = pos < self.n_windows
         out = np.full(pos.shape, PAD_INDEX, dtype=np.int64)
-        if not self.shuffle:
-            out[real] = pos[real]
-            return out
-        if self._order is None or self._order[0] != epoch:
+        if self.shuffle and (self._order is None or self._order[0] != epoch):
             self._order = (epoch, FeistelPermutation(self.n_windows, _mix64(self.seed) ^ epoch))
-        out[real] = self._order[1](pos[real])
+        out[real] = self._order[1](pos[real]) if self.shuffle else pos[real]
         return out
 
-    def batch_windows(self, batch_idx: int, epoch: int | None = None) -> list[int]:
-        """This rank's window ids of global batch `batch_idx` (-1 = padding): what `__iter__` yields there."""
+    def _batches(self, first: int, count: int, epoch: int | None = None) -> list[list[int]]:
+        """This rank's window ids of global batches `first` .. `first + count - 1` (-1 = padding)."""
         G = self.global_batch
-        ids = self.global_windows(np.arange(batch_idx * G, (batch_idx + 1) * G), epoch)
-        return ids[self.rank :: self.world_size].tolist()
+        ids = self.global_windows(np.arange(first * G, (first + count) * G), epoch).reshape(count, G)
+        return ids[:, self.rank :: self.world_size].tolist()
+
+    def batch_windows(self, batch_idx: int, epoch: int | None = None) -> list[int]:
+        """What `__iter__` yields at batch `batch_idx`."""
+        return self._batches(batch_idx, 1, epoch)[0]
 
     def __iter__(self):
         # A block of batches' order at a time, handed out by C iterators: a step calls no function here.
@@ -122,9 +119,8 @@ class EpochBatchSampler(Sampler[list[int]]):
 
     def _block(self, first: int):
         """An iterator over this rank's batches `first`, ... of the block; `batches_done` counts what it yielded."""
-        self._before, self._size, G = first, min(self.per_block, len(self) - first), self.global_batch
-        rows = self.global_windows(np.arange(first * G, (first + self._size) * G)).reshape(self._size, G)
-        self._rows = iter(rows[:, self.rank :: self.world_size].tolist())
+        self._before, self._size = first, min(self.per_block, len(self) - first)
+        self._rows = iter(self._batches(first, self._size))
         return self._rows
 
     @property

@@ -26,9 +26,6 @@ class DataSource(Protocol):
     def setup(self, stage: str | None = None) -> None: ...
 
 
-MEMBERS = tuple(name for name in vars(DataSource) if not name.startswith("_"))
-
-
 def missing_members(datamodule) -> list[str]:
     """The `DataSource` members `datamodule`'s class lacks (looked up on the class: no property is evaluated)."""
-    return [name for name in MEMBERS if not hasattr(type(datamodule), name)]
+    return [name for name in vars(DataSource) if name[0] != "_" and not hasattr(type(datamodule), name)]

@@ -35,8 +35,15 @@ class GPTConfig:
     mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
 
     def __post_init__(self) -> None:
-        for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of"):
+        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
+        optional = ("mlp_hidden", "mup_base_width", "mup_base_head_dim")  # null: a default
+        for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of", "n_kv_head"):
             _positive(key, getattr(self, key))
+        for key in (k for k in optional if getattr(self, k) is not None):
+            _positive(key, getattr(self, key))
+        # The base shape muP measures width against (null: this model's own).
+        self.mup_base_width = self.d_model if self.mup_base_width is None else self.mup_base_width
+        self.mup_base_head_dim = self.head_dim if self.mup_base_head_dim is None else self.mup_base_head_dim
         for key in ("pos", "norm", "mlp", "init", "parametrization"):  # the choices their annotations list
             if (value := getattr(self, key)) not in (allowed := get_args(get_type_hints(GPTConfig)[key])):
                 raise ConfigError(f"model.{key}={value!r} is not allowed; use one of: {', '.join(allowed)}")
@@ -45,8 +52,6 @@ class GPTConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                 "each head gets d_model / n_head dimensions, so choose n_head dividing d_model"
             )
-        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
-        _positive("n_kv_head", self.n_kv_head)
         if self.n_head % self.n_kv_head:
             raise ConfigError(
                 f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={self.n_head}; each key/value head "
@@ -60,17 +65,10 @@ class GPTConfig:
             raise ConfigError(
                 f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)"
             )
-        if self.mlp_hidden is not None:
-            _positive("mlp_hidden", self.mlp_hidden)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not self.norm_eps > 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0")
-        # The base shape muP measures width against: whole numbers, a whole number of heads, and a plausible ratio.
-        self.mup_base_width = self.d_model if self.mup_base_width is None else self.mup_base_width
-        self.mup_base_head_dim = self.head_dim if self.mup_base_head_dim is None else self.mup_base_head_dim
-        _positive("mup_base_width", self.mup_base_width)
-        _positive("mup_base_head_dim", self.mup_base_head_dim)
         if not (isinstance(self.mup_output_mult, (int, float)) and self.mup_output_mult > 0):
             raise ConfigError(
                 f"model.mup_output_mult={self.mup_output_mult!r} must be a number > 0 (1: the logits / width_mult)"

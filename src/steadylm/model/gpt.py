@@ -1,9 +1,6 @@
-"""A decoder-only transformer, GPT-2 or Llama shaped by `GPTConfig`'s switches: pre-norm blocks, positions learned
-(`wpe`) or rotary (Hugging Face Llama's "rotate half" layout), grouped-query heads (n_kv_head < n_head) and
-QK-norm. Module names are the same in both families (`wte`, `blocks.N.attn.qkv`, `blocks.N.mlp.fc`, `ln_f`,
-`lm_head`), so the stability callbacks, fault injectors and export read either one. Which keys a query may see is
-defined once, by `CausalSelfAttention.blocked`, which the kernel call and the max-logit measurement both follow.
-"""
+"""A decoder-only transformer, GPT-2 or Llama shaped by `GPTConfig`'s switches. Module names are the same in both
+families (`wte`, `blocks.N.attn.qkv`, `blocks.N.mlp.fc`, `ln_f`, `lm_head`), so the stability callbacks, fault
+injectors and export read either one. Which keys a query may see is defined once, by `CausalSelfAttention.blocked`."""
 
 from __future__ import annotations
 
@@ -89,9 +86,8 @@ class CausalSelfAttention(nn.Module):
             self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
             self.max_logit = self.head_max_logit.amax()
         # `is_causal` is `blocked("causal")` in the kernels (no mask in memory; a test holds the two equal).
-        mask = {"is_causal": True}
-        if self.pattern != "causal":
-            mask = {"attn_mask": ~self.blocked(self.pattern, T, T, 0, x.device)}
+        causal = self.pattern == "causal"
+        mask = {"is_causal": True} if causal else {"attn_mask": ~self.blocked(self.pattern, T, T, 0, x.device)}
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=self.scale, **mask, **gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
