@@ -22,7 +22,7 @@ def growing(start: float, doubling: float, steps=range(0, 200, 10)) -> list[tupl
 
 
 def feed(check: Precursors, series, name="residual_rms", warmup=0):
-    """The verdicts on `series`; a backoff restarts the check, as the owner (`Stability.back_off`) does."""
+    """The verdicts on `series`; a backoff restarts the check, as the owner (`backoff.act`) does."""
     out = []
     for step, value in series:
         verdicts = check.observe(step, {name: value}, in_warmup=step < warmup)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from steadylm.stability import read_events
 from steadylm.stability.measure import Measurement
-from steadylm.stability.spike import RobustWindow, SpikeDetector
+from steadylm.stability.spike import SpikeDetector
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, FAST, Snapshot, StateByStep, faults, fit, run_cli, same_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,10 +146,10 @@ def test_spike_detector_state_survives_a_round_trip():
 
 def test_the_spike_bar_is_median_plus_sigma_robust_scales_of_log_loss_never_under_the_noise_floor():
     det = SpikeDetector(window=8, warmup=2, sigma=1.0, noise_floor=1e-9)
-    det.stats["loss"] = RobustWindow(8, [0.0, 0.1, -0.1, 0.2, -0.2, 0.0, 5.0])  # one wild value moves neither
+    det.stats["loss"] = deque([0.0, 0.1, -0.1, 0.2, -0.2, 0.0, 5.0], maxlen=8)  # one wild value moves neither
     assert loss_bar(det) == pytest.approx(math.exp(1.4826 * 0.1))  # median 0 nor MAD 0.1 much
     det = SpikeDetector(window=8, warmup=2, sigma=6.0, noise_floor=0.1)
-    det.stats["loss"] = RobustWindow(8, [math.log(2.0)] * 8)  # a flat loss: MAD 0, the floor sets the bar
+    det.stats["loss"] = deque([math.log(2.0)] * 8, maxlen=8)  # a flat loss: MAD 0, the floor sets the bar
     det.sequences = 4
     assert loss_bar(det) == pytest.approx(2.0 * math.exp(6.0 * 0.1 / 2))
     det.sequences = 64

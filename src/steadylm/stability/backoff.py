@@ -1,11 +1,13 @@
 """`Backoff`: the one LR backoff of the stability suite, bounded and counted per cause. A check whose alarm persists
 asks for one: the LR scale times `lr_backoff`, at most `max_backoffs` times, and (`rewind`) the weights back to a
 snapshot from before the trouble, because the damage of a too-high LR is done before any alarm fires and a lower LR
-cannot undo it (`rewarm_steps` ramps the LR up again). It only decides and counts; `Stability.back_off` acts."""
+cannot undo it (`rewarm_steps` ramps the LR up again). `Backoff` decides and counts; `act` carries a grant out."""
 
 from __future__ import annotations
 
 from steadylm.errors import ConfigError
+from steadylm.stability.check import overrides
+from steadylm.stability.events import emit
 
 
 class Backoff:
@@ -37,3 +39,44 @@ class Backoff:
 
     def load_state_dict(self, state: dict) -> None:
         self.backoffs, self.lr_scale = int(state["backoffs"]), float(state["lr_scale"])
+
+
+def act(owner, trainer, pl_module, v, detail: dict) -> bool:
+    """Carry out `Stability`'s (`owner`) LR verdict `v`: a forecast's temporary hold (or its end), or a backoff a
+    check's `Backoff` granted (the LR scaled, maybe a rewind and a re-warmup). True when it rewound."""
+    c = v.context
+    if c.get("temporary"):  # no rewind, no restart, not counted
+        pl_module.scale_lr(c["factor"])
+        if "pin_before" in c:
+            owner.recovery.pin(c["pin_before"])
+        if c.get("unpin"):
+            owner.recovery.unpin()
+        emit(trainer, v.onset, v.kind, v.action, {**detail, "lr_scale": pl_module.lr_scale})
+        return False
+    emit(trainer, v.onset, v.kind, c.get("event_action", "log"), detail)
+    granted, rewarm = dict(c["backoff"]), c["policy"].rewarm_steps
+    pl_module.scale_lr(granted["lr_backoff"])
+    keys = ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
+    target = {k: granted.pop(k) for k in keys if k in granted}
+    event = {**granted, "cause": c["cause"], "reason": c["why"]}
+    restored = None
+    if "rewind_before" in target:  # back to the snapshot QK-clip's `rewind_target` names, else before the onset
+        before = target["rewind_before"]
+        latest, first = target.get("rewind_latest", before), target.get("rewind_first", True)
+        restored = owner.recovery.rewind(trainer, pl_module, before, latest, to_first=first)
+    if restored is not None:
+        if owner.in_step:  # the step under way was computed on the abandoned weights
+            owner.drop_grads(pl_module)
+        owner.measure.abandon()  # the step just done measured the abandoned weights
+        owner.continue_from(trainer, pl_module, restored, rewarm)  # the LR ramps up again, as at the start
+        event["rewound_to"] = restored["to_step"]
+        if "growth_from" in target:
+            event["growth_from"] = target["growth_from"]  # the last step the logits were below the floor
+        if rewarm:
+            event["rewarm_steps"] = rewarm
+    emit(trainer, v.onset, "lr_backoff", "backoff", event)
+    if restored is not None:
+        emit(trainer, v.onset, "rollback", "rollback", {**restored, "cause": c["cause"], "onset": event["onset"]})
+    for check in (ch for ch in owner.checks if overrides(ch, "restart")):  # one backoff answers every streak
+        check.restart()
+    return restored is not None

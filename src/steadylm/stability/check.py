@@ -1,21 +1,14 @@
 """`Check`: the one protocol of a stability check, and `StepView`, what a check may read of the step.
 
-A check has three parts, and nothing else to edit to add one:
-
-- `measure(view) -> {key: (op, tensor)}`, on the device after backward, `op` "mean" or "max" over ranks: they join
-  the step's one collective.
-- `verdict(m, view) -> Verdict | list[Verdict]`, on the host, from the step's `Measurement` (`m.values[name]`:
-  its keys, reduced; one step late when the read is deferred). It may `log`, `backoff` (`context["backoff"]`:
-  the evidence its `Backoff` granted, `context["policy"]`: that `Backoff`), `skip` (only with
-  `acts_before_update = True`), `rollback` to before `onset`, or `stop`: `Verdict(action, self.name, detail,
-  onset=step)`; its `metrics` go to the loggers at step `onset`.
-- `state_dict()` / `load_state_dict()` of plain types, kept in every checkpoint under its name.
-
-Optional hooks for checks that act on the model (QK-clip, the stats): `arm(view)` before the step's first
-forward; `after_update(view, reduced)` once the update is in the weights, `reduced[name][key]` a "max" value
-still on the device; `restored()` after the suite restored weights; `restart()` after any LR backoff. A check
-that judges some steps only sets `next_step`, the first step it wants again: before it the owner calls none
-of its hooks. Add one in config, `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
+`measure(view) -> {key: (op, tensor)}` on the device after backward, `op` "mean" or "max" over ranks: the values
+join the step's one collective. `verdict(m, view) -> Verdict | list[Verdict]` on the host, from `m.values[name]`
+(reduced; one step late when the read is deferred): `log`, `backoff` (`context["backoff"]`: what its `Backoff`
+granted, `context["policy"]`: that `Backoff`), `skip` (only with `acts_before_update`), `rollback` to before
+`onset`, or `stop`; its `metrics` go to the loggers at step `onset`. `state_dict()` of plain types rides in every
+checkpoint under its name. Optional hooks: `arm(view)` before the step's first forward, `after_update(view,
+reduced)` once the update is in the weights (`reduced[name][key]`: a "max" value still on the device), `restored()`
+after a restore, `restart()` after any LR backoff; before `next_step` the owner calls none of them. Add one in
+config: `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import torch
 
 from steadylm.stability.verdict import OK, Verdict
 
-OPS = ("mean", "max")
+OPS = ("mean", "max")  # how a measured value is reduced over ranks
 
 
 @dataclass(frozen=True)
@@ -54,29 +47,24 @@ class Check:
         """Judged in this fit at all (e.g. the loss-scale check only under fp16). Asked once, at the fit's start."""
         return True
 
-    def arm(self, view: StepView) -> None:
-        pass
+    def arm(self, view: StepView) -> None: ...
 
     def measure(self, view: StepView) -> dict[str, tuple[str, torch.Tensor]]:
         return {}
 
-    def after_update(self, view: StepView, reduced) -> None:
-        pass
+    def after_update(self, view: StepView, reduced) -> None: ...
 
     def verdict(self, m, view: StepView) -> Verdict | list[Verdict]:
         return OK
 
-    def restored(self) -> None:
-        pass
+    def restored(self) -> None: ...
 
-    def restart(self) -> None:
-        pass
+    def restart(self) -> None: ...
 
     def state_dict(self) -> dict:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def overrides(check: Any, hook: str) -> bool:

@@ -11,10 +11,6 @@ from typing import Any
 
 log = logging.getLogger("steadylm.stability")
 
-# The built-in kinds (`unrecovered`: the run ended before its loss came back to where it was before the suite's last
-# restore); a check named in config (`callbacks.stability.checks.<name>`) writes `<name>` events.
-KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "update_ratio", "attn_logit", "fp16_skip_streak", "qk_clip")
-KINDS += ("lr_backoff", "precursor", "forecast", "init_loss", "rollback", "unrecovered", "stop")
 ACTIONS = ("log", "skip", "clip", "backoff", "rollback", "stop")
 
 

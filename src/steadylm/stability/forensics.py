@@ -1,4 +1,5 @@
-"""Name the first module that went non-finite, and write the forensic bundle of a stop.
+"""The evidence of a non-finite step (the first module that went non-finite), and what a stop leaves behind: the
+forensic bundle and the checkpoints of the diverged and the last good state.
 
 `locate` re-runs this step's micro-batches through the bare model (never the DDP wrapper, so no
 collective runs and `.grad` is untouched) with forward and backward hooks on every leaf module, and
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 
 from steadylm.stability.events import stability_dir
+from steadylm.stability.recovery import restore_weights_and_optimizer
+from steadylm.stability.rollback import checkpoint_dir
 
 
 def module_of(param_name: str | None) -> str | None:
@@ -126,3 +129,41 @@ def write_bundle(trainer, step: int, bundle: dict) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(bundle, indent=1))
     return path
+
+
+def stop_bundle(trainer, pl_module, m, v, detail: dict, first_module: str | None) -> dict:
+    """Write the bundle of a non-finite stop (`stability/forensics/step_N.json`); what the stop event says of it.
+    `first_module`: the module named at the start of the streak."""
+    module, evidence, report = name_culprit(trainer, pl_module, m)
+    bundle = {
+        "step": m.step,
+        "streak_start": v.onset,
+        "kind": v.kind,
+        "module": module or first_module,
+        "evidence": evidence,
+        "first_module": first_module,
+        "batch": detail.get("batch"),
+        "rank": trainer.global_rank,
+        **report,
+    }
+    path = write_bundle(trainer, m.step, bundle)
+    return {"module": first_module or module, "consecutive": detail.get("consecutive"), "forensics": path and str(path)}
+
+
+def save_stop_checkpoints(trainer, pl_module, recovery) -> dict:
+    """`diverged.ckpt` (the state now) beside `last_good.ckpt` (`recovery`'s newest known-good snapshot); every
+    rank calls it: saving is collective."""
+    folder = checkpoint_dir(trainer)
+    out = {}
+    try:
+        trainer.save_checkpoint(folder / "diverged.ckpt")
+        out["broken_checkpoint"] = str(folder / "diverged.ckpt")
+        snap = recovery.newest_good()
+        if snap is not None:
+            restore_weights_and_optimizer(trainer, pl_module, snap)
+            pl_module.continue_from(snap.applied, trainer.global_step)
+            trainer.save_checkpoint(folder / "last_good.ckpt")
+            out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
+    except Exception as err:  # the stop itself must happen even when the disk is full
+        out["checkpoint_error"] = f"{type(err).__name__}: {err}"
+    return out

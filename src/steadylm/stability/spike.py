@@ -22,11 +22,6 @@ SIGNALS = ("loss", "grad_norm")
 MAD_TO_STD = 1.4826
 
 
-def RobustWindow(size: int, values=()) -> deque:
-    """The last `size` values (log space): a plain deque, so `append` and `len` cost no Python call."""
-    return deque(values, maxlen=size)
-
-
 class SpikeDetector(Check):
     name = "spike"
 
@@ -37,8 +32,7 @@ class SpikeDetector(Check):
         key = "callbacks.stability.spike"
         if action not in ACTIONS:
             raise ConfigError(f"{key}.action={action!r} is not one of {', '.join(ACTIONS)}")
-        unknown = set(signals) - set(SIGNALS)
-        if unknown:
+        if unknown := set(signals) - set(SIGNALS):
             raise ConfigError(f"{key}.signals has unknown {sorted(unknown)}; use any of {list(SIGNALS)}")
         if not 1 <= warmup <= window:
             raise ConfigError(f"{key}.warmup={warmup} must be between 1 and {key}.window={window}")
@@ -46,22 +40,19 @@ class SpikeDetector(Check):
             raise ConfigError(f"{key}.patience={patience} must be >= 1")
         self.sigma, self.window, self.warmup, self.action = float(sigma), int(window), int(warmup), action
         self.signals = tuple(signals)
+        # `action: skip` skips the spiking step itself: its value must be read at the step (no deferral).
+        self.acts_before_update = action == "skip"
         self.patience, self.noise_floor, self.grad_ratio = int(patience), float(noise_floor), float(grad_ratio)
-        self.stats = {s: RobustWindow(self.window) for s in self.signals}
+        self.stats = {s: deque(maxlen=self.window) for s in self.signals}  # log values
         self.episode: dict | None = None  # the loss spike under way: onset step, values, the onset batch
         self.sequences = 1  # per optimizer step, all ranks (sets the noise floor)
         self.grad_spikes = 0  # grad-norm spikes the loss did not confirm (`stability/grad_spikes`)
-
-    @property
-    def acts_before_update(self) -> bool:
-        """`action: skip` skips the spiking step itself: its value must be read at the step (no deferral)."""
-        return self.action == "skip"
 
     def window_state(self) -> dict:
         return {s: list(st) for s, st in self.stats.items()}
 
     def load_window_state(self, state: dict) -> None:
-        self.stats = {s: RobustWindow(self.window, state.get(s, ())) for s in self.signals}
+        self.stats = {s: deque(state.get(s, ()), maxlen=self.window) for s in self.signals}
 
     def verdict(self, m, view: StepView) -> Verdict:
         if m.loss_nonfinite or m.grad_nonfinite:
@@ -129,19 +120,6 @@ class SpikeDetector(Check):
         detail = {"value": ep["values"][0], "threshold": ep["bar"], "sigma": self.sigma, "grad_norm": ep["grad_norm"]}
         grad_spike = ep["grad_bar"] is not None and ep["grad_norm"] > ep["grad_bar"]
         return {**detail, "grad_spike": grad_spike, "steps_above": len(ep["values"]), "peak": max(ep["values"])}
-
-    @staticmethod
-    def cause(ep: dict, good_loss: float | None, to_step: int) -> tuple[str, str]:
-        """(cause, evidence) of a persisting spike, from the onset batch's loss re-run on the restored weights."""
-        if good_loss is None:
-            return "inconclusive", "the onset batch was not kept"
-        where = f"the onset batch's loss on the good step-{to_step} weights is {good_loss:.3f}"
-        if good_loss > ep["bar"]:
-            return "data", f"{where}, above the bar {ep['bar']:.3f}: the batch itself is bad"
-        return "update", (
-            f"{where}, under the bar {ep['bar']:.3f}, yet the loss stayed above it for {len(ep['values'])} "
-            "steps: an update broke the weights (LR, optimizer state)"
-        )
 
     def finish(self) -> Verdict:
         """Training ended inside an episode not yet reported: report it."""

@@ -1,8 +1,8 @@
 """`Stability`: the one callback that owns each optimizer step's stability checks (start at `on_before_optimizer_step`).
 
-Every check follows the protocol of `check.py`: it returns `Verdict`s and this class applies them, so escalation,
-the one LR backoff, the rollback budget and the stop live here. Every decision comes from the one all-reduced
-measurement, so every rank applies the same verdicts: no rank ever raises or stops alone.
+Every check follows the protocol of `check.py`: it returns `Verdict`s and this class applies them (an LR backoff
+through `backoff.act`), so escalation, the rollback budget and the stop live here. Every decision comes from the
+one all-reduced measurement, so every rank applies the same verdicts: no rank ever raises or stops alone.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import importlib
 import inspect
 
 import lightning as L
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.checkpointing import STABILITY_STATE_KEY
@@ -19,23 +18,22 @@ from steadylm.compat import every_n_train_steps
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.stability.check import StepView, overrides
-from steadylm.stability.events import KINDS, emit
+from steadylm.stability.events import emit
 from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
-from steadylm.stability.recovery import Recovery, restore_weights_and_optimizer
-from steadylm.stability.rollback import checkpoint_dir
+from steadylm.stability.recovery import Recovery
 from steadylm.stability.verdict import Verdict
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 
 
-# The built-in checks, by config key: a module is imported only when its node is in the config.
+# The built-in checks, by config key, in the order they are judged: a module is imported only when its node is set.
 CHECKS = {
     "guard": "steadylm.stability.guard:NonFiniteGuard",
     "spike": "steadylm.stability.spike:SpikeDetector",
-    "stats": "steadylm.stability.stats:GradParamStats",
     "loss_scale": "steadylm.stability.loss_scale:LossScaleMonitor",
-    "qk_clip": "steadylm.stability.qk_clip:QKClip",
     "init_loss": "steadylm.stability.init_loss:InitLoss",
+    "qk_clip": "steadylm.stability.qk_clip:QKClip",
+    "stats": "steadylm.stability.stats:GradParamStats",
     "signals": "steadylm.stability.signals:Precursors",
 }
 BUILT_IN = (*CHECKS, "recovery", "measure")
@@ -57,19 +55,17 @@ def _part(name: str, settings, cls=None):
 
 
 def _checks_from_config(nodes) -> list:
-    """The checks named under `callbacks.stability.checks` (`<name>: {_target_: ...}`), each called `<name>`."""
+    """The checks named under `callbacks.stability.checks` (`<name>: {_target_: ...}`, built by Hydra), each
+    called `<name>`; one set to null is left out."""
     out = []
-    for name, node in (nodes or {}).items():
-        if node is None:
-            continue  # removed from the command line (`callbacks.stability.checks.<name>=null`)
+    for name, check in (nodes or {}).items():
+        if check is None:
+            continue
         where = f"callbacks.stability.checks.{name}"
         if name in BUILT_IN:
             raise ConfigError(f"{where}: {name!r} is a built-in part's name; call the check something else")
-        check = node  # Hydra has built it already when the Trainer's callbacks were instantiated
-        if isinstance(node, (dict, DictConfig)):
-            if "_target_" not in node:
-                raise ConfigError(f"{where} has no _target_ (the check's class, e.g. my_package.checks.MyCheck)")
-            check = instantiate(node)
+        if isinstance(check, (dict, DictConfig)):  # Hydra builds every node with a `_target_`
+            raise ConfigError(f"{where} has no _target_ (the check's class, e.g. my_package.checks.MyCheck)")
         if not callable(getattr(check, "verdict", None)):
             raise ConfigError(f"{where}: {type(check).__name__} has no verdict(m, view) method (see Check)")
         check.name = name
@@ -81,39 +77,21 @@ class Stability(L.Callback):
     """`callbacks.stability`: each part is tunable (`callbacks.stability.spike.sigma=5`) or removable
     (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
 
-    def __init__(
-        self,
-        guard=None,
-        spike=None,
-        stats=None,
-        loss_scale=None,
-        qk_clip=None,
-        init_loss=None,
-        recovery=None,
-        signals=None,
-        checks=None,
-        defer: bool = True,
-    ):
+    def __init__(self, recovery=None, checks=None, defer: bool = True, **parts):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
-        self.guard = _part("guard", guard)
-        self.spike = _part("spike", spike)
-        self.stats = _part("stats", stats)
-        self.loss_scale = _part("loss_scale", loss_scale)
-        self.qk_clip = _part("qk_clip", qk_clip)
-        self.init_loss = _part("init_loss", init_loss)
-        self.signals = _part("signals", signals)
+        if unknown := sorted(set(parts) - set(CHECKS)):
+            raise ConfigError(f"callbacks.stability.{unknown[0]} is not a part; see conf/callbacks/default.yaml")
+        for name in CHECKS:  # self.guard, self.spike, ...: None when removed
+            setattr(self, name, _part(name, parts.get(name)))
         self.recovery = _part("recovery", recovery if recovery is not None else {"every_n_steps": 0}, Recovery)
-        # Judged in this order, the built-in checks first, then `callbacks.stability.checks` in config order.
-        built_in = (self.guard, self.spike, self.loss_scale, self.init_loss, self.qk_clip, self.stats, self.signals)
-        self.checks = [c for c in built_in if c is not None] + _checks_from_config(checks)
+        # The built-in checks first, then `callbacks.stability.checks` in config order.
+        self.checks = [getattr(self, n) for n in CHECKS if getattr(self, n) is not None] + _checks_from_config(checks)
         self._judged: list = self.checks  # those that apply to this fit (`setup`)
         self._hooked: dict[str, list] = {"arm": [], "measure": [], "after_update": []}
         self._rewinds = any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks)
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
-        self.measure = StepMeasure(
-            defer=defer and not any(getattr(c, "acts_before_update", False) for c in self.checks)
-        )
+        self.measure = StepMeasure(defer and not any(getattr(c, "acts_before_update", False) for c in self.checks))
         self.stopped = False
         self.in_step = False  # inside `step`: the step under way has not reached the weights
         self._skipped_at = -1  # the last step counted as skipped (several checks may skip the same step)
@@ -148,14 +126,9 @@ class Stability(L.Callback):
         return {"spike": self.spike.window_state()} if self.spike is not None else {}
 
     def _view(self, trainer, pl_module) -> StepView:
-        return StepView(
-            step=trainer.global_step,
-            world_size=trainer.world_size,
-            loss_scale=self._scaler.get_scale() if self._scaler is not None else None,
-            model_cfg=getattr(getattr(pl_module, "net", None), "cfg", None),
-            trainer=trainer,
-            module=pl_module,
-        )
+        scale = self._scaler.get_scale() if self._scaler is not None else None
+        cfg = getattr(getattr(pl_module, "net", None), "cfg", None)
+        return StepView(trainer.global_step, trainer.world_size, scale, cfg, trainer, pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         ms, step = self.measure, trainer.global_step
@@ -191,17 +164,16 @@ class Stability(L.Callback):
         try:
             step = trainer.global_step
             if self.recovery.candidate is not None:
-                self.recovery.written()  # 0. this step's snapshot has read the weights it copies: they may change now
-            view = self._view_now if self._view_now is not None and self._view_now.step == step else None
-            view = view or self._view(trainer, pl_module)
+                self.recovery.written()  # this step's snapshot has read the weights it copies: they may change now
+            view = self._view_now if getattr(self._view_now, "step", -1) == step else self._view(trainer, pl_module)
             measuring = [c for c in self._hooked["measure"] if c in self._awake]
-            m = self.measure.take(trainer, pl_module, view, measuring)  # 1. the one measurement (deferred: the
-            # previous step's), every check's own values in the same collective
+            # The one measurement (deferred: the previous step's), every check's own values in the same collective.
+            m = self.measure.take(trainer, pl_module, view, measuring)
             self._measured = step
             if step < self.recovery.skip_until:  # the data window skipped after a repeated rollback
                 self.skip(trainer, pl_module, step)
             if m is not None:
-                self.judge(trainer, pl_module, optimizer, m, view)  # 2-6. the checks' verdicts, applied
+                self.judge(trainer, pl_module, optimizer, m, view)
             if not self.stopped and pl_module.logs_now:
                 self._log = self._optimizer_metrics(trainer, pl_module)
         finally:
@@ -221,8 +193,8 @@ class Stability(L.Callback):
             suspect = suspect or v.suspect
             if v.metrics:
                 write_metrics(trainer, v.metrics, step=v.onset)
-        self.recovery.confirm(m, suspect=suspect)  # 5. known-good snapshot, or dropped
-        for v in verdicts:  # 6. act
+        self.recovery.confirm(m, suspect=suspect)  # known-good snapshot, or dropped
+        for v in verdicts:
             if v.action != "ok" and self.apply(trainer, pl_module, optimizer, m, v):
                 return
 
@@ -233,25 +205,17 @@ class Stability(L.Callback):
 
         detail = dict(v.detail)
         if v.kind in NONFINITE:
-            if v.context.get("first"):
-                module, evidence, _ = forensics.name_culprit(trainer, pl_module, m)  # every rank: one object all-gather
-                self._culprit = (module, evidence)
-            detail.update(module=self._culprit[0], evidence=self._culprit[1], batch=self._windows(trainer, m.batch_idx))
+            if v.context.get("first"):  # every rank: one object all-gather
+                self._culprit = forensics.name_culprit(trainer, pl_module, m)[:2]
+            module, evidence = self._culprit
+            detail.update(module=module, evidence=evidence, batch=suspects.batch_window_ids(trainer, m.batch_idx))
         episode = v.context.get("episode")
         if episode is not None:
-            detail["batch"] = self._windows(trainer, episode["batch_idx"])
-        if v.context.get("temporary"):  # a forecast's LR hold, or its end: no rewind, no restart, not counted
-            pl_module.scale_lr(v.context["factor"])
-            if "pin_before" in v.context:
-                self.recovery.pin(v.context["pin_before"])
-            if v.context.get("unpin"):
-                self.recovery.unpin()
-            emit(trainer, v.onset, v.kind, v.action, {**detail, "lr_scale": pl_module.lr_scale})
-            return False
-        if v.action == "backoff":
-            emit(trainer, v.onset, v.kind, v.context.get("event_action", "log"), detail)
-            c = v.context
-            return self.back_off(trainer, pl_module, v.onset, c["cause"], c["policy"], dict(c["backoff"]), c["why"])
+            detail["batch"] = suspects.batch_window_ids(trainer, episode["batch_idx"])
+        if v.action == "backoff" or v.context.get("temporary"):
+            from steadylm.stability.backoff import act  # QK-clip's and the signals' LR backoff: loaded with them
+
+            return act(self, trainer, pl_module, v, detail)
         if v.action == "skip":
             self.skip(trainer, pl_module, m.step)
         elif v.action == "log" and v.context.get("rank"):  # a one-off spike: rank its samples on the good weights
@@ -276,7 +240,7 @@ class Stability(L.Callback):
         self._skipped_at = step
         pl_module.skip_step()
         if self.in_step and step == trainer.global_step:
-            self._drop_grads(pl_module)
+            self.drop_grads(pl_module)
 
     def rollback(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict, detail: dict) -> None:
         restored = self.recovery.rollback(trainer, pl_module, optimizer, v.onset) if optimizer is not None else None
@@ -284,82 +248,38 @@ class Stability(L.Callback):
             self.stop(trainer, pl_module, m.step, v, detail, why=self.recovery.why_not(), m=m)
             return
         if self.in_step:  # the step under way was computed on the abandoned weights
-            self._drop_grads(pl_module)
+            self.drop_grads(pl_module)
             self.measure.abandon()
-        self._continue_from(trainer, pl_module, restored)
+        self.continue_from(trainer, pl_module, restored)
         if "lr_backoff" in restored:
             restored["lr_scale"] = pl_module.scale_lr(restored["lr_backoff"])
         episode = v.context.get("episode")
         if episode is not None:  # a persisting spike: re-run its onset batch on the restored weights
-            from steadylm.stability.suspects import spike_suspects  # loaded when a spike persists
+            from steadylm.stability.suspects import spike_cause  # loaded when a spike persists
 
-            evidence = spike_suspects(trainer, pl_module, episode, None, restored["to_step"])
-            cause, why = type(self.spike).cause(
-                episode, evidence.get("batch_loss_on_good_weights"), restored["to_step"]
-            )
-            detail.update(cause=cause, evidence=why, **evidence)
+            detail.update(spike_cause(trainer, pl_module, episode, restored["to_step"]))
         emit(trainer, v.onset if episode is not None else m.step, v.kind, "rollback", detail)
         restored.update(cause=v.kind, onset=v.onset, module=detail.get("module"))
         emit(trainer, m.step, "rollback", "rollback", restored)
 
-    def stop(self, trainer, pl_module, step: int, v: Verdict, detail: dict, why=None, m=None) -> None:
+    def stop(self, trainer, pl_module, step: int, v: Verdict, detail: dict | None, why=None, m=None) -> None:
         """Stop every rank together (all reach it from the same reduced values), keeping the last good state;
-        `why`: what made the verdict's own remedy impossible."""
+        `detail`: the check's event (None: no check detected it); `why`: what made its own remedy impossible."""
         self.stopped = True
         if self.in_step:
-            self._drop_grads(pl_module)
+            self.drop_grads(pl_module)
             self.measure.abandon()
         reason = f"{v.reason}; {why}" if why else v.reason
+        from steadylm.stability import forensics  # what a stop leaves behind: loaded when a run stops
+
         extra = {}
         if v.kind in NONFINITE and m is not None:
-            extra = self._forensics(trainer, pl_module, m, v, detail)
-        if v.kind in KINDS or v.kind in {c.name for c in self.checks}:
+            extra = forensics.stop_bundle(trainer, pl_module, m, v, detail, self._culprit[0])
+        if detail is not None and v.kind is not None:
             emit(trainer, v.onset if v.kind == "loss_spike" else step, v.kind, "stop", detail)
-        saved = self._save_last_good(trainer, pl_module)
+        saved = forensics.save_stop_checkpoints(trainer, pl_module, self.recovery)
         emit(trainer, step, "stop", "stop", {**v.detail, **extra, "kind": v.kind, "reason": reason, **saved})
         trainer.should_stop = True
-
-    def _forensics(self, trainer, pl_module, m: Measurement, v: Verdict, detail: dict) -> dict:
-        """The bundle of a non-finite stop (`stability/forensics/step_N.json`); what the stop event says of it."""
-        from steadylm.stability.forensics import name_culprit, write_bundle  # loaded when a run stops on one
-
-        module, evidence, report = name_culprit(trainer, pl_module, m)
-        first = self._culprit[0]
-        bundle = {
-            "step": m.step,
-            "streak_start": v.onset,
-            "kind": v.kind,
-            "module": module or first,
-            "evidence": evidence,
-            "first_module": first,
-            "batch": detail.get("batch"),
-            "rank": trainer.global_rank,
-            **report,
-        }
-        path = write_bundle(trainer, m.step, bundle)
-        return {
-            "module": first or module,
-            "consecutive": detail.get("consecutive"),
-            "forensics": str(path) if path else None,
-        }
-
-    def _save_last_good(self, trainer, pl_module) -> dict:
-        """`diverged.ckpt` (the state now) beside `last_good.ckpt` (the newest known-good snapshot); every rank
-        calls it: saving is collective."""
-        folder = checkpoint_dir(trainer)
-        out = {}
-        try:
-            trainer.save_checkpoint(folder / "diverged.ckpt")
-            out["broken_checkpoint"] = str(folder / "diverged.ckpt")
-            snap = self.recovery.newest_good()
-            if snap is not None:
-                restore_weights_and_optimizer(trainer, pl_module, snap)
-                pl_module.continue_from(snap.applied, trainer.global_step)
-                trainer.save_checkpoint(folder / "last_good.ckpt")
-                out.update(last_good_checkpoint=str(folder / "last_good.ckpt"), last_good_step=snap.step)
-        except Exception as err:  # the stop itself must happen even when the disk is full
-            out["checkpoint_error"] = f"{type(err).__name__}: {err}"
-        return out
 
     # -- the rest of the step's life --------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -381,40 +301,9 @@ class Stability(L.Callback):
                     self.settle(trainer, pl_module, trainer.optimizers[0])
                     break
 
-    # -- the one LR backoff: QK-clip's and the precursor signals' ------------------------------------------------
-    def back_off(self, trainer, pl_module, step: int, cause: str, backoff, detail: dict, why: str) -> bool:
-        """Apply a backoff a check's `Backoff` granted (`detail`: its evidence): the LR scaled, maybe a rewind
-        (and a re-warmup), and their events. True when it rewound."""
-        pl_module.scale_lr(detail["lr_backoff"])
-        keys = ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
-        target = {k: detail.pop(k) for k in keys if k in detail}
-        detail = {**detail, "cause": cause, "reason": why}
-        restored = None
-        if "rewind_before" in target:  # back to the snapshot QK-clip's `rewind_target` names, else before the onset
-            before = target["rewind_before"]
-            latest, first = target.get("rewind_latest", before), target.get("rewind_first", True)
-            restored = self.recovery.rewind(trainer, pl_module, before, latest, to_first=first)
-        if restored is not None:
-            if self.in_step:  # the step under way was computed on the abandoned weights
-                self._drop_grads(pl_module)
-            self.measure.abandon()  # the step just done measured the abandoned weights
-            # the LR ramps up again from the restored weights over `rewarm_steps`, as at the start
-            self._continue_from(trainer, pl_module, restored, backoff.rewarm_steps)
-            detail["rewound_to"] = restored["to_step"]
-            if "growth_from" in target:
-                detail["growth_from"] = target["growth_from"]  # the last step the logits were below the floor
-            if backoff.rewarm_steps:
-                detail["rewarm_steps"] = backoff.rewarm_steps
-        emit(trainer, step, "lr_backoff", "backoff", detail)
-        if restored is not None:
-            emit(trainer, step, "rollback", "rollback", {**restored, "cause": cause, "onset": detail["onset"]})
-        for c in (c for c in self.checks if overrides(c, "restart")):  # one backoff answers every streak
-            c.restart()
-        return restored is not None
-
-    def _continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
-        """After a restore: the LR schedule and the checks' windows resume at the restored weights'; pops
-        `applied` and `detectors` from `restored` (the rest is the event's)."""
+    def continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
+        """After a restore: the LR schedule (re-warmed over `rewarm_steps`) and the checks' windows resume at the
+        restored weights'; pops `applied` and `detectors` from `restored` (the rest is the event's)."""
         for c in (c for c in self.checks if overrides(c, "restored")):  # what the abandoned weights showed
             c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
@@ -428,22 +317,18 @@ class Stability(L.Callback):
         if m is not None and not self.stopped:
             self.judge(trainer, pl_module, optimizer, m)
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer, pl_module, stage) -> None:
         self.recovery.close()  # the snapshots' files are removed: the fit is over
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self.recovery.close()
+    on_exception = teardown  # (trainer, pl_module, exception), called positionally
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.settle(trainer, pl_module)
-        if self.spike is not None and not self.stopped:
-            v = self.spike.finish()  # ended inside a spike episode: report it
-            if v.kind is not None:
-                batch = self._windows(trainer, v.context["episode"]["batch_idx"])
-                emit(trainer, v.onset, v.kind, v.action, {**v.detail, "batch": batch})
+        if self.spike is not None and not self.stopped and (v := self.spike.finish()).kind is not None:
+            self.apply(trainer, pl_module, None, None, v)  # ended inside a spike episode: report it
         final = self.recovery.final_verdict() if not self.stopped else None
         if final is not None:
-            self.stop(trainer, pl_module, trainer.global_step, final, {})
+            self.stop(trainer, pl_module, trainer.global_step, final, None)
         elif not self.stopped and (cut := self.recovery.unrecovered(trainer.global_step)) is not None:
             emit(trainer, trainer.global_step, "unrecovered", "log", cut)  # a restore is a reset, not a divergence
         self.measure.finish(trainer)
@@ -461,14 +346,7 @@ class Stability(L.Callback):
         return metrics
 
     @staticmethod
-    def _windows(trainer, batch_idx) -> list[list[int]]:
-        """The window ids of batches `batch_idx` (the evidence of an alarm: the module loads when one fires)."""
-        from steadylm.stability.suspects import batch_window_ids
-
-        return [batch_window_ids(trainer, i) for i in batch_idx]
-
-    @staticmethod
-    def _drop_grads(pl_module) -> None:
+    def drop_grads(pl_module) -> None:
         for p in pl_module.parameters():
             p.grad = None
 

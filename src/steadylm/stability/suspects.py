@@ -66,10 +66,11 @@ def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int
     return rows
 
 
-def batch_window_ids(trainer, batch_idx: int) -> list[int]:
-    """This rank's window ids at `batch_idx` of the epoch, one per row (-1: padding); [] when the data cannot say."""
+def batch_window_ids(trainer, batch_idx) -> list[list[int]]:
+    """This rank's window ids of the epoch's batches `batch_idx`, one per row (-1: padding); [] per batch when the
+    data cannot say."""
     dm = getattr(trainer, "datamodule", None)
-    return dm.window_ids(batch_idx) if hasattr(dm, "window_ids") else []
+    return [dm.window_ids(i) if hasattr(dm, "window_ids") else [] for i in batch_idx]
 
 
 @lru_cache(maxsize=8)
@@ -103,7 +104,7 @@ def locate_window(trainer, window: int) -> dict:
 
 def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, int, float]]) -> list[dict]:
     """One row per window, worst first."""
-    ids = [batch_window_ids(trainer, b) for b in batch_idx]
+    ids = batch_window_ids(trainer, batch_idx)
     rows = []
     for mi, r, loss in sorted(losses, key=lambda t: -t[2]):
         window = ids[mi][r] if mi < len(ids) and r < len(ids[mi]) else -1
@@ -144,6 +145,23 @@ def spike_suspects(trainer, pl_module, episode: dict, weights=None, weights_step
     mean = sum(v for _, _, v in losses) / max(len(losses), 1)
     top = [{k: r[k] for k in ("window", "shard", "start", "end", "loss")} for r in rows[:TOP_SUSPECTS]]
     return {"batch_loss_on_good_weights": mean, "suspects": top}
+
+
+def spike_cause(trainer, pl_module, episode: dict, to_step: int) -> dict:
+    """The evidence and cause of a persisting spike, from its onset batch re-run on the restored step-`to_step`
+    weights: still above the bar, the batch is bad; under it, an update broke the weights."""
+    evidence = spike_suspects(trainer, pl_module, episode, None, to_step)
+    good_loss, bar = evidence.get("batch_loss_on_good_weights"), episode["bar"]
+    if good_loss is None:
+        return {"cause": "inconclusive", "evidence": "the onset batch was not kept", **evidence}
+    where = f"the onset batch's loss on the good step-{to_step} weights is {good_loss:.3f}"
+    if good_loss > bar:
+        return {"cause": "data", "evidence": f"{where}, above the bar {bar:.3f}: the batch itself is bad", **evidence}
+    why = (
+        f"{where}, under the bar {bar:.3f}, yet the loss stayed above it for {len(episode['values'])} "
+        "steps: an update broke the weights (LR, optimizer state)"
+    )
+    return {"cause": "update", "evidence": why, **evidence}
 
 
 def write_suspects(trainer, rows: list[dict]) -> Path:
