@@ -112,6 +112,7 @@ def test_a_check_resumes_with_its_state(make_cfg, tmp_path):
         ("+callbacks.stability.checks.spike={_target_: tests.test_checks.EmbeddingGradSpike}", "built-in"),
         ("+callbacks.stability.checks.mine={factor: 2}", "no _target_"),
         ("+callbacks.stability.checks.mine={_target_: datetime.timedelta}", "no verdict"),
+        ("+callbacks.stability.spiek={sigma: 5}", "callbacks.stability.spiek is not a part"),  # a misspelled part
     ],
 )
 def test_a_check_that_cannot_be_one_is_refused_in_one_line(make_cfg, override, message):
