@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from steadylm.result import divergence
-from steadylm.stability.instability import MATERIAL_CLIPS, PERSISTENT_ALARMS, instability
+from steadylm.stability.instability import instability
+from steadylm.stability.qk_clip import MATERIAL_CLIPS, PERSISTENT_ALARMS
 from steadylm.sweep import summarize_sweep
 from tests.helpers import CLI_TINY, run_cli
 

@@ -21,6 +21,15 @@ def init_fix(init: str, otherwise: str) -> str:
     return "use model.init=gpt2 (N(0, 0.02), residual projections scaled by depth)" if init != "gpt2" else otherwise
 
 
+def explain(events: list[dict], lr: float | None, cut: str | None) -> str:
+    """The run's `unstable` line (`stability.instability`): a wrong init is named before any other cause."""
+    d = next(e["detail"] for e in events if e.get("kind") == "init_loss")
+    return (
+        f"the initial loss was {d['loss']:.3g} nats, ln({d['vocab_size']}) = {d['expected']:.3g} expected: the "
+        f"init is wrong (over-confident logits); fix: {init_fix(d.get('init'), INIT_OTHERWISE)}"
+    )
+
+
 class InitLoss(Check):
     name = "init_loss"
 

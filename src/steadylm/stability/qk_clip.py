@@ -29,6 +29,35 @@ BACKOFF_KEYS = ("lr_backoff", "lr_scale", "backoffs", "max_logit", "onset")
 BACKOFF_KEYS += ("rewind_before", "rewind_latest", "rewind_first", "growth_from")
 
 
+MATERIAL_CLIPS = 10  # clipping steps that make a run `unstable`: a few are the policy doing its job
+PERSISTENT_ALARMS = 5  # `attn_logit` alarms (no QK-clip) that make a run `unstable`
+
+
+def explain(events: list[dict], lr: float | None, cut: str | None) -> str | None:
+    """The run's `unstable` line (`stability.instability`) when its attention logits grew past the bar materially:
+    any LR backoff, `MATERIAL_CLIPS` clipping steps or `PERSISTENT_ALARMS` `attn_logit` alarms."""
+    clips = [e for e in events if e.get("kind") == "qk_clip" and e.get("action") == "clip"]
+    backoffs = [e for e in events if e.get("kind") == "lr_backoff"]
+    alarms = [e for e in events if e.get("kind") == "attn_logit"]
+    if not backoffs and len(clips) < MATERIAL_CLIPS and len(alarms) < PERSISTENT_ALARMS:
+        return None
+    first = (clips or alarms or backoffs)[0]
+    peak = max((float(e["detail"].get("max_logit", e["detail"].get("value", 0.0))) for e in clips + alarms), default=0)
+    cause = f"attention logits grew past the bar from step {first['step']} (max {peak:.3g})"
+    if clips:
+        cause += f"; QK-clip acted on {len(clips)} steps"
+    if backoffs:
+        scale = float(backoffs[-1]["detail"]["lr_scale"])
+        lower = f"optim.lr={lr * scale:.3g}" if lr else f"optim.lr x{scale:g}"
+        cause += f", and lowered the LR {len(backoffs)} time(s) to x{scale:g}"
+    else:
+        lower = f"optim.lr={lr / 3:.3g}" if lr else "a lower optim.lr"
+    if not clips and not backoffs:
+        cause += f" on {len(alarms)} logging steps, unmitigated"
+    cause += f"; {cut}" if cut else ""
+    return f"{cause}; fix: model.qk_norm=true, or {lower} (python -m steadylm.doctor runs the LR probe)"
+
+
 class QKClip(Check):
     name = "qk_clip"
 

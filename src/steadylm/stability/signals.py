@@ -33,6 +33,45 @@ from steadylm.stability.check import Check
 from steadylm.stability.stats import OWN, UPDATE, stats_metrics
 from steadylm.stability.verdict import Verdict
 
+PERSISTENT_PRECURSORS = 5  # `precursor` events (with no backoff) that make a run `unstable`
+SIGNAL_CAUSES = {
+    "residual_rms": "the residual stream's RMS grew past {level:g} (max {peak:.3g}; healthy runs stay O(1))",
+    "update_ratio": "the update/param ratio stayed above {level:g} after the warmup (max {peak:.3g})",
+    "log_z": "the output softmax's |log Z| drifted past {level:g} (max {peak:.3g})",
+}
+
+
+def explain(events: list[dict], lr: float | None, cut: str | None) -> str | None:
+    """The run's `unstable` line (`stability.instability`) when the signals backed off or alarmed on
+    `PERSISTENT_PRECURSORS` steps while the attention logits were quiet (else those name the cause); the first
+    signal to fire names it."""
+    if any(e.get("kind") == "attn_logit" or (e.get("kind"), e.get("action")) == ("qk_clip", "clip") for e in events):
+        return None
+    precursors = [e for e in events if e.get("kind") == "precursor"]
+    backoffs = [e for e in events if e.get("kind") == "lr_backoff" and e["detail"].get("cause") != "qk_clip"]
+    if not backoffs and len(precursors) < PERSISTENT_PRECURSORS:
+        return None
+    first = (precursors or backoffs)[0]
+    signal = first["detail"].get("signal") or first["detail"].get("cause")
+    mine = [e for e in precursors if e["detail"].get("signal") == signal]
+    level = float(mine[0]["detail"]["threshold"]) if mine else float("nan")
+    peak = max((float(e["detail"]["value"]) for e in mine), default=float("nan"))
+    cause = SIGNAL_CAUSES.get(signal, f"{signal} passed its level {{level:g}} (max {{peak:.3g}})")
+    cause = cause.format(level=level, peak=peak) + f" from step {first['step']}"
+    if backoffs:
+        scale = float(backoffs[-1]["detail"]["lr_scale"])
+        cause += f"; the suite lowered the LR {len(backoffs)} time(s) to x{scale:g}"
+        rewound = [e["detail"]["rewound_to"] for e in backoffs if "rewound_to" in e["detail"]]
+        if rewound:
+            cause += f" and rewound to step {rewound[0]}"
+        lower = f"optim.lr={lr * scale:.3g}" if lr else f"optim.lr x{scale:g}"
+    else:
+        cause += f", on {len(mine)} stats steps, unmitigated"
+        lower = f"optim.lr={lr / 10:.3g}" if lr else "a lower optim.lr"
+    cause += f"; {cut}" if cut else ""
+    return f"{cause}: the LR is too high; fix: {lower} (python -m steadylm.doctor runs the LR probe)"
+
+
 SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
