@@ -203,7 +203,7 @@ def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_
     snap = capture(trainer, module)
     assert snap.store.event is not None and all(t.is_pinned() for t in snap.store.buffers)
     opt.step()  # enqueued after the copies on the same stream: it cannot change what they read
-    snap.wait()
+    snap.store.wait()
     assert all(torch.equal(a, b) for a, b in zip(before, snap.weights()))
 
 
