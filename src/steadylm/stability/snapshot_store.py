@@ -75,7 +75,7 @@ class SnapshotFile(HostBuffers):
     def write(self, tensors: list[torch.Tensor]) -> None:
         """Start saving `tensors` in the background (as a GPU's copy engine); `wait_written` before they change."""
         self.wait()
-        hosts = [t.detach().cpu() for t in tensors]  # a copy only for GPU tensors
+        hosts = [t.detach().to("cpu") for t in tensors]  # a copy only for GPU tensors
         self.written = self.flusher.submit(self._save, hosts)
         self.flushed = self.flusher.submit(self._flush)  # one worker: after the save
 
