@@ -119,20 +119,16 @@ class Recovery:
         self.final_window, self.final_margin = int(final_window), float(final_margin)
         self.store = store
         self.where: str | None = None  # memory | disk: where new snapshots go (auto: decided at the first one)
-        self._taken_at: float | None = None  # perf_counter() at the last snapshot
-        self._interval: float | None = None  # seconds between the last two snapshots
-        self._flusher: ThreadPoolExecutor | None = None  # syncs the snapshot files in the background
-        self._files = 0
-        self._folder = None  # the run's stability/snapshots/, once a file was made there
+        self._taken_at = self._interval = None  # perf_counter() at the last snapshot; seconds between the last two
+        self._flusher: ThreadPoolExecutor | None = None  # saves and syncs the snapshot files in the background
+        self._files, self._folder = 0, None  # the files made in the run's stability/snapshots/
         self.good: deque[Snapshot] = deque()
         self.candidate: Snapshot | None = None
-        self._spare: Snapshot | None = None  # buffers of a dropped snapshot, for the next one
+        self._spare: Snapshot | None = None  # the storage of a dropped snapshot, for the next one
         # The fit's first known-good snapshot, held beyond `keep` while the caller may rewind to it (`rewind`).
-        self.hold_first = False
-        self.first: Snapshot | None = None
+        self.hold_first, self.first = False, None
         self.pinned: Snapshot | None = None  # held beyond `keep` for a forecast (`pin`)
-        self.rollbacks = 0
-        self.strikes = 0  # rollbacks in a row at the same place
+        self.rollbacks = self.strikes = 0  # strikes: rollbacks in a row at the same place
         self.last_onset: int | None = None
         self.skip_until = -1  # steps before this one are skipped (a longer data window after a repeated rollback)
         self.recent: deque[float] = deque(maxlen=self.final_window)
@@ -235,9 +231,7 @@ class Recovery:
 
     def newest_good(self, before: int | None = None, older: bool = False) -> Snapshot | None:
         found = [s for s in self.good if before is None or s.step <= before]
-        if older and len(found) > 1:
-            return found[-2]
-        return found[-1] if found else None
+        return found[-2] if older and len(found) > 1 else (found[-1] if found else None)
 
     def rollback(self, trainer, pl_module, optimizer, onset: int) -> dict | None:
         """Restore a state from before step `onset`, escalating when rollbacks repeat at the same place; None when
@@ -258,11 +252,9 @@ class Recovery:
         self.rollbacks += 1
         self.strikes, self.last_onset = strikes, onset
         self._judge_from(trainer.global_step, restored["to_step"])
+        skipped = trainer.global_step + 1 - restored["to_step"]
         restored.update(
-            rollbacks=self.rollbacks,
-            budget=self.max_rollbacks,
-            strikes=strikes,
-            skipped_data_steps=trainer.global_step + 1 - restored["to_step"],
+            rollbacks=self.rollbacks, budget=self.max_rollbacks, strikes=strikes, skipped_data_steps=skipped
         )
         if strikes >= 2 and self.skip_steps:
             extra = self.skip_steps * 2 ** (strikes - 2)
