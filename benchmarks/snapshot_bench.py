@@ -112,7 +112,7 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
         "preset": name,
         "store": target.kind,
         "params_M": sum(p.numel() for p in net.parameters()) / 1e6,
-        "snapshot_MB": snap.store.nbytes() / 2**20,
+        "snapshot_MB": sum(t.nbytes for t in snap.store.read(copy=False)) / 2**20,
         "step_ms": step_t * 1e3,
         "snapshot_ms": snap_t * 1e3,
         "every": every,

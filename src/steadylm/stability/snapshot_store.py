@@ -56,9 +56,6 @@ class HostBuffers:
         for t, b in zip(live, self.held()):
             t.copy_(b)
 
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.held())
-
     def close(self) -> None:
         """Nothing to remove: the buffers go with the snapshot."""
 
