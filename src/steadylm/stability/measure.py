@@ -68,11 +68,9 @@ class Packed:
         self.sums = torch.cat(parts["mean"]) if len(parts["mean"]) > 1 else core
         self.maxes = torch.cat(parts["max"]) if parts["max"] else None
         self.reduced: dict[str, dict[str, torch.Tensor]] = {}
-        at = 0
-        for name, key, shape in self.keys["max"]:
-            n = math.prod(shape)
-            self.reduced.setdefault(name, {})[key] = self.maxes[at : at + n].view(shape)
-            at += n
+        sizes = [math.prod(shape) for *_, shape in self.keys["max"]]
+        for (name, key, shape), part in zip(self.keys["max"], self.maxes.split(sizes) if sizes else ()):
+            self.reduced.setdefault(name, {})[key] = part.view(shape)
 
     def all_reduce(self) -> None:
         # Not `strategy.reduce`: its barrier makes the host wait every step. A non-finite term makes the sum so.
