@@ -87,7 +87,7 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
     for _ in range(3):
         step()  # warm up: kernels, optimizer state
     snap = capture(trainer, pl_module, store=target)  # allocates the storage once, as a run's first snapshot does
-    snap.wait()
+    snap.store.wait()
     steps, snaps, with_, without = [], [], [], []
     for r in range(rounds):
         for snapshot_first in (True, False) if r % 2 == 0 else (False, True):
@@ -96,7 +96,7 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
             for i in range(every):
                 if snapshot_first and i == 0:
                     s0 = time.perf_counter()
-                    snap = capture(trainer, pl_module, reuse=snap)
+                    snap = capture(trainer, pl_module, store=snap.store)
                     snaps.append(time.perf_counter() - s0)
                 s1 = time.perf_counter()
                 step()
@@ -104,7 +104,7 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
                     sync(device)
                     steps.append(time.perf_counter() - s1)
             sync(device)
-            snap.wait()
+            snap.store.wait()
             (with_ if snapshot_first else without).append(time.perf_counter() - t0)
     step_t, snap_t = statistics.median(steps), statistics.median(snaps)
     paired = statistics.median(w / wo - 1 for w, wo in zip(with_, without))
@@ -112,7 +112,7 @@ def _bench(name: str, model_cfg: dict, batch: int, every: int, rounds: int, devi
         "preset": name,
         "store": target.kind,
         "params_M": sum(p.numel() for p in net.parameters()) / 1e6,
-        "snapshot_MB": snap.nbytes() / 2**20,
+        "snapshot_MB": sum(t.nbytes for t in snap.store.read(copy=False)) / 2**20,
         "step_ms": step_t * 1e3,
         "snapshot_ms": snap_t * 1e3,
         "every": every,

@@ -136,7 +136,7 @@ def equal(x: dict, y: dict) -> bool:
 def test_found_inf_leaves_weights_momentum_and_step_counts_bitwise_untouched_on_both_kinds_of_group():
     net = tiny(mlp="swiglu", n_kv_head=2)
     opt = muon_opt(net)
-    assert opt.defaults["fused"] and not muon_opt(net, fused=False).defaults["fused"]  # what can_defer reads
+    assert opt.defaults["fused"] and not muon_opt(net, fused=False).defaults["fused"]  # what deferring reads
     for step in range(2):
         opt.zero_grad()
         backward(net, step)

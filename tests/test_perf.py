@@ -129,7 +129,6 @@ HOST_SIDE = {
     ("measure.py", "read"),  # the measurement's copy, read a step after it was sent
     ("qk_clip.py", "verdict"),  # QK-clip's copy of the per-head logits, read a step after it was sent
     ("qk_clip.py", "after_update"),  # only when the logits live on the CPU (`head_max.device.type == "cpu"`): no wait
-    ("snapshot_store.py", "_bytes"),  # a snapshot file's bytes: CPU tensors (`store: auto` is memory on a GPU)
 }
 
 

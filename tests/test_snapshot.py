@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from steadylm.errors import ConfigError
-from steadylm.stability import read_events
+from steadylm.stability import read_events, snapshot_store
 from steadylm.stability import recovery as recovery_module
 from steadylm.stability.recovery import Recovery, capture, restore_weights_and_optimizer
 from steadylm.stability.snapshot_store import HostBuffers, SnapshotFile
@@ -116,10 +115,10 @@ def test_where_snapshot_files_cannot_be_written_the_run_keeps_them_in_memory(mak
 
 
 def test_a_disk_that_fills_up_under_a_snapshot_write_costs_that_snapshot_only(make_cfg, tmp_path, caplog, monkeypatch):
-    def full(fd, data, offset):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(path, mode):
+        return open(os.devnull if "r" in mode else "/dev/full", mode)  # a write there: ENOSPC
 
-    monkeypatch.setattr(os, "pwrite", full)  # the background write of every snapshot file fails
+    monkeypatch.setattr(snapshot_store, "open", full, raising=False)  # the background save of every file fails
     objs = fit(
         make_cfg(
             *FAST,
@@ -204,7 +203,7 @@ def test_on_a_gpu_the_snapshot_is_pinned_and_asynchronous_and_reads_the_weights_
     snap = capture(trainer, module)
     assert snap.store.event is not None and all(t.is_pinned() for t in snap.store.buffers)
     opt.step()  # enqueued after the copies on the same stream: it cannot change what they read
-    snap.wait()
+    snap.store.wait()
     assert all(torch.equal(a, b) for a, b in zip(before, snap.weights()))
 
 

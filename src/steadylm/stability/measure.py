@@ -8,7 +8,7 @@ non-finite step is still skipped on the device, through the optimizer's `found_i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -37,15 +37,8 @@ class Measurement:
         return self.loss_nonfinite or self.grad_nonfinite
 
     def state(self) -> dict:
-        return {
-            "step": self.step,
-            "loss": self.loss,
-            "grad_norm": self.grad_norm,
-            "loss_nonfinite": self.loss_nonfinite,
-            "grad_nonfinite": self.grad_nonfinite,
-            "batch_idx": list(self.batch_idx),
-            "values": self.values,
-        }
+        """The numbers (not the batches' references), for a checkpoint."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
     @classmethod
     def from_state(cls, state: dict) -> Measurement:
@@ -55,11 +48,6 @@ class Measurement:
 def loss_scaler(trainer: Any) -> Any:
     """The fp16 GradScaler when training under `16-mixed`, else None."""
     return getattr(trainer.precision_plugin, "scaler", None)
-
-
-def can_defer(trainer) -> bool:
-    """The device can skip a non-finite step by itself: a fused optimizer and no fp16 scaler."""
-    return all(opt.defaults.get("fused") for opt in trainer.optimizers) and loss_scaler(trainer) is None
 
 
 class Packed:
@@ -80,11 +68,9 @@ class Packed:
         self.sums = torch.cat(parts["mean"]) if len(parts["mean"]) > 1 else core
         self.maxes = torch.cat(parts["max"]) if parts["max"] else None
         self.reduced: dict[str, dict[str, torch.Tensor]] = {}
-        at = 0
-        for name, key, shape in self.keys["max"]:
-            n = math.prod(shape)
-            self.reduced.setdefault(name, {})[key] = self.maxes[at : at + n].view(shape)
-            at += n
+        sizes = [math.prod(shape) for *_, shape in self.keys["max"]]
+        for (name, key, shape), part in zip(self.keys["max"], self.maxes.split(sizes) if sizes else ()):
+            self.reduced.setdefault(name, {})[key] = part.view(shape)
 
     def all_reduce(self) -> None:
         # Not `strategy.reduce`: its barrier makes the host wait every step. A non-finite term makes the sum so.
@@ -99,14 +85,11 @@ class InFlight:
     def __init__(self, step: int, packed: Packed, norms, params: list, net, world: int, batches, batch_idx) -> None:
         self.step, self.packed, self.norms, self.params, self.net, self.world = step, packed, norms, params, net, world
         self.batches, self.batch_idx = batches, tuple(batch_idx)
-        self.event = None
         flat = packed.sums if packed.maxes is None else torch.cat([packed.sums, packed.maxes])  # reduced already
-        if flat.device.type == "cuda":
-            self.host = flat.to("cpu", non_blocking=True)  # pinned, asynchronous; the event marks its arrival
-            self.event = torch.cuda.Event()
+        self.host = flat.to("cpu", non_blocking=True)  # on a GPU pinned, asynchronous; the event marks its arrival
+        self.event = torch.cuda.Event() if flat.is_cuda else None
+        if self.event is not None:
             self.event.record()
-        else:
-            self.host = flat.cpu()
         self._read: Measurement | None = None
 
     def read(self) -> Measurement:
@@ -171,8 +154,9 @@ class StepMeasure:
     def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
         """Measure the step under way with `checks`' own values; return the measurement to act on now: this
         step's, or (deferred) the previous step's, or None."""
-        if self.deferred is None:
-            self.deferred = self.allow_defer and can_defer(trainer)
+        if self.deferred is None:  # the device can skip a non-finite step by itself: fused, and no fp16 scaler
+            fused = all(opt.defaults.get("fused") for opt in trainer.optimizers)
+            self.deferred = self.allow_defer and fused and loss_scaler(trainer) is None
         self.taken = True
         device = pl_module.device
         # Lightning hands the hooks loss / accumulate_grad_batches: the sum is the step's mean loss.

@@ -51,11 +51,8 @@ class Snapshot:
         """Host copies of the parameters then buffers (not to be written: in memory they are the store's own)."""
         return self.store.read(0, self.n_weights, copy=False)
 
-    def wait(self) -> None:
-        self.store.wait()
 
-    def nbytes(self) -> int:
-        return self.store.nbytes()
+_STATE = ("rollbacks", "strikes", "last_onset", "skip_until", "restored")  # with `recent` and `best`, checkpointed
 
 
 @dataclass(frozen=True)
@@ -64,31 +61,24 @@ class _Slot:
 
 
 def _live_tensors(pl_module) -> list[torch.Tensor]:
-    return [p.detach() for p in pl_module.parameters()] + [b for b in pl_module.buffers()]
+    return [p.detach() for p in pl_module.parameters()] + list(pl_module.buffers())
 
 
-def capture(trainer, pl_module, reuse: Snapshot | None = None, detectors: dict | None = None, store=None) -> Snapshot:
-    """Copy the current state into `reuse`'s storage, else `store` (a new `HostBuffers` when None); asynchronous:
-    `store.wait_written()` before anything changes the weights or the optimizer state."""
-    live = _live_tensors(pl_module)
-    tensors = list(live)
+def capture(trainer, pl_module, detectors: dict | None = None, store=None) -> Snapshot:
+    """Copy the current state into `store` (a new `HostBuffers` when None); asynchronous: `store.wait_written()`
+    before anything changes the weights or the optimizer state."""
+    tensors = _live_tensors(pl_module)
+    n_weights = len(tensors)
 
     def slot(t: torch.Tensor) -> _Slot:
         tensors.append(t)
         return _Slot(len(tensors) - 1)
 
     optim = [apply_to_collection(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
-    target = reuse.store if reuse is not None else (store if store is not None else HostBuffers())
-    target.write(tensors)
-    return Snapshot(
-        step=trainer.global_step,
-        applied=pl_module.applied_steps(),
-        store=target,
-        n_weights=len(live),
-        optim=optim,
-        rng=rng_state(),
-        detectors=detectors or {},
-    )
+    store = store or HostBuffers()
+    store.write(tensors)
+    step, applied = trainer.global_step, pl_module.applied_steps()
+    return Snapshot(step, applied, store, n_weights, optim, rng_state(), detectors or {})
 
 
 def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
@@ -129,20 +119,16 @@ class Recovery:
         self.final_window, self.final_margin = int(final_window), float(final_margin)
         self.store = store
         self.where: str | None = None  # memory | disk: where new snapshots go (auto: decided at the first one)
-        self._taken_at: float | None = None  # perf_counter() at the last snapshot
-        self._interval: float | None = None  # seconds between the last two snapshots
-        self._flusher: ThreadPoolExecutor | None = None  # syncs the snapshot files in the background
-        self._files = 0
-        self._folder = None  # the run's stability/snapshots/, once a file was made there
+        self._taken_at = self._interval = None  # perf_counter() at the last snapshot; seconds between the last two
+        self._flusher: ThreadPoolExecutor | None = None  # saves and syncs the snapshot files in the background
+        self._files, self._folder = 0, None  # the files made in the run's stability/snapshots/
         self.good: deque[Snapshot] = deque()
         self.candidate: Snapshot | None = None
-        self._spare: Snapshot | None = None  # buffers of a dropped snapshot, for the next one
+        self._spare: Snapshot | None = None  # the storage of a dropped snapshot, for the next one
         # The fit's first known-good snapshot, held beyond `keep` while the caller may rewind to it (`rewind`).
-        self.hold_first = False
-        self.first: Snapshot | None = None
+        self.hold_first, self.first = False, None
         self.pinned: Snapshot | None = None  # held beyond `keep` for a forecast (`pin`)
-        self.rollbacks = 0
-        self.strikes = 0  # rollbacks in a row at the same place
+        self.rollbacks = self.strikes = 0  # strikes: rollbacks in a row at the same place
         self.last_onset: int | None = None
         self.skip_until = -1  # steps before this one are skipped (a longer data window after a repeated rollback)
         self.recent: deque[float] = deque(maxlen=self.final_window)
@@ -152,25 +138,24 @@ class Recovery:
     def maybe_snapshot(self, trainer, pl_module, detectors) -> None:
         """At the start of a step, every `every_n_steps`: copy the state; `detectors()`: the checks' windows."""
         step = trainer.global_step
-        if not self.every_n_steps or step % self.every_n_steps or any(s.step == step for s in self.good):
-            return  # not due, or taken already (the accumulated micro-batches of one step)
-        if self.candidate is not None and self.candidate.step == step:
+        taken = (self.candidate, *self.good)  # the accumulated micro-batches of one step: taken at the first
+        if not self.every_n_steps or step % self.every_n_steps or any(s and s.step == step for s in taken):
             return
         # A candidate never confirmed (its step's value not read yet) is replaced by the newer one.
         reuse, self._spare = self._spare or self.candidate, None
-        if reuse is not None and reuse.store.kind != self._where(pl_module):
-            reuse.store.close()  # the snapshots moved to host memory: a file is not reused
-            reuse = None
+        store = reuse.store if reuse is not None else None
+        if store is not None and store.kind != self._where(pl_module):
+            store.close()  # the snapshots moved to host memory: a file is not reused
+            store = None
         now = time.perf_counter()
         self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:
-            store = None if reuse is not None else self._new_store(trainer, pl_module)
-            self.candidate = capture(trainer, pl_module, reuse, detectors(), store)
+            self.candidate = capture(trainer, pl_module, detectors(), store or self._new_store(trainer, pl_module))
         except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
             self._to_memory(f"a snapshot file failed ({err})")
-            if reuse is not None:
-                reuse.store.close()
-            self.candidate = capture(trainer, pl_module, None, detectors(), HostBuffers())
+            if store is not None:
+                store.close()
+            self.candidate = capture(trainer, pl_module, detectors())
 
     def written(self) -> None:
         """The snapshot under way has read the live tensors. Under `store: auto` a write that held the update up
@@ -187,8 +172,7 @@ class Recovery:
             self.candidate = None
             return
         waited = time.perf_counter() - start
-        slow = waited > max(SLOW_WRITE * (self._interval or math.inf), SLOW_WRITE_MIN_S)
-        if self.store == "auto" and slow:
+        if self.store == "auto" and waited > max(SLOW_WRITE * (self._interval or math.inf), SLOW_WRITE_MIN_S):
             self._to_memory(
                 f"writing a snapshot file held the update up {waited:.2f} s, more than {SLOW_WRITE:.0%} of the "
                 f"{self._interval:.1f} s between snapshots"
@@ -216,12 +200,6 @@ class Recovery:
         self._files += 1
         return SnapshotFile(folder / f"rank{trainer.global_rank}-{self._files}.bin", self._flusher)
 
-    def _set_spare(self, snap: Snapshot | None) -> None:
-        """Keep `snap`'s storage for the next snapshot; the storage it replaces is released."""
-        if self._spare is not None and self._spare is not snap:
-            self._spare.store.close()
-        self._spare = snap
-
     def close(self) -> None:
         """The fit is over: every snapshot's file is removed (`good` stays, as a record of the steps)."""
         for snap in filter(None, (self.candidate, *self.good, self._spare, self.first, self.pinned)):
@@ -245,7 +223,7 @@ class Recovery:
                 if len(self.good) > self.keep:
                     self._release(self.good.popleft())
             else:
-                self._set_spare(c)
+                self._release(c)
         if not m.nonfinite:
             self.recent.append(m.loss)
             if len(self.recent) == self.recent.maxlen:
@@ -253,9 +231,7 @@ class Recovery:
 
     def newest_good(self, before: int | None = None, older: bool = False) -> Snapshot | None:
         found = [s for s in self.good if before is None or s.step <= before]
-        if older and len(found) > 1:
-            return found[-2]
-        return found[-1] if found else None
+        return found[-2] if older and len(found) > 1 else (found[-1] if found else None)
 
     def rollback(self, trainer, pl_module, optimizer, onset: int) -> dict | None:
         """Restore a state from before step `onset`, escalating when rollbacks repeat at the same place; None when
@@ -276,11 +252,9 @@ class Recovery:
         self.rollbacks += 1
         self.strikes, self.last_onset = strikes, onset
         self._judge_from(trainer.global_step, restored["to_step"])
+        skipped = trainer.global_step + 1 - restored["to_step"]
         restored.update(
-            rollbacks=self.rollbacks,
-            budget=self.max_rollbacks,
-            strikes=strikes,
-            skipped_data_steps=trainer.global_step + 1 - restored["to_step"],
+            rollbacks=self.rollbacks, budget=self.max_rollbacks, strikes=strikes, skipped_data_steps=skipped
         )
         if strikes >= 2 and self.skip_steps:
             extra = self.skip_steps * 2 ** (strikes - 2)
@@ -298,16 +272,19 @@ class Recovery:
             self._release(self.good.pop())
         if not self.good:  # the held first snapshot, evicted by newer ones and now the newest again
             self.good.append(snap)
-        if self.candidate is not None:
-            self._set_spare(self.candidate)
-            self.candidate = None
+        self._release(self.candidate)
+        self.candidate = None
         source = "memory" if snap.store.kind == "memory" else "snapshot_file"
         return {"source": source, "to_step": snap.step, "applied": snap.applied, "detectors": snap.detectors}
 
     def _release(self, snap: Snapshot | None) -> None:
-        """`snap` is let go: its storage serves the next snapshot unless it is still good, first or pinned."""
-        if snap is not None and all(snap is not s for s in (self.first, self.pinned, *self.good)):
-            self._set_spare(snap)
+        """`snap` is let go: unless it is still good, first or pinned, its storage serves the next snapshot (the
+        storage it replaces is closed)."""
+        if snap is None or any(snap is s for s in (self.first, self.pinned, *self.good)):
+            return
+        if self._spare is not None and self._spare is not snap:
+            self._spare.store.close()
+        self._spare = snap
 
     def pin(self, before: int) -> None:
         """Hold the newest good snapshot taken at or before `before` beyond `keep` (a forecast's: a rewind for the
@@ -348,9 +325,8 @@ class Recovery:
 
     def why_not(self) -> str:
         """Why a rollback was refused, for the stop reason."""
-        if self.rollbacks >= self.max_rollbacks:
-            return "the rollback budget is spent"
-        return "there is no good snapshot or checkpoint to roll back to"
+        spent = self.rollbacks >= self.max_rollbacks
+        return "the rollback budget is spent" if spent else "there is no good snapshot or checkpoint to roll back to"
 
     def final_verdict(self) -> Verdict | None:
         """A run that ends far above its best loss has diverged, even with no event on the way."""
@@ -376,19 +352,11 @@ class Recovery:
         return {**r, "steps_after": int(step) - r["step"], "final": final, "lost_steps": r["step"] - r["to_step"]}
 
     def state_dict(self) -> dict:
-        return {
-            "rollbacks": self.rollbacks,
-            "strikes": self.strikes,
-            "last_onset": self.last_onset,
-            "skip_until": self.skip_until,
-            "recent": list(self.recent),
-            "best": self.best if math.isfinite(self.best) else None,
-            "restored": self.restored,
-        }
+        best = self.best if math.isfinite(self.best) else None
+        return {**{k: getattr(self, k) for k in _STATE}, "recent": list(self.recent), "best": best}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rollbacks, self.strikes = int(state["rollbacks"]), int(state["strikes"])
-        self.last_onset, self.skip_until = state["last_onset"], int(state["skip_until"])
+        for k in _STATE:
+            setattr(self, k, state.get(k, getattr(self, k)))
         self.recent = deque(state.get("recent", []), maxlen=self.final_window)
         self.best = state["best"] if state.get("best") is not None else math.inf
-        self.restored = state.get("restored")
