@@ -88,11 +88,9 @@ class ShardDataModule(L.LightningDataModule):
                     f"from {first.path.name} ({first.tokenizer!r}, {first.vocab_size}, {first.eos_id}); "
                     "re-run prepare so all shards share one tokenizer"
                 )
-        sets = {
-            split: TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
-            for split, inf in infos.items()
-        }
+        sets = {}
         for split, inf in infos.items():
+            sets[split] = TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
             if not len(sets[split]):  # no shard holds context_length + 1 tokens
                 longest = max(inf, key=lambda i: i.n_tokens)
                 raise DataError(
