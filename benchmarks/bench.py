@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import cProfile
 import gc
 import itertools
@@ -39,14 +40,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
 import torch
+from omegaconf import read_write
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
-from steadylm.resolve import Resolved, with_keys
+from steadylm.resolve import Resolved, fill
 from steadylm.schedule import set_lr
 from steadylm.train import build, build_trainer
 
@@ -55,6 +58,15 @@ CHUNK = 10  # consecutive steps resampled together by the bootstrap: load drifts
 SUITE = ("stability",)  # `callbacks=default` minus these = `callbacks=minimal`
 Sample = tuple[float, float]  # one step: (wall, process CPU) seconds
 Blocks = list[list[Sample]]  # samples grouped for the bootstrap; a and b share the grouping
+
+
+def with_keys(run: Resolved, keys: dict) -> Resolved:
+    """`run` with `keys` set in a read-only copy of its config, nothing derived again (Trainers of other lengths
+    around one module and DataModule)."""
+    cfg = copy.deepcopy(run.cfg)
+    with read_write(cfg):
+        fill(cfg, keys)
+    return replace(run, cfg=cfg)
 
 
 def now() -> Sample:

@@ -33,10 +33,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from steadylm.config import compose
-from steadylm.data.prepare import prepare
-from steadylm.resolve import with_keys
-from steadylm.train import build, build_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `bench`, also when loaded by file path (the test)
+from bench import with_keys  # noqa: E402
+
+from steadylm.config import compose  # noqa: E402
+from steadylm.data.prepare import prepare  # noqa: E402
+from steadylm.train import build, build_trainer  # noqa: E402
 
 WARMUP = 3  # steps dropped from each timed run: allocator and optimizer state settle there
 

@@ -152,8 +152,8 @@ def data_dir(tmp_path):
 def test_datamodule_loaders_and_properties(data_dir):
     dm = ShardDataModule(data_dir, batch_size=4, context_length=32, model_vocab_size=320, tokenizer="bytes")
     dm.setup("fit")
-    assert (dm.vocab_size, dm.eos_id, dm.tokenizer_name) == (257, 256, "bytes")
-    assert dm.n_train_tokens == 1700 and dm.n_train_windows == 999 // 32 + 699 // 32
+    assert (dm.vocab_size, dm.infos["train"][0].eos_id, dm.tokenizer_name) == (257, 256, "bytes")
+    assert sum(i.n_tokens for i in dm.infos["train"]) == 1700 and dm.n_train_windows == 999 // 32 + 699 // 32
     train = dm.train_dataloader()
     batches = list(train)
     assert len(batches) == -(-dm.n_train_windows // 4)
@@ -405,10 +405,10 @@ def test_val_bytes_and_tokens(tmp_path):
     write_shard(d / "val-00000.h5", np.arange(100) % 250, n_bytes=140, **BYTES)
     write_shard(d / "val-00001.h5", np.arange(50) % 250, n_bytes=60, **BYTES)
     dm = ShardDataModule(d, context_length=16)
-    assert (dm.val_n_tokens, dm.val_n_bytes) == (150, 200)
+    assert dm.bytes_per_token == 200 / 150
     write_shard(d / "val-00002.h5", np.arange(30) % 250, **BYTES)  # format 1: no byte count
     dm = ShardDataModule(d, context_length=16)
-    assert (dm.val_n_tokens, dm.val_n_bytes) == (180, None)
+    assert dm.bytes_per_token is None
 
 
 def test_prepared_shards_give_val_bytes(tmp_path):
@@ -416,7 +416,7 @@ def test_prepared_shards_give_val_bytes(tmp_path):
 
     s = prepare(out_dir=tmp_path / "p", max_bytes=60_000, val_fraction=0.2, progress=False)
     dm = ShardDataModule(tmp_path / "p", context_length=32)
-    assert dm.val_n_bytes == s["bytes"]["val"] and dm.val_n_tokens == s["tokens"]["val"]
+    assert dm.bytes_per_token == s["bytes"]["val"] / s["tokens"]["val"]
 
 
 def test_bpe_shards_accepted_by_the_datamodule(tmp_path):
@@ -433,6 +433,6 @@ def test_bpe_shards_accepted_by_the_datamodule(tmp_path):
     )
     dm = ShardDataModule(tmp_path / "b", context_length=32, tokenizer="bpe", model_vocab_size=448, batch_size=2)
     x, y = next(iter(dm.train_dataloader()))
-    assert dm.vocab_size == 400 and dm.eos_id == 0 and int(x.max()) < 400
+    assert dm.vocab_size == 400 and dm.infos["train"][0].eos_id == 0 and int(x.max()) < 400
     with pytest.raises(DataError, match=r"vocab_size 400 exceeds model\.vocab_size 320"):
         ShardDataModule(tmp_path / "b", context_length=32, tokenizer="bpe", model_vocab_size=320).setup("fit")

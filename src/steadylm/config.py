@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from steadylm.errors import ConfigError, exit_with
+from steadylm.errors import ConfigError, exit_with, is_int, number
 
 # `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
@@ -52,63 +52,48 @@ def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
     return [(k, OmegaConf.select(cfg, k)) for k in copies(OmegaConf.to_container(cfg, resolve=False))]
 
 
-# Type checks for values as written: a bool is no number, and `_num` is NaN (failing every comparison) for a non-number.
-_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-_whole = lambda v, least: _int(v) and v >= least
-_num = lambda v: float(v) if _int(v) or isinstance(v, float) else float("nan")
+_whole = lambda v, least: is_int(v) and v >= least
 
 
 def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     """(key, value, ok, what is allowed) for every value a user sets that could not train."""
     d, t, o = cfg.data, cfg.trainer, cfg.optim
     betas = list(o.betas) if OmegaConf.is_list(o.betas) else o.betas
-    betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= _num(b) < 1 for b in betas)
+    betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= number(b) < 1 for b in betas)
     clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
     accumulate, val_fraction = t.accumulate_grad_batches, d.get("val_fraction", 0.01)
     fused, name = o.get("fused", "auto"), o.get("name", "adamw")
-    warmup_ok = _int(o.warmup_steps) and 0 <= o.warmup_steps < _num(o.total_steps)
+    warmup_ok = is_int(o.warmup_steps) and 0 <= o.warmup_steps < number(o.total_steps)
     warmup = f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"
     rules = [
         ("data.batch_size", d.batch_size, _whole(d.batch_size, 1), "a whole number > 0"),
         ("data.num_workers", d.num_workers, _whole(d.num_workers, 0), "a whole number >= 0"),
-        ("data.val_fraction", val_fraction, 0 < _num(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
+        ("data.val_fraction", val_fraction, 0 < number(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.max_steps", t.max_steps, _whole(t.max_steps, 1), "a whole number of optimizer steps > 0"),
         ("trainer.accumulate_grad_batches", accumulate, _whole(accumulate, 1), "a whole number >= 1"),
         ("trainer.log_every_n_steps", t.log_every_n_steps, _whole(t.log_every_n_steps, 1), "a whole number >= 1"),
-        ("trainer.gradient_clip_val", clip, _num(clip or 0) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
+        ("trainer.gradient_clip_val", clip, number(clip or 0) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
         ("trainer.gradient_clip_algorithm", algorithm, algorithm in ("norm", "value", None), "norm or value"),
-        ("optim.lr", o.lr, _num(o.lr) > 0, "a learning rate > 0"),
-        ("optim.min_lr", o.min_lr, 0 <= _num(o.min_lr) <= _num(o.lr), f"between 0 and optim.lr={o.lr}"),
-        ("optim.weight_decay", o.weight_decay, _num(o.weight_decay) >= 0, "a number >= 0"),
-        ("optim.eps", o.eps, _num(o.eps) > 0, "a number > 0, e.g. 1e-8"),
+        ("optim.lr", o.lr, number(o.lr) > 0, "a learning rate > 0"),
+        ("optim.min_lr", o.min_lr, 0 <= number(o.min_lr) <= number(o.lr), f"between 0 and optim.lr={o.lr}"),
+        ("optim.weight_decay", o.weight_decay, number(o.weight_decay) >= 0, "a number >= 0"),
+        ("optim.eps", o.eps, number(o.eps) > 0, "a number > 0, e.g. 1e-8"),
         ("optim.betas", betas, betas_ok, "two numbers in [0, 1), e.g. [0.9, 0.95]"),
         ("optim.warmup_steps", o.warmup_steps, warmup_ok, warmup),
         ("optim.fused", fused, fused in ("auto", True, False), "auto, true or false"),
         ("optim.name", name, name in OPTIMIZERS, " or ".join(OPTIMIZERS)),
     ]
-    if name == "muon":
-        group = [("optim.name", "muon", False, "chosen with the group, optim=muon (it brings the optim.muon.* keys)")]
-        rules += _muon_rules(o.muon, t) if o.get("muon") is not None else group
-    return rules
+    if name != "muon":
+        return rules
+    if o.get("muon") is None:
+        return [
+            *rules,
+            ("optim.name", name, False, "chosen with the group, optim=muon (it brings the optim.muon.* keys)"),
+        ]
+    from steadylm.muon import config_rules  # only optim=muon loads Muon
 
-
-def _muon_rules(m: DictConfig, t: DictConfig) -> list[tuple[str, Any, bool, str]]:
-    from steadylm.muon import ADJUST_LR, NS_COEFFS, NS_DTYPES
-
-    strategy = t.get("strategy")
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
-    fsdp = "a strategy other than FSDP under optim=muon (Newton-Schulz needs whole matrices, FSDP shards them): "
-    return [
-        ("optim.muon.lr_mult", m.lr_mult, _num(m.lr_mult) > 0, "a number > 0"),
-        ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
-        ("optim.muon.momentum", m.momentum, 0 <= _num(m.momentum) < 1, "a number in [0, 1), e.g. 0.95"),
-        ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
-        ("optim.muon.ns_steps", m.ns_steps, _int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
-        ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
-        ("optim.muon.ns_coeffs", m.ns_coeffs, m.ns_coeffs in NS_COEFFS, " | ".join(NS_COEFFS)),
-        ("trainer.strategy", target, "fsdp" not in target.lower(), fsdp + "use DDP, or optim=adamw"),
-    ]
+    return rules + config_rules(o.muon, t)
 
 
 def validate_values(cfg: DictConfig, prefix: str = "") -> None:

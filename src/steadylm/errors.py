@@ -2,6 +2,10 @@
 
 import sys
 
+# Type checks for values as written: a bool is no number, and `number` is NaN (failing every comparison) for a non-number.
+is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+number = lambda v: float(v) if is_int(v) or isinstance(v, float) else float("nan")
+
 
 class SteadyError(Exception):
     """A problem with the user's input (config, data, checkpoint, environment)."""

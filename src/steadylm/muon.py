@@ -23,6 +23,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from steadylm import compat
+from steadylm.errors import is_int, number
 
 # Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
 # (its last entry repeats past its end) and the safety factor the input norm is divided by.
@@ -45,6 +46,23 @@ NS_SCHEDULES = {
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 NS_DTYPES = ("auto", "float32", "bfloat16")
 NS_COEFFS = tuple(NS_SCHEDULES)
+
+
+def config_rules(m, t) -> list[tuple[str, object, bool, str]]:
+    """config.py's value rules for `optim.muon` (`m`) and the trainer (`t`) it needs."""
+    strategy = t.get("strategy")
+    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy)
+    fsdp = "a strategy other than FSDP under optim=muon (Newton-Schulz needs whole matrices, FSDP shards them): "
+    return [
+        ("optim.muon.lr_mult", m.lr_mult, number(m.lr_mult) > 0, "a number > 0"),
+        ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
+        ("optim.muon.momentum", m.momentum, 0 <= number(m.momentum) < 1, "a number in [0, 1), e.g. 0.95"),
+        ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
+        ("optim.muon.ns_steps", m.ns_steps, is_int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
+        ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
+        ("optim.muon.ns_coeffs", m.ns_coeffs, m.ns_coeffs in NS_COEFFS, " | ".join(NS_COEFFS)),
+        ("trainer.strategy", target, "fsdp" not in target.lower(), fsdp + "use DDP, or optim=adamw"),
+    ]
 
 
 def ns_dtype(choice: str, device: torch.device) -> torch.dtype:

@@ -4,13 +4,12 @@ derived keys (derived.py) are written into the config, so checkpoints record the
 
 from __future__ import annotations
 
-import copy
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, OmegaConf
 
 from steadylm.config import set_key, validate_config
 from steadylm.derived import KEY, accumulation, data_source, from_data, from_run_length, val_interval
@@ -86,12 +85,3 @@ def resolve(cfg: DictConfig) -> Resolved:
     datamodule = dm if dm is not None else data_source(cfg)
     OmegaConf.set_readonly(cfg, True)
     return Resolved(cfg, datamodule, devices, precision, memory)
-
-
-def with_keys(run: Resolved, keys: dict[str, Any]) -> Resolved:
-    """`run` with `keys` set in a read-only copy of its config, nothing derived again (a benchmark's Trainers of
-    other lengths around one module and DataModule)."""
-    cfg = copy.deepcopy(run.cfg)
-    with read_write(cfg):
-        fill(cfg, keys)
-    return replace(run, cfg=cfg)

@@ -91,11 +91,6 @@ class Schedule:
             )
         return f"{self.shape}: {warm}{self.lr:.3g} decaying to {self.min_lr:.3g} at step {self.total_steps}"
 
-    @property
-    def head(self) -> tuple[float, int, str]:
-        """What the LR of the steps before `decay_start` depends on (the length and `min_lr` do not enter)."""
-        return self.lr, self.warmup_steps, self.shape
-
 
 def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, where: str) -> None:
     """Refuse to resume `applied` steps under a schedule that would have given them other LRs; changing only the
@@ -103,12 +98,14 @@ def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, 
     if not saved_optim:
         return
     saved = Schedule.from_optim(saved_optim)
+    # What the LR before `decay_start` depends on (not the length, not `min_lr`).
+    same_head = (saved.lr, saved.warmup_steps, saved.shape) == (schedule.lr, schedule.warmup_steps, schedule.shape)
     # The first applied step `schedule` gives another LR; none: the run goes on as if it had been this schedule's.
-    start = min(saved.decay_start, schedule.decay_start) if saved.head == schedule.head else 0
+    start = min(saved.decay_start, schedule.decay_start) if same_head else 0
     step = next((s for s in range(start, applied) if saved(s) != schedule(s)), None) if saved != schedule else None
     if step is None:
         return
-    if saved.head != schedule.head:
+    if not same_head:
         fix = (
             f"resume with the checkpoint's optim.schedule={saved.shape} optim.lr={saved.lr:g} "
             f"optim.warmup_steps={saved.warmup_steps}"

@@ -88,11 +88,9 @@ class ShardDataModule(L.LightningDataModule):
                     f"from {first.path.name} ({first.tokenizer!r}, {first.vocab_size}, {first.eos_id}); "
                     "re-run prepare so all shards share one tokenizer"
                 )
-        sets = {
-            split: TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
-            for split, inf in infos.items()
-        }
+        sets = {}
         for split, inf in infos.items():
+            sets[split] = TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
             if not len(sets[split]):  # no shard holds context_length + 1 tokens
                 longest = max(inf, key=lambda i: i.n_tokens)
                 raise DataError(
@@ -141,24 +139,15 @@ class ShardDataModule(L.LightningDataModule):
         return self.infos[split]
 
     vocab_size = property(lambda self: self._infos("train")[0].vocab_size)
-    eos_id = property(lambda self: self._infos("train")[0].eos_id)
     tokenizer_name = property(lambda self: self._infos("train")[0].tokenizer)
+    n_train_windows = property(lambda self: self.setup(None) or len(self.train_set))
 
     @property
-    def n_train_windows(self) -> int:
-        self.setup(None)
-        return len(self.train_set)
-
-    n_train_tokens = property(lambda self: sum(i.n_tokens for i in self._infos("train")))
-    val_n_tokens = property(lambda self: sum(i.n_tokens for i in self._infos("val")))  # end-of-text ids included
-
-    @property
-    def val_n_bytes(self) -> int | None:
-        """UTF-8 bytes of the text behind the val shards' tokens; None if any val shard is format 1."""
-        sizes = [i.n_bytes for i in self._infos("val")]
-        return None if None in sizes else int(sum(sizes))
-
-    bytes_per_token = property(lambda self: self.val_n_bytes / self.val_n_tokens if self.val_n_bytes else None)
+    def bytes_per_token(self) -> float | None:
+        """UTF-8 bytes of the val shards' text per token (end-of-text ids included); None if one is format 1."""
+        val = self._infos("val")
+        n_bytes = [i.n_bytes for i in val]
+        return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
 
     def window_location(self, window: int) -> dict:
         if window < 0:

@@ -90,10 +90,9 @@ class EpochBatchSampler(Sampler[list[int]]):
         if int(epoch) != self.epoch:
             self.epoch, self.start_batch, self.batches_done = int(epoch), 0, 0
 
-    def global_windows(self, positions, epoch: int | None = None) -> np.ndarray:
-        """Window ids at epoch positions (`PAD_INDEX` past the last window); the same on every rank."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        pos = np.asarray(positions, dtype=np.int64)
+    def global_windows(self, positions) -> np.ndarray:
+        """Window ids at this epoch's positions (`PAD_INDEX` past the last window); the same on every rank."""
+        epoch, pos = self.epoch, np.asarray(positions, dtype=np.int64)
         real = pos < self.n_windows
         out = np.full(pos.shape, PAD_INDEX, dtype=np.int64)
         if self.shuffle and (self._order is None or self._order[0] != epoch):
@@ -101,15 +100,15 @@ class EpochBatchSampler(Sampler[list[int]]):
         out[real] = self._order[1](pos[real]) if self.shuffle else pos[real]
         return out
 
-    def _batches(self, first: int, count: int, epoch: int | None = None) -> list[list[int]]:
+    def _batches(self, first: int, count: int) -> list[list[int]]:
         """This rank's window ids of global batches `first` .. `first + count - 1` (-1 = padding)."""
         G = self.global_batch
-        ids = self.global_windows(np.arange(first * G, (first + count) * G), epoch).reshape(count, G)
+        ids = self.global_windows(np.arange(first * G, (first + count) * G)).reshape(count, G)
         return ids[:, self.rank :: self.world_size].tolist()
 
-    def batch_windows(self, batch_idx: int, epoch: int | None = None) -> list[int]:
+    def batch_windows(self, batch_idx: int) -> list[int]:
         """What `__iter__` yields at batch `batch_idx`."""
-        return self._batches(batch_idx, 1, epoch)[0]
+        return self._batches(batch_idx, 1)[0]
 
     def __iter__(self):
         # A block of batches' order at a time, handed out by C iterators: a step calls no function here.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args, get_type_hints
 
-from steadylm.errors import ConfigError
+from steadylm.errors import ConfigError, is_int
 
 
 @dataclass
@@ -37,10 +37,10 @@ class GPTConfig:
     def __post_init__(self) -> None:
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         optional = ("mlp_hidden", "mup_base_width", "mup_base_head_dim")  # null: a default
-        for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of", "n_kv_head"):
-            _positive(key, getattr(self, key))
-        for key in (k for k in optional if getattr(self, k) is not None):
-            _positive(key, getattr(self, key))
+        sizes = ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "mlp_multiple_of", "n_kv_head")
+        for key in (*sizes, *optional):
+            if not (is_int(value := getattr(self, key)) and value > 0) and (value is not None or key in sizes):
+                raise ConfigError(f"model.{key}={value!r} must be a whole number > 0")
         # The base shape muP measures width against (null: this model's own).
         self.mup_base_width = self.d_model if self.mup_base_width is None else self.mup_base_width
         self.mup_base_head_dim = self.head_dim if self.mup_base_head_dim is None else self.mup_base_head_dim
@@ -102,8 +102,3 @@ class GPTConfig:
         """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, a GELU MLP's parameter count), rounded up to `mlp_multiple_of`."""
         h = self.mlp_hidden or (int(2 * 4 * self.d_model / 3) if self.mlp == "swiglu" else 4 * self.d_model)
         return -(-h // self.mlp_multiple_of) * self.mlp_multiple_of
-
-
-def _positive(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"model.{key}={value!r} must be a whole number > 0")
