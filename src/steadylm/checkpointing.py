@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadylm.errors import SteadyError
+from steadylm.preemption import Preempted
 from steadylm.schedule import check_resume
 
 log = logging.getLogger("steadylm")
@@ -164,7 +165,7 @@ class SaveOnException(L.Callback):
         self._training = False
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if not self._training or trainer.world_size > 1 or getattr(exception, "state_saved", False):
+        if not self._training or trainer.world_size > 1 or isinstance(exception, Preempted):
             return  # (a preemption has already saved its own checkpoint)
         self._training, what = False, type(exception).__name__
         try:

@@ -36,7 +36,7 @@ def quiet() -> None:
 
 
 class _Tee:
-    """A text stream that writes to the console stream and a file; everything else is the console's."""
+    """A text stream that writes to the console stream and a file (flushed each write); the rest is the console's."""
 
     def __init__(self, console: TextIO, file: TextIO) -> None:
         self.console, self.file = console, file
@@ -45,10 +45,6 @@ class _Tee:
         self.file.write(text)
         self.file.flush()
         return self.console.write(text)
-
-    def flush(self) -> None:
-        self.console.flush()
-        self.file.flush()
 
     def __getattr__(self, name: str):
         return getattr(self.console, name)

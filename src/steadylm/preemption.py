@@ -40,8 +40,6 @@ def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
 class Preempted(Exception):
     """Ends `trainer.fit` on every rank at one step, the state saved (so SaveOnException leaves it alone)."""
 
-    state_saved = True
-
 
 class CollectiveFlag:
     """The largest signal number any rank has received, agreed by every rank: each poll starts an async all-reduce
@@ -49,8 +47,7 @@ class CollectiveFlag:
     lies between): one poll late but the same on every rank, with no stall on the slowest rank, no device sync."""
 
     def __init__(self) -> None:
-        self.group = self._work = None  # no group with one process: the local flag is the answer
-        self._buffer: torch.Tensor | None = None
+        self.group = self._work = self._buffer = None  # no group with one process: the local flag is the answer
 
     def setup(self) -> None:  # collective
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -155,10 +152,6 @@ class Preemption(L.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException):  # Lightning's handler, before ours: no new checkpoint
             self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
-
-
-def preemption_callback(trainer) -> Preemption:
-    return next(c for c in trainer.callbacks if isinstance(c, Preemption))
 
 
 def place_last(callbacks: list, dirpath: str | os.PathLike) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,9 @@ from steadylm.console import copy_console, quiet
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
-from steadylm.preemption import Preempted, place_last, preemption_callback
+from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
-from steadylm.resolve import Resolved, resolve
+from steadylm.resolve import resolve
 from steadylm.result import finish_job
 from steadylm.stability.events import start_events
 
@@ -59,11 +59,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     dm = run.datamodule
     data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
     module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
-    return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": build_trainer(run)}
-
-
-def build_trainer(run: Resolved) -> L.Trainer:
-    cfg = run.cfg  # Preemption (last) even with callbacks=none: exit 75 on a signal (the module ends on a val/loss)
+    # Preemption (last) even with callbacks=none: exit 75 on a signal (the module ends on a val/loss)
     callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
@@ -72,7 +68,7 @@ def build_trainer(run: Resolved) -> L.Trainer:
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
     use_fsdp_clipping(trainer)
     refuse_multirun_multiprocess(trainer)
-    return trainer
+    return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": trainer}
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
@@ -81,10 +77,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
-    try:
+    with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
-    except (Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
-        pass
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return metrics, objects
 
@@ -107,7 +101,7 @@ def _app(cfg: DictConfig) -> float | None:
             # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
             log.exception("job failed: %s", run)
             return finish_job(cfg, {}, err)[0]
-        preemption = preemption_callback(objects["trainer"])
+        preemption = next(c for c in objects["trainer"].callbacks if isinstance(c, Preemption))
         value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
         if preemption.record:  # a signal stopped the run: requeue.py, loaded only then, exits 75
             from steadylm.requeue import finish_preempted
