@@ -23,7 +23,6 @@ SILENCED_LOGS = (("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamle
 
 
 def _keep(record: logging.LogRecord) -> bool:
-    """The filter `quiet` puts on each logger of `SILENCED_LOGS`: False for a message starting as one it names."""
     return not str(record.msg).startswith(tuple(start for _, start, _ in SILENCED_LOGS))
 
 

@@ -28,13 +28,11 @@ def submitit_signal(env: dict[str, str]) -> int | None:
 
 def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
     """`["SIGTERM", "USR1"]` -> signal numbers; an unknown name is the user's mistake, named in one line."""
-    numbers = []
-    for name in names:
-        full = "SIG" + str(name).upper().removeprefix("SIG")
-        if not isinstance(getattr(signal, full, None), signal.Signals) or full in ("SIGKILL", "SIGSTOP"):
+    full = {name: "SIG" + str(name).upper().removeprefix("SIG") for name in names}
+    for name, sig in full.items():
+        if sig not in signal.Signals.__members__ or sig in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(f"{key} has {name!r}, which is not a signal that can be caught; use e.g. SIGTERM")
-        numbers.append(int(getattr(signal, full)))
-    return numbers
+    return [int(signal.Signals[full[name]]) for name in names]
 
 
 class Preempted(Exception):
@@ -145,9 +143,7 @@ class Preemption(L.Callback):
 
     def requeuer(self, signum: int) -> str | None:
         """Who requeues the job: `submitit` (its own signal), `scontrol` (a pre-timeout signal), None (nobody)."""
-        if signum == self.submitit:
-            return "submitit"
-        return "scontrol" if signum in self.requeue_signals else None
+        return "submitit" if signum == self.submitit else "scontrol" if signum in self.requeue_signals else None
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException):  # Lightning's handler, before ours: no new checkpoint
