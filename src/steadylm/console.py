@@ -35,14 +35,13 @@ def quiet() -> None:
 
 
 class _Tee:
-    """A text stream that writes to the console stream and a file (flushed each write); the rest is the console's."""
+    """A text stream that writes to the console stream and a file; everything else is the console's."""
 
     def __init__(self, console: TextIO, file: TextIO) -> None:
         self.console, self.file = console, file
 
     def write(self, text: str) -> int:
         self.file.write(text)
-        self.file.flush()
         return self.console.write(text)
 
     def __getattr__(self, name: str):
@@ -55,7 +54,7 @@ def copy_console(path: Path) -> Iterator[None]:
     (the run's own check names the key and exits 2)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        file = path.open("a", encoding="utf-8")
+        file = path.open("a", encoding="utf-8", buffering=1)  # line-buffered: each line is on disk at once
     except OSError:
         yield
         return

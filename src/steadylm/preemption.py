@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -94,8 +93,8 @@ class Preemption(L.Callback):
         self.every_n_steps = int(every_n_steps)
         self.flag = CollectiveFlag()
         self.received = 0  # the first signal this process received (0: none)
-        self.record: dict[str, Any] | None = None  # set on every rank when the run stopped for a signal
-        self.previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's requeue among them)
+        self.record: dict | None = None  # set on every rank when the run stopped for a signal
+        self.previous: dict = {}  # the handlers ours replaced (submitit's requeue among them)
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:

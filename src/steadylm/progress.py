@@ -59,8 +59,7 @@ def live_forecast(events: list[dict]) -> dict | None:
 class ProgressLines(ProgressBar):
     def __init__(self) -> None:
         super().__init__()
-        self.is_enabled = True  # read by LightningModule.print
-        self._last_step = -1
+        self.is_enabled, self._last_step = True, -1  # is_enabled: read by LightningModule.print
         self._events: tuple[int, str] = (-1, "ok")  # (events.jsonl size read, the status it gave)
         self._live: dict | None = None  # the newest forecast's detail while its horizon lasts and nothing came yet
 

@@ -36,12 +36,11 @@ log = logging.getLogger("steadylm")
 def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
     entries = [(name, node) for name, node in (group or {}).items() if node is not None]
-    for name, node in entries:
-        if "_target_" not in node:  # a setting meant for an entry that is not there
-            raise ConfigError(
-                f"{key}.{name} has no _target_, so nothing would run it: set keys of an existing entry "
-                f"(e.g. callbacks.stability.{name}.*) or give it a _target_"
-            )
+    if missing := [name for name, node in entries if "_target_" not in node]:  # settings for an absent entry
+        raise ConfigError(
+            f"{key}.{missing[0]} has no _target_, so nothing would run it: set keys of an existing entry "
+            f"(e.g. callbacks.stability.{missing[0]}.*) or give it a _target_"
+        )
     try:
         return [instantiate(node) for _, node in entries]
     except InstantiationException as err:
@@ -79,8 +78,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
     with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return metrics, objects
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects
 
 
 _task_started = [False]
