@@ -150,6 +150,6 @@ class Preemption(L.Callback):
 
 
 def place_last(callbacks: list, dirpath: str | os.PathLike) -> list:
-    """`callbacks` with the one `Preemption` last (a default one when the config has none)."""
+    """`callbacks` with the one `Preemption` last (a default one when the config has none: a signal always exits 75)."""
     found = [c for c in callbacks if isinstance(c, Preemption)] or [Preemption(dirpath=str(dirpath))]
     return [c for c in callbacks if not isinstance(c, Preemption)] + found[-1:]

@@ -58,7 +58,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     dm = run.datamodule
     data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
     module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
-    # Preemption (last) even with callbacks=none: exit 75 on a signal (the module ends on a val/loss)
     callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
