@@ -26,7 +26,7 @@ from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
-from steadylm.resolve import resolve
+from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
 from steadylm.stability.events import start_events
 
@@ -58,6 +58,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     dm = run.datamodule
     data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
     module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
+    return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": build_trainer(run)}
+
+
+def build_trainer(run: Resolved) -> L.Trainer:
+    cfg = run.cfg  # its own function: the benchmarks build a Trainer per round from one resolved run
     callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
@@ -66,7 +71,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
     use_fsdp_clipping(trainer)
     refuse_multirun_multiprocess(trainer)
-    return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": trainer}
+    return trainer
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
