@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadylm.errors import SteadyError
+from steadylm.preemption import Preempted
 from steadylm.schedule import check_resume
 
 log = logging.getLogger("steadylm")
@@ -98,26 +99,6 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-def resolve_ckpt_path(cfg) -> str | None:
-    """`ckpt_path=<file>`, or `resume=auto`: the newest good checkpoint in this run's `checkpoints/` (a fresh
-    start if none), as a requeued submitit job does by itself (the launcher cannot add it to the command)."""
-    ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
-    if resume not in (None, "auto"):
-        raise CheckpointError(
-            f"resume={resume} is not supported; use resume=auto, or ckpt_path=<file> for a given checkpoint"
-        )
-    if resume == "auto" and ckpt_path:
-        raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
-    folder = Path(cfg.paths.output_dir) / "checkpoints"
-    how = "resume=auto" if resume else "submitit requeued this job" if os.environ.get("SUBMITIT_EXECUTOR") else None
-    if how and (found := latest_checkpoint(folder)):
-        log.info("%s: continuing from %s", how, found)
-        return str(found)
-    if resume:
-        log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
-    return str(ckpt_path) if ckpt_path else None
-
-
 def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Module) -> None:
     """Refuse, naming the keys, a checkpoint whose weights do not fit the configured model."""
     theirs = ckpt.get("state_dict")
@@ -140,14 +121,31 @@ def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Modul
 
 
 def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
-    """The checkpoint this run resumes from, checked to load safely, fit `module` and match its schedule."""
-    if (path := resolve_ckpt_path(cfg)) is not None:
-        ckpt = safe_load(path, mmap=True)  # mmap: no second full read into RAM
-        check_compatible(ckpt, path, module)
-        meta = ckpt.get("steadylm") or {}
-        applied = int(ckpt.get("global_step", 0)) - int(meta.get("skipped_steps", 0))
-        check_resume((meta.get("config") or {}).get("optim"), module.schedule, applied, f"ckpt_path={path}")
-    return path
+    """`ckpt_path=<file>`, or `resume=auto`: the newest good checkpoint in this run's `checkpoints/` (a fresh
+    start if none), as a requeued submitit job does by itself (the launcher cannot add it to the command); checked
+    to load safely, fit `module` and match its schedule."""
+    ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
+    if resume not in (None, "auto"):
+        raise CheckpointError(
+            f"resume={resume} is not supported; use resume=auto, or ckpt_path=<file> for a given checkpoint"
+        )
+    if resume == "auto" and ckpt_path:
+        raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
+    folder = Path(cfg.paths.output_dir) / "checkpoints"
+    how = "resume=auto" if resume else "submitit requeued this job" if os.environ.get("SUBMITIT_EXECUTOR") else None
+    if how and (found := latest_checkpoint(folder)):
+        log.info("%s: continuing from %s", how, found)
+        ckpt_path = found
+    elif resume:
+        log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
+    if not ckpt_path:
+        return None
+    ckpt = safe_load(ckpt_path, mmap=True)  # mmap: no second full read into RAM
+    check_compatible(ckpt, ckpt_path, module)
+    meta = ckpt.get("steadylm") or {}
+    applied = int(ckpt.get("global_step", 0)) - int(meta.get("skipped_steps", 0))
+    check_resume((meta.get("config") or {}).get("optim"), module.schedule, applied, f"ckpt_path={ckpt_path}")
+    return str(ckpt_path)
 
 
 class SaveOnException(L.Callback):
@@ -164,7 +162,7 @@ class SaveOnException(L.Callback):
         self._training = False
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if not self._training or trainer.world_size > 1 or getattr(exception, "state_saved", False):
+        if not self._training or trainer.world_size > 1 or isinstance(exception, Preempted):
             return  # (a preemption has already saved its own checkpoint)
         self._training, what = False, type(exception).__name__
         try:

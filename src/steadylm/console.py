@@ -23,7 +23,6 @@ SILENCED_LOGS = (("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamle
 
 
 def _keep(record: logging.LogRecord) -> bool:
-    """The filter `quiet` puts on each logger of `SILENCED_LOGS`: False for a message starting as one it names."""
     return not str(record.msg).startswith(tuple(start for _, start, _ in SILENCED_LOGS))
 
 
@@ -43,12 +42,7 @@ class _Tee:
 
     def write(self, text: str) -> int:
         self.file.write(text)
-        self.file.flush()
         return self.console.write(text)
-
-    def flush(self) -> None:
-        self.console.flush()
-        self.file.flush()
 
     def __getattr__(self, name: str):
         return getattr(self.console, name)
@@ -60,7 +54,7 @@ def copy_console(path: Path) -> Iterator[None]:
     (the run's own check names the key and exits 2)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        file = path.open("a", encoding="utf-8")
+        file = path.open("a", encoding="utf-8", buffering=1)  # line-buffered: each line is on disk at once
     except OSError:
         yield
         return

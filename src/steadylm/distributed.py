@@ -13,7 +13,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from steadylm.compat import relaunches_script
 from steadylm.errors import ConfigError
-from steadylm.model.gpt import Block
 
 
 def is_rank_zero_process() -> bool:
@@ -36,11 +35,6 @@ def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
             "the whole sweep; sweep with hydra/launcher=slurm (submitit starts every job's processes), or run each "
             "job without -m (e.g. `torchrun --nproc_per_node=N train.py hydra.run.dir=... <overrides>`)."
         )
-
-
-def block_wrap_policy() -> set[type]:
-    """FSDP units for `trainer=fsdp`: one per transformer block, so only one block is gathered at a time."""
-    return {Block}
 
 
 class FSDPClipping(L.Callback):

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -28,19 +27,15 @@ def submitit_signal(env: dict[str, str]) -> int | None:
 
 def signal_numbers(names: list[str] | tuple[str, ...], key: str) -> list[int]:
     """`["SIGTERM", "USR1"]` -> signal numbers; an unknown name is the user's mistake, named in one line."""
-    numbers = []
-    for name in names:
-        full = "SIG" + str(name).upper().removeprefix("SIG")
-        if not isinstance(getattr(signal, full, None), signal.Signals) or full in ("SIGKILL", "SIGSTOP"):
+    full = {name: "SIG" + str(name).upper().removeprefix("SIG") for name in names}
+    for name, sig in full.items():
+        if sig not in signal.Signals.__members__ or sig in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(f"{key} has {name!r}, which is not a signal that can be caught; use e.g. SIGTERM")
-        numbers.append(int(getattr(signal, full)))
-    return numbers
+    return [int(signal.Signals[full[name]]) for name in names]
 
 
 class Preempted(Exception):
     """Ends `trainer.fit` on every rank at one step, the state saved (so SaveOnException leaves it alone)."""
-
-    state_saved = True
 
 
 class CollectiveFlag:
@@ -49,8 +44,7 @@ class CollectiveFlag:
     lies between): one poll late but the same on every rank, with no stall on the slowest rank, no device sync."""
 
     def __init__(self) -> None:
-        self.group = self._work = None  # no group with one process: the local flag is the answer
-        self._buffer: torch.Tensor | None = None
+        self.group = self._work = self._buffer = None  # no group with one process: the local flag is the answer
 
     def setup(self) -> None:  # collective
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -99,8 +93,8 @@ class Preemption(L.Callback):
         self.every_n_steps = int(every_n_steps)
         self.flag = CollectiveFlag()
         self.received = 0  # the first signal this process received (0: none)
-        self.record: dict[str, Any] | None = None  # set on every rank when the run stopped for a signal
-        self.previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's requeue among them)
+        self.record: dict | None = None  # set on every rank when the run stopped for a signal
+        self.previous: dict = {}  # the handlers ours replaced (submitit's requeue among them)
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -148,20 +142,14 @@ class Preemption(L.Callback):
 
     def requeuer(self, signum: int) -> str | None:
         """Who requeues the job: `submitit` (its own signal), `scontrol` (a pre-timeout signal), None (nobody)."""
-        if signum == self.submitit:
-            return "submitit"
-        return "scontrol" if signum in self.requeue_signals else None
+        return "submitit" if signum == self.submitit else "scontrol" if signum in self.requeue_signals else None
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException):  # Lightning's handler, before ours: no new checkpoint
             self.record = {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "requeue": None}
 
 
-def preemption_callback(trainer) -> Preemption:
-    return next(c for c in trainer.callbacks if isinstance(c, Preemption))
-
-
 def place_last(callbacks: list, dirpath: str | os.PathLike) -> list:
-    """`callbacks` with the one `Preemption` last (a default one when the config has none)."""
+    """`callbacks` with the one `Preemption` last (a default one when the config has none: a signal always exits 75)."""
     found = [c for c in callbacks if isinstance(c, Preemption)] or [Preemption(dirpath=str(dirpath))]
     return [c for c in callbacks if not isinstance(c, Preemption)] + found[-1:]

@@ -1,10 +1,7 @@
-"""What a run reports at each logging step. `Throughput`: tokens/s and MFU, logged from the wall-clock time between
-logging steps (a step only adds its batch's token count, a shape, never a device value: no host sync).
-`ProgressLines`: what a run prints while it trains, plain lines, not a redrawn bar, so the console, `train.log` and
-a SLURM log read the same; one per logging step (`step 60/300 | loss 3.1990 | 40.8k tok/s | stability: ok`, then any live
-forecast) and one per validation (`val  60/300 | loss 3.1872 | bpb 1.931`). As a `ProgressBar` it replaces
-Lightning's own (`trainer.enable_progress_bar=false`: none).
-"""
+"""What a run reports at each logging step. `Throughput`: tokens/s and MFU from the wall-clock time between logging
+steps (a step only adds its batch's token count, a shape, never a device value: no host sync). `ProgressLines`, in
+place of Lightning's bar: plain lines, not a redrawn bar, so the console, `train.log` and a SLURM log read the same
+(`step 60/300 | loss 3.1990 | 40.8k tok/s | stability: ok`, any live forecast; `val  60/300 | loss 3.1872 | bpb 1.931`)."""
 
 from __future__ import annotations
 
@@ -62,8 +59,7 @@ def live_forecast(events: list[dict]) -> dict | None:
 class ProgressLines(ProgressBar):
     def __init__(self) -> None:
         super().__init__()
-        self.is_enabled = True  # read by LightningModule.print
-        self._last_step = -1
+        self.is_enabled, self._last_step = True, -1  # is_enabled: read by LightningModule.print
         self._events: tuple[int, str] = (-1, "ok")  # (events.jsonl size read, the status it gave)
         self._live: dict | None = None  # the newest forecast's detail while its horizon lasts and nothing came yet
 

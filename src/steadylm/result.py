@@ -28,9 +28,8 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
     if (event := stop_event(run_dir)) is not None:
         detail = event.get("detail") or {}
         kind = (event.get("kind") == "stop" and detail.get("kind")) or event.get("kind")
-        if module := detail.get("module"):  # a non-finite streak: the module says it all
-            return f"stopped on {kind} at step {event.get('step')}, first in {module}"
-        why = f": {detail['reason']}" if detail.get("reason") else ""
+        module, why = detail.get("module"), detail.get("reason")  # a non-finite streak: the module says it all
+        why = f", first in {module}" if module else f": {why}" if why else ""
         return f"stopped on {kind} at step {event.get('step')}{why}"
     for key in ("train/loss", "val/loss"):
         if key in metrics and not math.isfinite(metrics[key]):

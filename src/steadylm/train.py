@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from steadylm.console import copy_console, quiet
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
-from steadylm.preemption import Preempted, place_last, preemption_callback
+from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
@@ -36,12 +36,11 @@ log = logging.getLogger("steadylm")
 def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
     entries = [(name, node) for name, node in (group or {}).items() if node is not None]
-    for name, node in entries:
-        if "_target_" not in node:  # a setting meant for an entry that is not there
-            raise ConfigError(
-                f"{key}.{name} has no _target_, so nothing would run it: set keys of an existing entry "
-                f"(e.g. callbacks.stability.{name}.*) or give it a _target_"
-            )
+    if missing := [name for name, node in entries if "_target_" not in node]:  # settings for an absent entry
+        raise ConfigError(
+            f"{key}.{missing[0]} has no _target_, so nothing would run it: set keys of an existing entry "
+            f"(e.g. callbacks.stability.{missing[0]}.*) or give it a _target_"
+        )
     try:
         return [instantiate(node) for _, node in entries]
     except InstantiationException as err:
@@ -63,7 +62,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_trainer(run: Resolved) -> L.Trainer:
-    cfg = run.cfg  # Preemption (last) even with callbacks=none: exit 75 on a signal (the module ends on a val/loss)
+    cfg = run.cfg  # its own function: the benchmarks build a Trainer per round from one resolved run
     callbacks = place_last(instantiate_named(cfg.get("callbacks"), "callbacks"), f"{cfg.paths.output_dir}/checkpoints")
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
@@ -81,12 +80,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
-    try:
+    with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
-    except (Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
-        pass
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return metrics, objects
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects
 
 
 _task_started = [False]
@@ -107,7 +103,7 @@ def _app(cfg: DictConfig) -> float | None:
             # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
             log.exception("job failed: %s", run)
             return finish_job(cfg, {}, err)[0]
-        preemption = preemption_callback(objects["trainer"])
+        preemption = next(c for c in objects["trainer"].callbacks if isinstance(c, Preemption))
         value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
         if preemption.record:  # a signal stopped the run: requeue.py, loaded only then, exits 75
             from steadylm.requeue import finish_preempted
