@@ -65,9 +65,6 @@ def act(owner, trainer, pl_module, v, detail: dict) -> bool:
         latest, first = target.get("rewind_latest", before), target.get("rewind_first", True)
         restored = owner.recovery.rewind(trainer, pl_module, before, latest, to_first=first)
     if restored is not None:
-        if owner.in_step:  # the step under way was computed on the abandoned weights
-            owner.drop_grads(pl_module)
-        owner.measure.abandon()  # the step just done measured the abandoned weights
         owner.continue_from(trainer, pl_module, restored, rewarm)  # the LR ramps up again, as at the start
         event["rewound_to"] = restored["to_step"]
         if "growth_from" in target:

@@ -89,7 +89,6 @@ class Stability(L.Callback):
         self.checks = [getattr(self, n) for n in CHECKS if getattr(self, n) is not None] + _checks_from_config(checks)
         self._judged: list = self.checks  # those that apply to this fit (`setup`)
         self._hooked: dict[str, list] = {"arm": [], "measure": [], "after_update": []}
-        self._rewinds = any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks)
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
         self.measure = StepMeasure(defer and not any(getattr(c, "acts_before_update", False) for c in self.checks))
         self.stopped = False
@@ -98,9 +97,7 @@ class Stability(L.Callback):
         self._culprit: tuple[str | None, str] = (None, "")  # the module named at the start of a non-finite streak
         self._log: dict[str, float] | None = None  # this logging step's optimizer metrics, written at batch end
         self._view_now: StepView | None = None  # the step under way, seen at its first micro-batch
-        self._hold_until = -1  # recovery holds the fit's first snapshot up to this applied step (`setup`)
         self._save_every: tuple[int, ...] = ()  # the ModelCheckpoints' `every_n_train_steps` (`setup`)
-        self._measured = -1  # the step measured whose update the checks' `after_update` has not seen yet
         self._awake: list = []  # the checks this step asks (`Check.next_step`)
         self._scaler = None  # the fp16 GradScaler (`setup`)
 
@@ -116,14 +113,11 @@ class Stability(L.Callback):
             self.signals.every_n_steps = self.stats.every_n_steps if self.stats in self._judged else None
         # Growth that crosses tau during the LR warmup began near the start: recovery holds the fit's first
         # snapshot until the warmup, and a streak begun at its end, are over; a rewind then goes back to it.
-        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
-        streaks = [c.streak_steps() for c in self._judged if hasattr(c, "streak_steps")]
-        self._hold_until = warmup + max(streaks, default=0) if self._rewinds else -1
+        if any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks):
+            streaks = [c.streak_steps() for c in self._judged if hasattr(c, "streak_steps")]
+            warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
+            self.recovery.hold_until = warmup + max(streaks, default=0)
         self._save_every = tuple(n for cb in trainer.checkpoint_callbacks if (n := every_n_train_steps(cb)))
-
-    def _windows_to_keep(self) -> dict:
-        """What a snapshot keeps of the checks beside the weights: the spike detector's window."""
-        return {"spike": self.spike.window_state()} if self.spike is not None else {}
 
     def _view(self, trainer, pl_module) -> StepView:
         scale = self._scaler.get_scale() if self._scaler is not None else None
@@ -143,17 +137,13 @@ class Stability(L.Callback):
             for c in self._hooked["arm"]:
                 if c in self._awake:
                     c.arm(view)
-            if self._hold_until >= 0:
-                hold = step - pl_module.skipped_steps <= self._hold_until
-                if hold != self.recovery.hold_first:
-                    self.recovery.hold_first = hold
-                    if not hold:
-                        self.recovery.release_first()
+            if self.recovery.first is not None and step - pl_module.skipped_steps > self.recovery.hold_until:
+                self.recovery.release_first()
         ms.batches.append(batch)
         ms.batch_idx.append(batch_idx)
         every = self.recovery.every_n_steps
         if every and step % every == 0:
-            self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
+            self.recovery.maybe_snapshot(trainer, pl_module, self.spike)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.measure.losses.append(loss)
@@ -169,7 +159,6 @@ class Stability(L.Callback):
             measuring = [c for c in self._hooked["measure"] if c in self._awake]
             # The one measurement (deferred: the previous step's), every check's own values in the same collective.
             m = self.measure.take(trainer, pl_module, view, measuring)
-            self._measured = step
             if step < self.recovery.skip_until:  # the data window skipped after a repeated rollback
                 self.skip(trainer, pl_module, step)
             if m is not None:
@@ -239,17 +228,14 @@ class Stability(L.Callback):
             return
         self._skipped_at = step
         pl_module.skip_step()
-        if self.in_step and step == trainer.global_step:
-            self.drop_grads(pl_module)
+        if step == trainer.global_step:
+            self.drop_step(pl_module, abandon=False)
 
     def rollback(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict, detail: dict) -> None:
         restored = self.recovery.rollback(trainer, pl_module, optimizer, v.onset) if optimizer is not None else None
         if restored is None:
             self.stop(trainer, pl_module, m.step, v, detail, why=self.recovery.why_not(), m=m)
             return
-        if self.in_step:  # the step under way was computed on the abandoned weights
-            self.drop_grads(pl_module)
-            self.measure.abandon()
         self.continue_from(trainer, pl_module, restored)
         if "lr_backoff" in restored:
             restored["lr_scale"] = pl_module.scale_lr(restored["lr_backoff"])
@@ -266,9 +252,7 @@ class Stability(L.Callback):
         """Stop every rank together (all reach it from the same reduced values), keeping the last good state;
         `detail`: the check's event (None: no check detected it); `why`: what made its own remedy impossible."""
         self.stopped = True
-        if self.in_step:
-            self.drop_grads(pl_module)
-            self.measure.abandon()
+        self.drop_step(pl_module)
         reason = f"{v.reason}; {why}" if why else v.reason
         from steadylm.stability import forensics  # what a stop leaves behind: loaded when a run stops
 
@@ -283,10 +267,10 @@ class Stability(L.Callback):
 
     # -- the rest of the step's life --------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if 0 <= self._measured < trainer.global_step:  # the measured step's update is in the weights
-            self._measured = -1
-            current = self.measure.current
-            if current is not None and not self.stopped:
+        current = self.measure.current
+        if current is not None and current.step < trainer.global_step:  # the measured step's update is in the weights
+            self.measure.current = None
+            if not self.stopped:
                 for c in self._hooked["after_update"]:
                     if c in self._awake:
                         c.after_update(self._view_now, current.packed.reduced)
@@ -302,8 +286,10 @@ class Stability(L.Callback):
                     break
 
     def continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
-        """After a restore: the LR schedule (re-warmed over `rewarm_steps`) and the checks' windows resume at the
-        restored weights'; pops `applied` and `detectors` from `restored` (the rest is the event's)."""
+        """After a restore: the step under way is dropped (computed on the abandoned weights); the LR schedule
+        (re-warmed over `rewarm_steps`) and the checks' windows resume at the restored weights'; pops `applied` and
+        `detectors` from `restored` (the rest is the event's)."""
+        self.drop_step(pl_module)
         for c in (c for c in self.checks if overrides(c, "restored")):  # what the abandoned weights showed
             c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
@@ -324,14 +310,15 @@ class Stability(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.settle(trainer, pl_module)
-        if self.spike is not None and not self.stopped and (v := self.spike.finish()).kind is not None:
-            self.apply(trainer, pl_module, None, None, v)  # ended inside a spike episode: report it
-        final = self.recovery.final_verdict() if not self.stopped else None
-        if final is not None:
-            self.stop(trainer, pl_module, trainer.global_step, final, None)
-        elif not self.stopped and (cut := self.recovery.unrecovered(trainer.global_step)) is not None:
-            emit(trainer, trainer.global_step, "unrecovered", "log", cut)  # a restore is a reset, not a divergence
         self.measure.finish(trainer)
+        if self.stopped:
+            return
+        if self.spike is not None and (v := self.spike.finish()).kind is not None:
+            self.apply(trainer, pl_module, None, None, v)  # ended inside a spike episode: report it
+        if (final := self.recovery.final_verdict()) is not None:
+            self.stop(trainer, pl_module, trainer.global_step, final, None)
+        elif (cut := self.recovery.unrecovered(trainer.global_step)) is not None:
+            emit(trainer, trainer.global_step, "unrecovered", "log", cut)  # a restore is a reset, not a divergence
 
     def _optimizer_metrics(self, trainer, pl_module) -> dict[str, float]:
         """A logging step's optimizer numbers (deferred: this step's value, the one host read of the step)."""
@@ -345,10 +332,13 @@ class Stability(L.Callback):
             metrics["optim/loss_scale"] = self._scaler.get_scale()
         return metrics
 
-    @staticmethod
-    def drop_grads(pl_module) -> None:
-        for p in pl_module.parameters():
-            p.grad = None
+    def drop_step(self, pl_module, abandon: bool = True) -> None:
+        """The step under way never reaches the weights and, with `abandon`, no later check (a restore, a stop)."""
+        if self.in_step:
+            for p in pl_module.parameters():
+                p.grad = None
+        if abandon:
+            self.measure.abandon()
 
     # -- resume -----------------------------------------------------------------------------------------------
     def _parts(self) -> dict:
