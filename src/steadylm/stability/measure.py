@@ -36,6 +36,10 @@ class Measurement:
     def nonfinite(self) -> bool:
         return self.loss_nonfinite or self.grad_nonfinite
 
+    def read(self) -> Measurement:
+        """Already on the host (`StepMeasure.pending` restored from a checkpoint)."""
+        return self
+
     def state(self) -> dict:
         """The numbers (not the batches' references), for a checkpoint."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
@@ -130,13 +134,6 @@ class InFlight:
         return tuple(names.get(id(self.params[i]), "?") for i in bad)
 
 
-class Arrived(InFlight):
-    """A measurement already on the host (restored from a checkpoint)."""
-
-    def __init__(self, m: Measurement) -> None:
-        self.step, self._read = m.step, m
-
-
 class StepMeasure:
     """A step's micro-batch losses and batches (the owner appends them), measured once per step (`take`)."""
 
@@ -148,7 +145,7 @@ class StepMeasure:
         self.batch_idx: list[int] = []
         self.taken = True  # the next micro-batch starts a new step
         self.current: InFlight | None = None  # the step under way, measured
-        self.pending: InFlight | None = None  # deferred: the last step's, read at the next one
+        self.pending: InFlight | Measurement | None = None  # deferred: the last step's, read at the next one
         self.skip_flag: torch.Tensor | None = None  # deferred: the optimizers' skip flag
 
     def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
@@ -216,4 +213,4 @@ class StepMeasure:
     def load_state_dict(self, state: dict | None) -> None:
         pending = (state or {}).get("pending")
         if pending:
-            self.pending = Arrived(Measurement.from_state(pending))
+            self.pending = Measurement.from_state(pending)

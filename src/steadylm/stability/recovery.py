@@ -84,7 +84,8 @@ def capture(trainer, pl_module, detectors: dict | None = None, store=None) -> Sn
 def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     """Put the snapshot's weights, buffers and optimizer state back into the live objects (each rank its own)."""
     with torch.no_grad():
-        snap.store.read_into(_live_tensors(pl_module))
+        for t, b in zip(_live_tensors(pl_module), snap.store.held()):
+            t.copy_(b)
     # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
