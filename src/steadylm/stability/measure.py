@@ -113,25 +113,13 @@ class InFlight:
                 got = host[at : at + n] / (world if op == "mean" else 1)
                 values.setdefault(name, {})[key] = got.reshape(shape).tolist()
                 at += n
-        self._read = Measurement(
-            step=self.step,
-            loss=loss,
-            grad_norm=norm,
-            loss_nonfinite=not math.isfinite(loss),
-            grad_nonfinite=not math.isfinite(norm),
-            batch_idx=self.batch_idx,
-            values=values,
-            batches=self.batches,
-            bad_params=self._bad() if not math.isfinite(norm) else (),
-        )
+        bad = ()
+        if not math.isfinite(norm) and self.norms is not None:  # the failure path: a host sync here is fine
+            names = {id(p): n for n, p in self.net.named_parameters()}
+            bad = tuple(names.get(id(self.params[i]), "?") for i in (~self.norms.isfinite()).nonzero().view(-1))
+        inf_loss, inf_norm = not math.isfinite(loss), not math.isfinite(norm)
+        self._read = Measurement(self.step, loss, norm, inf_loss, inf_norm, self.batch_idx, values, self.batches, bad)
         return self._read
-
-    def _bad(self) -> tuple[str, ...]:
-        if self.norms is None:
-            return ()
-        bad = (~self.norms.isfinite()).nonzero().view(-1).tolist()  # the failure path: a host sync here is fine
-        names = {id(p): n for n, p in self.net.named_parameters()}
-        return tuple(names.get(id(self.params[i]), "?") for i in bad)
 
 
 class StepMeasure:

@@ -134,9 +134,8 @@ class Stability(L.Callback):
             for c in self._judged:
                 if getattr(c, "next_step", 0) <= step:
                     awake.append(c)
-            for c in self._hooked["arm"]:
-                if c in self._awake:
-                    c.arm(view)
+                    if c in self._hooked["arm"]:
+                        c.arm(view)
             if self.recovery.first is not None and step - pl_module.skipped_steps > self.recovery.hold_until:
                 self.recovery.release_first()
         ms.batches.append(batch)
@@ -256,9 +255,8 @@ class Stability(L.Callback):
         reason = f"{v.reason}; {why}" if why else v.reason
         from steadylm.stability import forensics  # what a stop leaves behind: loaded when a run stops
 
-        extra = {}
-        if v.kind in NONFINITE and m is not None:
-            extra = forensics.stop_bundle(trainer, pl_module, m, v, detail, self._culprit[0])
+        nonfinite = v.kind in NONFINITE and m is not None
+        extra = forensics.stop_bundle(trainer, pl_module, m, v, detail, self._culprit[0]) if nonfinite else {}
         if detail is not None and v.kind is not None:
             emit(trainer, v.onset if v.kind == "loss_spike" else step, v.kind, "stop", detail)
         saved = forensics.save_stop_checkpoints(trainer, pl_module, self.recovery)
