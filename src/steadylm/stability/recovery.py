@@ -143,17 +143,20 @@ class Recovery:
         taken = (self.candidate, *self.good)  # the accumulated micro-batches of one step: taken at the first
         if not self.every_n_steps or step % self.every_n_steps or any(s and s.step == step for s in taken):
             return
+        if self.where is None:  # `auto`: on a CPU, host memory is training memory
+            on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
+            self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
         # A candidate never confirmed (its step's value not read yet) is replaced by the newer one.
         reuse, self._spare = self._spare or self.candidate, None
         store = reuse.store if reuse is not None else None
-        if store is not None and store.kind != self._where(pl_module):
+        if store is not None and store.kind != self.where:
             store.close()  # the snapshots moved to host memory: a file is not reused
             store = None
         detectors = {"spike": spike.window_state()} if spike is not None else {}
         now = time.perf_counter()
         self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:
-            self.candidate = capture(trainer, pl_module, detectors, store or self._new_store(trainer, pl_module))
+            self.candidate = capture(trainer, pl_module, detectors, store or self._new_store(trainer))
         except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
             self._to_memory(f"a snapshot file failed ({err})")
             if store is not None:
@@ -181,19 +184,13 @@ class Recovery:
                 f"{self._interval:.1f} s between snapshots"
             )
 
-    def _where(self, pl_module) -> str:
-        if self.where is None:
-            on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
-            self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
-        return self.where
-
     def _to_memory(self, why: str) -> None:
         if self.where != "memory":
             log.warning("%s: snapshots are kept in host memory from here on", why)
             self.where = "memory"
 
-    def _new_store(self, trainer, pl_module) -> HostBuffers | SnapshotFile:
-        if self._where(pl_module) == "memory":
+    def _new_store(self, trainer) -> HostBuffers | SnapshotFile:
+        if self.where == "memory":
             return HostBuffers()
         folder = self._folder = stability_dir(trainer) / "snapshots"
         if self._flusher is None:
@@ -321,11 +318,6 @@ class Recovery:
         self.restored = {"step": int(step), "to_step": int(to_step), "best_before": best}
         self.recent.clear()
         self.best = math.inf
-
-    def why_not(self) -> str:
-        """Why a rollback was refused, for the stop reason."""
-        spent = self.rollbacks >= self.max_rollbacks
-        return "the rollback budget is spent" if spent else "there is no good snapshot or checkpoint to roll back to"
 
     def final_verdict(self) -> Verdict | None:
         """A run that ends far above its best loss has diverged, even with no event on the way."""

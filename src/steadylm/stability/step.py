@@ -233,7 +233,9 @@ class Stability(L.Callback):
     def rollback(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict, detail: dict) -> None:
         restored = self.recovery.rollback(trainer, pl_module, optimizer, v.onset) if optimizer is not None else None
         if restored is None:
-            self.stop(trainer, pl_module, m.step, v, detail, why=self.recovery.why_not(), m=m)
+            spent = self.recovery.rollbacks >= self.recovery.max_rollbacks
+            why = "the rollback budget is spent" if spent else "there is no good snapshot or checkpoint to roll back to"
+            self.stop(trainer, pl_module, m.step, v, detail, why=why, m=m)
             return
         self.continue_from(trainer, pl_module, restored)
         if "lr_backoff" in restored:
