@@ -6,7 +6,6 @@ cannot undo it (`rewarm_steps` ramps the LR up again). `Backoff` decides and cou
 from __future__ import annotations
 
 from steadylm.errors import ConfigError
-from steadylm.stability.check import overrides
 from steadylm.stability.events import emit
 
 
@@ -74,6 +73,6 @@ def act(owner, trainer, pl_module, v, detail: dict) -> bool:
     emit(trainer, v.onset, "lr_backoff", "backoff", event)
     if restored is not None:
         emit(trainer, v.onset, "rollback", "rollback", {**restored, "cause": c["cause"], "onset": event["onset"]})
-    for check in (ch for ch in owner.checks if overrides(ch, "restart")):  # one backoff answers every streak
+    for check in (ch for ch in owner.checks if hasattr(ch, "restart")):  # one backoff answers every streak
         check.restart()
     return restored is not None

@@ -17,7 +17,7 @@ from steadylm.checkpointing import STABILITY_STATE_KEY
 from steadylm.compat import every_n_train_steps
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
-from steadylm.stability.check import StepView, overrides
+from steadylm.stability.check import StepView
 from steadylm.stability.events import emit
 from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
 from steadylm.stability.recovery import Recovery
@@ -107,7 +107,7 @@ class Stability(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._scaler = loss_scaler(trainer)
         self._judged = [c for c in self.checks if c.applies(trainer)]
-        self._hooked = {hook: [c for c in self._judged if overrides(c, hook)] for hook in self._hooked}
+        self._hooked = {hook: [c for c in self._judged if hasattr(c, hook)] for hook in self._hooked}
         if self.signals is not None:  # where QK-clip acts it owns the mitigation; the signals read the stats
             self.signals.qk_clip_acts = self.qk_clip in self._judged
             self.signals.every_n_steps = self.stats.every_n_steps if self.stats in self._judged else None
@@ -290,7 +290,7 @@ class Stability(L.Callback):
         (re-warmed over `rewarm_steps`) and the checks' windows resume at the restored weights'; pops `applied` and
         `detectors` from `restored` (the rest is the event's)."""
         self.drop_step(pl_module)
-        for c in (c for c in self.checks if overrides(c, "restored")):  # what the abandoned weights showed
+        for c in (c for c in self.checks if hasattr(c, "restored")):  # what the abandoned weights showed
             c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
         windows = restored.pop("detectors")
