@@ -47,9 +47,8 @@ def _part(name: str, settings, cls=None):
         module, _, attr = CHECKS[name].partition(":")
         cls = getattr(importlib.import_module(module), attr)
     settings = OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else dict(settings)
-    known = [p for p in inspect.signature(cls).parameters]
-    unknown = sorted(set(settings) - set(known))
-    if unknown:
+    known = list(inspect.signature(cls).parameters)
+    if unknown := sorted(set(settings) - set(known)):
         raise ConfigError(f"callbacks.stability.{name}.{unknown[0]} is not a setting; use one of {', '.join(known)}")
     return cls(**settings)
 
@@ -130,12 +129,10 @@ class Stability(L.Callback):
             ms.batches, ms.batch_idx, ms.losses, ms.taken = [], [], [], False
             self._view_now = view = self._view(trainer, pl_module)
             # The checks asleep until a later step (`Check.next_step`) cost this step nothing.
-            self._awake = awake = []  # a loop, not a comprehension: one call fewer a step
-            for c in self._judged:
-                if getattr(c, "next_step", 0) <= step:
-                    awake.append(c)
-                    if c in self._hooked["arm"]:
-                        c.arm(view)
+            self._awake = [c for c in self._judged if getattr(c, "next_step", 0) <= step]
+            for c in self._hooked["arm"]:
+                if c in self._awake:
+                    c.arm(view)
             if self.recovery.first is not None and step - pl_module.skipped_steps > self.recovery.hold_until:
                 self.recovery.release_first()
         ms.batches.append(batch)
@@ -278,12 +275,10 @@ class Stability(L.Callback):
             write_metrics(trainer, {**self._log, "optim/skipped_steps": float(pl_module.skipped_steps)})
             self._log = None
         # A checkpoint must hold weights and counts the checks have seen: a rollback in a streak needs the last
-        # good file, which a save of NaN weights would replace. On save steps only: a host read each.
-        if self.measure.deferred:
-            for n in self._save_every:  # a ModelCheckpoint saves at this batch end (its `every_n_train_steps`)
-                if trainer.global_step % n == 0:
-                    self.settle(trainer, pl_module, trainer.optimizers[0])
-                    break
+        # good file, which a save of NaN weights would replace. On the steps a ModelCheckpoint saves at this batch
+        # end (its `every_n_train_steps`) only: a host read each.
+        if self.measure.deferred and [n for n in self._save_every if trainer.global_step % n == 0]:
+            self.settle(trainer, pl_module, trainer.optimizers[0])
 
     def continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
         """After a restore: the step under way is dropped (computed on the abandoned weights); the LR schedule
