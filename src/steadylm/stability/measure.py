@@ -174,20 +174,11 @@ class StepMeasure:
         due, self.pending = self.pending, self.current
         return due.read() if due is not None else None
 
-    def now(self) -> Measurement | None:
-        """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
-        return self.current.read() if self.current is not None else None
-
     def abandon(self) -> None:
         """The step under way reaches neither the weights nor a later check (rollback, stop)."""
         if self.pending is self.current:
             self.pending = None
         self.current = None
-
-    def take_pending(self) -> Measurement | None:
-        """The measurement still in flight (deferred), read now; None when there is none."""
-        pending, self.pending = self.pending, None
-        return pending.read() if pending is not None else None
 
     def finish(self, trainer) -> None:
         self.skip_flag = None

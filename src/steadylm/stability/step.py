@@ -294,9 +294,9 @@ class Stability(L.Callback):
 
     def settle(self, trainer, pl_module, optimizer=None) -> None:
         """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""
-        m = self.measure.take_pending()
-        if m is not None and not self.stopped:
-            self.judge(trainer, pl_module, optimizer, m)
+        pending, self.measure.pending = self.measure.pending, None
+        if pending is not None and not self.stopped:
+            self.judge(trainer, pl_module, optimizer, pending.read())
 
     def teardown(self, trainer, pl_module, stage) -> None:
         self.recovery.close()  # the snapshots' files are removed: the fit is over
@@ -318,7 +318,7 @@ class Stability(L.Callback):
     def _optimizer_metrics(self, trainer, pl_module) -> dict[str, float]:
         """A logging step's optimizer numbers (deferred: this step's value, the one host read of the step)."""
         metrics = {}
-        m = self.measure.now()
+        m = self.measure.current.read() if self.measure.current is not None else None  # None: the step was abandoned
         if m is not None and not pl_module.clips_by_norm(trainer):  # else the module writes optim/grad_norm
             metrics["optim/grad_norm"] = m.grad_norm
         if self.spike is not None and self.spike.grad_spikes:
