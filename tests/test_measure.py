@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from steadylm.stability import Stability, read_events
-from steadylm.stability.measure import Arrived, InFlight, Measurement, Packed, StepMeasure
+from steadylm.stability.measure import InFlight, Measurement, Packed, StepMeasure
 from tests.helpers import FAST, Snapshot, faults, fit, stability_of
 
 LOGGED_AND_SAVED = {3, 7, 11}  # FAST: log and checkpoint every 4 steps, i.e. at the end of steps 3, 7, 11
@@ -74,7 +74,7 @@ def test_a_nonfinite_last_step_is_reported_when_training_ends(make_cfg, tmp_path
 def test_a_measurement_not_yet_acted_on_travels_in_the_checkpoint():
     m = Measurement(step=7, loss=2.5, grad_norm=float("inf"), loss_nonfinite=False, grad_nonfinite=True, batch_idx=(3,))
     measure = StepMeasure()
-    measure.pending = Arrived(m)
+    measure.pending = m
     state = measure.state_dict()
     restored = StepMeasure()
     restored.load_state_dict(torch.load(_roundtrip(state), weights_only=True))

@@ -6,7 +6,6 @@ cannot undo it (`rewarm_steps` ramps the LR up again). `Backoff` decides and cou
 from __future__ import annotations
 
 from steadylm.errors import ConfigError
-from steadylm.stability.check import overrides
 from steadylm.stability.events import emit
 
 
@@ -65,9 +64,6 @@ def act(owner, trainer, pl_module, v, detail: dict) -> bool:
         latest, first = target.get("rewind_latest", before), target.get("rewind_first", True)
         restored = owner.recovery.rewind(trainer, pl_module, before, latest, to_first=first)
     if restored is not None:
-        if owner.in_step:  # the step under way was computed on the abandoned weights
-            owner.drop_grads(pl_module)
-        owner.measure.abandon()  # the step just done measured the abandoned weights
         owner.continue_from(trainer, pl_module, restored, rewarm)  # the LR ramps up again, as at the start
         event["rewound_to"] = restored["to_step"]
         if "growth_from" in target:
@@ -77,6 +73,6 @@ def act(owner, trainer, pl_module, v, detail: dict) -> bool:
     emit(trainer, v.onset, "lr_backoff", "backoff", event)
     if restored is not None:
         emit(trainer, v.onset, "rollback", "rollback", {**restored, "cause": c["cause"], "onset": event["onset"]})
-    for check in (ch for ch in owner.checks if overrides(ch, "restart")):  # one backoff answers every streak
+    for check in (ch for ch in owner.checks if hasattr(ch, "restart")):  # one backoff answers every streak
         check.restart()
     return restored is not None

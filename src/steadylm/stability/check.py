@@ -1,22 +1,21 @@
 """`Check`: the one protocol of a stability check, and `StepView`, what a check may read of the step.
 
-`measure(view) -> {key: (op, tensor)}` on the device after backward, `op` "mean" or "max" over ranks: the values
-join the step's one collective. `verdict(m, view) -> Verdict | list[Verdict]` on the host, from `m.values[name]`
-(reduced; one step late when the read is deferred): `log`, `backoff` (`context["backoff"]`: what its `Backoff`
-granted, `context["policy"]`: that `Backoff`), `skip` (only with `acts_before_update`), `rollback` to before
-`onset`, or `stop`; its `metrics` go to the loggers at step `onset`. `state_dict()` of plain types rides in every
-checkpoint under its name. Optional hooks: `arm(view)` before the step's first forward, `after_update(view,
-reduced)` once the update is in the weights (`reduced[name][key]`: a "max" value still on the device), `restored()`
-after a restore, `restart()` after any LR backoff; before `next_step` the owner calls none of them. Add one in
-config: `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
+`measure(view) -> {key: (op, tensor)}` (optional) on the device after backward, `op` "mean" or "max" over ranks:
+the values join the step's one collective. `verdict(m, view) -> Verdict | list[Verdict]` on the host, from
+`m.values[name]` (reduced; one step late when the read is deferred): `log`, `backoff` (`context["backoff"]`: what
+its `Backoff` granted, `context["policy"]`: that `Backoff`), `skip` (only with `acts_before_update`), `rollback` to
+before `onset`, or `stop`; its `metrics` go to the loggers at step `onset`. `state_dict()` of plain types rides in
+every checkpoint under its name. Optional hooks, called only where a check defines them: `arm(view)` before the
+step's first forward, `after_update(view, reduced)` once the update is in the weights (`reduced[name][key]`: a
+"max" value still on the device), `restored()` after a restore, `restart()` after any LR backoff; before
+`next_step` the owner calls none of them. Add one in config: `callbacks.stability.checks.<name>: {_target_:
+my.module.MyCheck, ...}`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from steadylm.stability.verdict import OK, Verdict
 
@@ -47,27 +46,10 @@ class Check:
         """Judged in this fit at all (e.g. the loss-scale check only under fp16). Asked once, at the fit's start."""
         return True
 
-    def arm(self, view: StepView) -> None: ...
-
-    def measure(self, view: StepView) -> dict[str, tuple[str, torch.Tensor]]:
-        return {}
-
-    def after_update(self, view: StepView, reduced) -> None: ...
-
     def verdict(self, m, view: StepView) -> Verdict | list[Verdict]:
         return OK
-
-    def restored(self) -> None: ...
-
-    def restart(self) -> None: ...
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def overrides(check: Any, hook: str) -> bool:
-    """The check has its own `hook` (the owner calls only those: a hook left out costs nothing)."""
-    fn = getattr(type(check), hook, None)
-    return fn is not None and fn is not getattr(Check, hook)

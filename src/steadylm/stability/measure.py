@@ -36,6 +36,10 @@ class Measurement:
     def nonfinite(self) -> bool:
         return self.loss_nonfinite or self.grad_nonfinite
 
+    def read(self) -> Measurement:
+        """Already on the host (`StepMeasure.pending` restored from a checkpoint)."""
+        return self
+
     def state(self) -> dict:
         """The numbers (not the batches' references), for a checkpoint."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
@@ -109,32 +113,13 @@ class InFlight:
                 got = host[at : at + n] / (world if op == "mean" else 1)
                 values.setdefault(name, {})[key] = got.reshape(shape).tolist()
                 at += n
-        self._read = Measurement(
-            step=self.step,
-            loss=loss,
-            grad_norm=norm,
-            loss_nonfinite=not math.isfinite(loss),
-            grad_nonfinite=not math.isfinite(norm),
-            batch_idx=self.batch_idx,
-            values=values,
-            batches=self.batches,
-            bad_params=self._bad() if not math.isfinite(norm) else (),
-        )
+        bad = ()
+        if not math.isfinite(norm) and self.norms is not None:  # the failure path: a host sync here is fine
+            names = {id(p): n for n, p in self.net.named_parameters()}
+            bad = tuple(names.get(id(self.params[i]), "?") for i in (~self.norms.isfinite()).nonzero().view(-1))
+        inf_loss, inf_norm = not math.isfinite(loss), not math.isfinite(norm)
+        self._read = Measurement(self.step, loss, norm, inf_loss, inf_norm, self.batch_idx, values, self.batches, bad)
         return self._read
-
-    def _bad(self) -> tuple[str, ...]:
-        if self.norms is None:
-            return ()
-        bad = (~self.norms.isfinite()).nonzero().view(-1).tolist()  # the failure path: a host sync here is fine
-        names = {id(p): n for n, p in self.net.named_parameters()}
-        return tuple(names.get(id(self.params[i]), "?") for i in bad)
-
-
-class Arrived(InFlight):
-    """A measurement already on the host (restored from a checkpoint)."""
-
-    def __init__(self, m: Measurement) -> None:
-        self.step, self._read = m.step, m
 
 
 class StepMeasure:
@@ -148,7 +133,7 @@ class StepMeasure:
         self.batch_idx: list[int] = []
         self.taken = True  # the next micro-batch starts a new step
         self.current: InFlight | None = None  # the step under way, measured
-        self.pending: InFlight | None = None  # deferred: the last step's, read at the next one
+        self.pending: InFlight | Measurement | None = None  # deferred: the last step's, read at the next one
         self.skip_flag: torch.Tensor | None = None  # deferred: the optimizers' skip flag
 
     def take(self, trainer, pl_module, view, checks=()) -> Measurement | None:
@@ -189,20 +174,11 @@ class StepMeasure:
         due, self.pending = self.pending, self.current
         return due.read() if due is not None else None
 
-    def now(self) -> Measurement | None:
-        """This step's measurement (deferred: a host sync; for logging steps). None if the step was abandoned."""
-        return self.current.read() if self.current is not None else None
-
     def abandon(self) -> None:
         """The step under way reaches neither the weights nor a later check (rollback, stop)."""
         if self.pending is self.current:
             self.pending = None
         self.current = None
-
-    def take_pending(self) -> Measurement | None:
-        """The measurement still in flight (deferred), read now; None when there is none."""
-        pending, self.pending = self.pending, None
-        return pending.read() if pending is not None else None
 
     def finish(self, trainer) -> None:
         self.skip_flag = None
@@ -216,4 +192,4 @@ class StepMeasure:
     def load_state_dict(self, state: dict | None) -> None:
         pending = (state or {}).get("pending")
         if pending:
-            self.pending = Arrived(Measurement.from_state(pending))
+            self.pending = Measurement.from_state(pending)

@@ -84,7 +84,8 @@ def capture(trainer, pl_module, detectors: dict | None = None, store=None) -> Sn
 def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     """Put the snapshot's weights, buffers and optimizer state back into the live objects (each rank its own)."""
     with torch.no_grad():
-        snap.store.read_into(_live_tensors(pl_module))
+        for t, b in zip(_live_tensors(pl_module), snap.store.held()):
+            t.copy_(b)
     # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
@@ -125,8 +126,9 @@ class Recovery:
         self.good: deque[Snapshot] = deque()
         self.candidate: Snapshot | None = None
         self._spare: Snapshot | None = None  # the storage of a dropped snapshot, for the next one
-        # The fit's first known-good snapshot, held beyond `keep` while the caller may rewind to it (`rewind`).
-        self.hold_first, self.first = False, None
+        # The fit's first known-good snapshot, held beyond `keep` while the caller may rewind to it (`rewind`):
+        # one taken at most `hold_until` applied steps in, until the run is past them (the caller releases it).
+        self.hold_until, self.first = -1, None
         self.pinned: Snapshot | None = None  # held beyond `keep` for a forecast (`pin`)
         self.rollbacks = self.strikes = 0  # strikes: rollbacks in a row at the same place
         self.last_onset: int | None = None
@@ -135,27 +137,31 @@ class Recovery:
         self.best = math.inf  # best median of `final_window` finite losses since the last restore
         self.restored: dict | None = None  # the last restore: step, to_step, the best it threw away
 
-    def maybe_snapshot(self, trainer, pl_module, detectors) -> None:
-        """At the start of a step, every `every_n_steps`: copy the state; `detectors()`: the checks' windows."""
+    def maybe_snapshot(self, trainer, pl_module, spike=None) -> None:
+        """At the start of a step, every `every_n_steps`: copy the state, and the spike detector's window."""
         step = trainer.global_step
         taken = (self.candidate, *self.good)  # the accumulated micro-batches of one step: taken at the first
         if not self.every_n_steps or step % self.every_n_steps or any(s and s.step == step for s in taken):
             return
+        if self.where is None:  # `auto`: on a CPU, host memory is training memory
+            on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
+            self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
         # A candidate never confirmed (its step's value not read yet) is replaced by the newer one.
         reuse, self._spare = self._spare or self.candidate, None
         store = reuse.store if reuse is not None else None
-        if store is not None and store.kind != self._where(pl_module):
+        if store is not None and store.kind != self.where:
             store.close()  # the snapshots moved to host memory: a file is not reused
             store = None
+        detectors = {"spike": spike.window_state()} if spike is not None else {}
         now = time.perf_counter()
         self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:
-            self.candidate = capture(trainer, pl_module, detectors(), store or self._new_store(trainer, pl_module))
+            self.candidate = capture(trainer, pl_module, detectors, store or self._new_store(trainer))
         except OSError as err:  # a full or read-only disk: training goes on, its snapshots in host memory
             self._to_memory(f"a snapshot file failed ({err})")
             if store is not None:
                 store.close()
-            self.candidate = capture(trainer, pl_module, detectors())
+            self.candidate = capture(trainer, pl_module, detectors)
 
     def written(self) -> None:
         """The snapshot under way has read the live tensors. Under `store: auto` a write that held the update up
@@ -178,19 +184,13 @@ class Recovery:
                 f"{self._interval:.1f} s between snapshots"
             )
 
-    def _where(self, pl_module) -> str:
-        if self.where is None:
-            on_cpu = all(p.device.type == "cpu" for p in pl_module.parameters())
-            self.where = self.store if self.store != "auto" else ("disk" if on_cpu else "memory")
-        return self.where
-
     def _to_memory(self, why: str) -> None:
         if self.where != "memory":
             log.warning("%s: snapshots are kept in host memory from here on", why)
             self.where = "memory"
 
-    def _new_store(self, trainer, pl_module) -> HostBuffers | SnapshotFile:
-        if self._where(pl_module) == "memory":
+    def _new_store(self, trainer) -> HostBuffers | SnapshotFile:
+        if self.where == "memory":
             return HostBuffers()
         folder = self._folder = stability_dir(trainer) / "snapshots"
         if self._flusher is None:
@@ -218,7 +218,7 @@ class Recovery:
             self.candidate = None
             if not m.nonfinite and not suspect:
                 self.good.append(c)
-                if self.hold_first and self.first is None:
+                if self.first is None and c.applied <= self.hold_until:
                     self.first = c
                 if len(self.good) > self.keep:
                     self._release(self.good.popleft())
@@ -241,14 +241,10 @@ class Recovery:
             return None
         same_place = self.last_onset is not None and abs(onset - self.last_onset) <= self.same_place_steps
         strikes = self.strikes + 1 if same_place else 1
-        snap = self.newest_good(before=onset, older=strikes >= 2)
-        if snap is not None:
+        if (snap := self.newest_good(before=onset, older=strikes >= 2)) is not None:
             restored = self._restore(trainer, pl_module, snap)
-        else:
-            found = disk.rollback(trainer, pl_module, optimizer, onset)
-            if found is None:
-                return None
-            restored = {"source": "disk", **found, "detectors": {}}
+        elif (restored := disk.rollback(trainer, pl_module, optimizer, onset)) is None:
+            return None
         self.rollbacks += 1
         self.strikes, self.last_onset = strikes, onset
         self._judge_from(trainer.global_step, restored["to_step"])
@@ -298,7 +294,7 @@ class Recovery:
 
     def release_first(self) -> None:
         """Stop holding the first snapshot beyond `keep` (its buffers serve the next snapshot)."""
-        first, self.first, self.hold_first = self.first, None, False
+        first, self.first = self.first, None
         self._release(first)
 
     def rewind(self, trainer, pl_module, before: int, latest: int, to_first: bool = False) -> dict | None:
@@ -322,11 +318,6 @@ class Recovery:
         self.restored = {"step": int(step), "to_step": int(to_step), "best_before": best}
         self.recent.clear()
         self.best = math.inf
-
-    def why_not(self) -> str:
-        """Why a rollback was refused, for the stop reason."""
-        spent = self.rollbacks >= self.max_rollbacks
-        return "the rollback budget is spent" if spent else "there is no good snapshot or checkpoint to roll back to"
 
     def final_verdict(self) -> Verdict | None:
         """A run that ends far above its best loss has diverged, even with no event on the way."""

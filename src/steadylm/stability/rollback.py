@@ -17,7 +17,7 @@ def checkpoint_dir(trainer) -> Path:
 
 
 def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
-    """Restore in place; returns {"checkpoint", "to_step", "applied"}, or None without a good checkpoint."""
+    """Restore in place; returns `Recovery.rollback`'s restore from "disk", or None without a good checkpoint."""
     best: tuple[Path, dict] | None = None
     for path in sorted(p for p in checkpoint_dir(trainer).glob("*.ckpt") if p.is_file()):
         try:
@@ -32,12 +32,13 @@ def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
     if best is None:
         return None
     path, ckpt = best
+    step = int(ckpt["global_step"])
     pl_module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
     # The optimizer steps whose update is in its weights: less one when its last step was skipped on the device
     # and not yet counted when it was saved (a non-finite measurement still pending).
-    applied = int(ckpt["global_step"]) - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
+    applied = step - int(ckpt.get("steadylm", {}).get("skipped_steps", 0))
     pending = ((ckpt.get("callbacks", {}).get(STABILITY_STATE_KEY) or {}).get("measure") or {}).get("pending")
     if pending and (pending["loss_nonfinite"] or pending["grad_nonfinite"]):
         applied -= 1
-    return {"checkpoint": path.name, "to_step": int(ckpt["global_step"]), "applied": applied}
+    return {"source": "disk", "checkpoint": path.name, "to_step": step, "applied": applied, "detectors": {}}

@@ -52,10 +52,6 @@ class HostBuffers:
         """The host tensors `start:stop`; `copy`: fresh ones, which training may write into."""
         return [b.clone() if copy else b for b in self.held()[start:stop]]
 
-    def read_into(self, live: list[torch.Tensor]) -> None:
-        for t, b in zip(live, self.held()):
-            t.copy_(b)
-
     def close(self) -> None:
         """Nothing to remove: the buffers go with the snapshot."""
 

@@ -39,11 +39,10 @@ class SpikeDetector(Check):
         if patience < 1:
             raise ConfigError(f"{key}.patience={patience} must be >= 1")
         self.sigma, self.window, self.warmup, self.action = float(sigma), int(window), int(warmup), action
-        self.signals = tuple(signals)
         # `action: skip` skips the spiking step itself: its value must be read at the step (no deferral).
         self.acts_before_update = action == "skip"
         self.patience, self.noise_floor, self.grad_ratio = int(patience), float(noise_floor), float(grad_ratio)
-        self.stats = {s: deque(maxlen=self.window) for s in self.signals}  # log values
+        self.stats = {s: deque(maxlen=self.window) for s in signals}  # log values, by signal
         self.episode: dict | None = None  # the loss spike under way: onset step, values, the onset batch
         self.sequences = 1  # per optimizer step, all ranks (sets the noise floor)
         self.grad_spikes = 0  # grad-norm spikes the loss did not confirm (`stability/grad_spikes`)
@@ -52,7 +51,7 @@ class SpikeDetector(Check):
         return {s: list(st) for s, st in self.stats.items()}
 
     def load_window_state(self, state: dict) -> None:
-        self.stats = {s: deque(state.get(s, ()), maxlen=self.window) for s in self.signals}
+        self.stats = {s: deque(state.get(s, ()), maxlen=self.window) for s in self.stats}
 
     def verdict(self, m, view: StepView) -> Verdict:
         if m.loss_nonfinite or m.grad_nonfinite:

@@ -17,7 +17,7 @@ from steadylm.checkpointing import STABILITY_STATE_KEY
 from steadylm.compat import every_n_train_steps
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
-from steadylm.stability.check import StepView, overrides
+from steadylm.stability.check import StepView
 from steadylm.stability.events import emit
 from steadylm.stability.measure import Measurement, StepMeasure, loss_scaler
 from steadylm.stability.recovery import Recovery
@@ -47,9 +47,8 @@ def _part(name: str, settings, cls=None):
         module, _, attr = CHECKS[name].partition(":")
         cls = getattr(importlib.import_module(module), attr)
     settings = OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else dict(settings)
-    known = [p for p in inspect.signature(cls).parameters]
-    unknown = sorted(set(settings) - set(known))
-    if unknown:
+    known = list(inspect.signature(cls).parameters)
+    if unknown := sorted(set(settings) - set(known)):
         raise ConfigError(f"callbacks.stability.{name}.{unknown[0]} is not a setting; use one of {', '.join(known)}")
     return cls(**settings)
 
@@ -89,7 +88,6 @@ class Stability(L.Callback):
         self.checks = [getattr(self, n) for n in CHECKS if getattr(self, n) is not None] + _checks_from_config(checks)
         self._judged: list = self.checks  # those that apply to this fit (`setup`)
         self._hooked: dict[str, list] = {"arm": [], "measure": [], "after_update": []}
-        self._rewinds = any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks)
         # A check that must act before this step's update (a skip) needs its value at the step: no deferral.
         self.measure = StepMeasure(defer and not any(getattr(c, "acts_before_update", False) for c in self.checks))
         self.stopped = False
@@ -98,9 +96,7 @@ class Stability(L.Callback):
         self._culprit: tuple[str | None, str] = (None, "")  # the module named at the start of a non-finite streak
         self._log: dict[str, float] | None = None  # this logging step's optimizer metrics, written at batch end
         self._view_now: StepView | None = None  # the step under way, seen at its first micro-batch
-        self._hold_until = -1  # recovery holds the fit's first snapshot up to this applied step (`setup`)
         self._save_every: tuple[int, ...] = ()  # the ModelCheckpoints' `every_n_train_steps` (`setup`)
-        self._measured = -1  # the step measured whose update the checks' `after_update` has not seen yet
         self._awake: list = []  # the checks this step asks (`Check.next_step`)
         self._scaler = None  # the fp16 GradScaler (`setup`)
 
@@ -110,20 +106,17 @@ class Stability(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._scaler = loss_scaler(trainer)
         self._judged = [c for c in self.checks if c.applies(trainer)]
-        self._hooked = {hook: [c for c in self._judged if overrides(c, hook)] for hook in self._hooked}
+        self._hooked = {hook: [c for c in self._judged if hasattr(c, hook)] for hook in self._hooked}
         if self.signals is not None:  # where QK-clip acts it owns the mitigation; the signals read the stats
             self.signals.qk_clip_acts = self.qk_clip in self._judged
             self.signals.every_n_steps = self.stats.every_n_steps if self.stats in self._judged else None
         # Growth that crosses tau during the LR warmup began near the start: recovery holds the fit's first
         # snapshot until the warmup, and a streak begun at its end, are over; a rewind then goes back to it.
-        warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
-        streaks = [c.streak_steps() for c in self._judged if hasattr(c, "streak_steps")]
-        self._hold_until = warmup + max(streaks, default=0) if self._rewinds else -1
+        if any(getattr(c, "backoff", None) is not None and c.backoff.rewind for c in self.checks):
+            streaks = [c.streak_steps() for c in self._judged if hasattr(c, "streak_steps")]
+            warmup = int(getattr(pl_module, "optim_cfg", {}).get("warmup_steps", 0))
+            self.recovery.hold_until = warmup + max(streaks, default=0)
         self._save_every = tuple(n for cb in trainer.checkpoint_callbacks if (n := every_n_train_steps(cb)))
-
-    def _windows_to_keep(self) -> dict:
-        """What a snapshot keeps of the checks beside the weights: the spike detector's window."""
-        return {"spike": self.spike.window_state()} if self.spike is not None else {}
 
     def _view(self, trainer, pl_module) -> StepView:
         scale = self._scaler.get_scale() if self._scaler is not None else None
@@ -136,24 +129,17 @@ class Stability(L.Callback):
             ms.batches, ms.batch_idx, ms.losses, ms.taken = [], [], [], False
             self._view_now = view = self._view(trainer, pl_module)
             # The checks asleep until a later step (`Check.next_step`) cost this step nothing.
-            self._awake = awake = []  # a loop, not a comprehension: one call fewer a step
-            for c in self._judged:
-                if getattr(c, "next_step", 0) <= step:
-                    awake.append(c)
+            self._awake = [c for c in self._judged if getattr(c, "next_step", 0) <= step]
             for c in self._hooked["arm"]:
                 if c in self._awake:
                     c.arm(view)
-            if self._hold_until >= 0:
-                hold = step - pl_module.skipped_steps <= self._hold_until
-                if hold != self.recovery.hold_first:
-                    self.recovery.hold_first = hold
-                    if not hold:
-                        self.recovery.release_first()
+            if self.recovery.first is not None and step - pl_module.skipped_steps > self.recovery.hold_until:
+                self.recovery.release_first()
         ms.batches.append(batch)
         ms.batch_idx.append(batch_idx)
         every = self.recovery.every_n_steps
         if every and step % every == 0:
-            self.recovery.maybe_snapshot(trainer, pl_module, self._windows_to_keep)
+            self.recovery.maybe_snapshot(trainer, pl_module, self.spike)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.measure.losses.append(loss)
@@ -169,7 +155,6 @@ class Stability(L.Callback):
             measuring = [c for c in self._hooked["measure"] if c in self._awake]
             # The one measurement (deferred: the previous step's), every check's own values in the same collective.
             m = self.measure.take(trainer, pl_module, view, measuring)
-            self._measured = step
             if step < self.recovery.skip_until:  # the data window skipped after a repeated rollback
                 self.skip(trainer, pl_module, step)
             if m is not None:
@@ -239,17 +224,16 @@ class Stability(L.Callback):
             return
         self._skipped_at = step
         pl_module.skip_step()
-        if self.in_step and step == trainer.global_step:
-            self.drop_grads(pl_module)
+        if step == trainer.global_step:
+            self.drop_step(pl_module, abandon=False)
 
     def rollback(self, trainer, pl_module, optimizer, m: Measurement, v: Verdict, detail: dict) -> None:
         restored = self.recovery.rollback(trainer, pl_module, optimizer, v.onset) if optimizer is not None else None
         if restored is None:
-            self.stop(trainer, pl_module, m.step, v, detail, why=self.recovery.why_not(), m=m)
+            spent = self.recovery.rollbacks >= self.recovery.max_rollbacks
+            why = "the rollback budget is spent" if spent else "there is no good snapshot or checkpoint to roll back to"
+            self.stop(trainer, pl_module, m.step, v, detail, why=why, m=m)
             return
-        if self.in_step:  # the step under way was computed on the abandoned weights
-            self.drop_grads(pl_module)
-            self.measure.abandon()
         self.continue_from(trainer, pl_module, restored)
         if "lr_backoff" in restored:
             restored["lr_scale"] = pl_module.scale_lr(restored["lr_backoff"])
@@ -266,15 +250,12 @@ class Stability(L.Callback):
         """Stop every rank together (all reach it from the same reduced values), keeping the last good state;
         `detail`: the check's event (None: no check detected it); `why`: what made its own remedy impossible."""
         self.stopped = True
-        if self.in_step:
-            self.drop_grads(pl_module)
-            self.measure.abandon()
+        self.drop_step(pl_module)
         reason = f"{v.reason}; {why}" if why else v.reason
         from steadylm.stability import forensics  # what a stop leaves behind: loaded when a run stops
 
-        extra = {}
-        if v.kind in NONFINITE and m is not None:
-            extra = forensics.stop_bundle(trainer, pl_module, m, v, detail, self._culprit[0])
+        nonfinite = v.kind in NONFINITE and m is not None
+        extra = forensics.stop_bundle(trainer, pl_module, m, v, detail, self._culprit[0]) if nonfinite else {}
         if detail is not None and v.kind is not None:
             emit(trainer, v.onset if v.kind == "loss_spike" else step, v.kind, "stop", detail)
         saved = forensics.save_stop_checkpoints(trainer, pl_module, self.recovery)
@@ -283,10 +264,10 @@ class Stability(L.Callback):
 
     # -- the rest of the step's life --------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if 0 <= self._measured < trainer.global_step:  # the measured step's update is in the weights
-            self._measured = -1
-            current = self.measure.current
-            if current is not None and not self.stopped:
+        current = self.measure.current
+        if current is not None and current.step < trainer.global_step:  # the measured step's update is in the weights
+            self.measure.current = None
+            if not self.stopped:
                 for c in self._hooked["after_update"]:
                     if c in self._awake:
                         c.after_update(self._view_now, current.packed.reduced)
@@ -294,17 +275,17 @@ class Stability(L.Callback):
             write_metrics(trainer, {**self._log, "optim/skipped_steps": float(pl_module.skipped_steps)})
             self._log = None
         # A checkpoint must hold weights and counts the checks have seen: a rollback in a streak needs the last
-        # good file, which a save of NaN weights would replace. On save steps only: a host read each.
-        if self.measure.deferred:
-            for n in self._save_every:  # a ModelCheckpoint saves at this batch end (its `every_n_train_steps`)
-                if trainer.global_step % n == 0:
-                    self.settle(trainer, pl_module, trainer.optimizers[0])
-                    break
+        # good file, which a save of NaN weights would replace. On the steps a ModelCheckpoint saves at this batch
+        # end (its `every_n_train_steps`) only: a host read each.
+        if self.measure.deferred and [n for n in self._save_every if trainer.global_step % n == 0]:
+            self.settle(trainer, pl_module, trainer.optimizers[0])
 
     def continue_from(self, trainer, pl_module, restored: dict, rewarm_steps: int = 0) -> None:
-        """After a restore: the LR schedule (re-warmed over `rewarm_steps`) and the checks' windows resume at the
-        restored weights'; pops `applied` and `detectors` from `restored` (the rest is the event's)."""
-        for c in (c for c in self.checks if overrides(c, "restored")):  # what the abandoned weights showed
+        """After a restore: the step under way is dropped (computed on the abandoned weights); the LR schedule
+        (re-warmed over `rewarm_steps`) and the checks' windows resume at the restored weights'; pops `applied` and
+        `detectors` from `restored` (the rest is the event's)."""
+        self.drop_step(pl_module)
+        for c in (c for c in self.checks if hasattr(c, "restored")):  # what the abandoned weights showed
             c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
         windows = restored.pop("detectors")
@@ -313,9 +294,9 @@ class Stability(L.Callback):
 
     def settle(self, trainer, pl_module, optimizer=None) -> None:
         """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""
-        m = self.measure.take_pending()
-        if m is not None and not self.stopped:
-            self.judge(trainer, pl_module, optimizer, m)
+        pending, self.measure.pending = self.measure.pending, None
+        if pending is not None and not self.stopped:
+            self.judge(trainer, pl_module, optimizer, pending.read())
 
     def teardown(self, trainer, pl_module, stage) -> None:
         self.recovery.close()  # the snapshots' files are removed: the fit is over
@@ -324,19 +305,20 @@ class Stability(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.settle(trainer, pl_module)
-        if self.spike is not None and not self.stopped and (v := self.spike.finish()).kind is not None:
-            self.apply(trainer, pl_module, None, None, v)  # ended inside a spike episode: report it
-        final = self.recovery.final_verdict() if not self.stopped else None
-        if final is not None:
-            self.stop(trainer, pl_module, trainer.global_step, final, None)
-        elif not self.stopped and (cut := self.recovery.unrecovered(trainer.global_step)) is not None:
-            emit(trainer, trainer.global_step, "unrecovered", "log", cut)  # a restore is a reset, not a divergence
         self.measure.finish(trainer)
+        if self.stopped:
+            return
+        if self.spike is not None and (v := self.spike.finish()).kind is not None:
+            self.apply(trainer, pl_module, None, None, v)  # ended inside a spike episode: report it
+        if (final := self.recovery.final_verdict()) is not None:
+            self.stop(trainer, pl_module, trainer.global_step, final, None)
+        elif (cut := self.recovery.unrecovered(trainer.global_step)) is not None:
+            emit(trainer, trainer.global_step, "unrecovered", "log", cut)  # a restore is a reset, not a divergence
 
     def _optimizer_metrics(self, trainer, pl_module) -> dict[str, float]:
         """A logging step's optimizer numbers (deferred: this step's value, the one host read of the step)."""
         metrics = {}
-        m = self.measure.now()
+        m = self.measure.current.read() if self.measure.current is not None else None  # None: the step was abandoned
         if m is not None and not pl_module.clips_by_norm(trainer):  # else the module writes optim/grad_norm
             metrics["optim/grad_norm"] = m.grad_norm
         if self.spike is not None and self.spike.grad_spikes:
@@ -345,10 +327,13 @@ class Stability(L.Callback):
             metrics["optim/loss_scale"] = self._scaler.get_scale()
         return metrics
 
-    @staticmethod
-    def drop_grads(pl_module) -> None:
-        for p in pl_module.parameters():
-            p.grad = None
+    def drop_step(self, pl_module, abandon: bool = True) -> None:
+        """The step under way never reaches the weights and, with `abandon`, no later check (a restore, a stop)."""
+        if self.in_step:
+            for p in pl_module.parameters():
+                p.grad = None
+        if abandon:
+            self.measure.abandon()
 
     # -- resume -----------------------------------------------------------------------------------------------
     def _parts(self) -> dict:
