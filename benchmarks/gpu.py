@@ -5,8 +5,12 @@ Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak
 each step makes (`torch.cuda.set_sync_debug_mode`): expected 0 on ordinary steps (the stability measurement reads
 each step's value one step late), a few on logging steps. Goal on one H200: MFU >= 45%.
 `--compare-defer` runs again with `callbacks.stability.defer=false` and prints the cost of reading at the step itself.
+`--to-loss` trains `model=small`'s default recipe and `experiment=fast` for --steps each and prints both throughputs
+and the steps and time each takes to the default's final val loss. `--cpu` runs the same code on the CPU at a tiny
+shape (the tests' form; its numbers mean nothing).
 
-Usage: python benchmarks/gpu.py [--steps 60] [--batch 16] [--no-compile] [--compare-defer] [overrides...]
+Usage: python benchmarks/gpu.py [--steps 60] [--batch 16] [--no-compile] [--compare-defer] [--to-loss [--every 25]]
+       [--cpu] [overrides...]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from time_to_loss import Clock, reach
 
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
@@ -28,6 +33,9 @@ from steadylm.progress import peak_flops
 from steadylm.train import build
 
 SETTLE = 10  # compile and autotune happen in the first steps
+# --cpu: the same code at a shape a CPU runs in seconds (the test's smoke run); its numbers mean nothing.
+CPU = ["trainer=cpu", "trainer.precision=32-true", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+       "model.context_length=32", "model.vocab_size=320"]  # fmt: skip
 
 
 class StepTimer(L.Callback):
@@ -84,6 +92,61 @@ def fit_and_time(cfg) -> tuple[dict, list[float], list[int]]:
     return objects, [b - a for a, b in zip(starts, starts[1:])][SETTLE:], timer.syncs
 
 
+def throughput(name: str, objects, times: list[float], syncs: list[int] | None) -> float:
+    """Print tokens/s, MFU and (on CUDA) the sync counts of one fit; return its median step time."""
+    cfg, net, step = objects["cfg"], objects["module"].net, statistics.median(times)
+    tps = cfg.data.batch_size * cfg.model.context_length / step
+    cuda = torch.cuda.is_available() and cfg.trainer.accelerator != "cpu"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = peak_flops(device) if cuda else None
+    achieved = tps * net.flops_per_token()
+    mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.progress.PEAK_FLOPS)"
+    print(f"{name}: device {device}; params {net.num_params():,}; FLOPs/token {net.flops_per_token():,}")
+    print(f"  step time (median of {len(times)}): {step * 1e3:.1f} ms; tokens/s: {tps:,.0f}")
+    print(f"  model FLOP/s: {achieved / 1e12:.2f} TFLOP/s; MFU: {mfu}")
+    if cuda and syncs is not None:
+        every = cfg.trainer.log_every_n_steps
+        logging = [n for i, n in enumerate(syncs) if i >= SETTLE and (i + 1) % every == 0]
+        ordinary = [n for i, n in enumerate(syncs) if i >= SETTLE and (i + 1) % every]
+        print(
+            f"  synchronizing CUDA calls per ordinary step: median {statistics.median(ordinary)}, max "
+            f"{max(ordinary)}; per logging step (every {every}th): "
+            f"median {statistics.median(logging) if logging else 'n/a'}"
+        )
+    return step
+
+
+def to_loss(overrides: list[str], steps: int, every: int) -> None:
+    """`model=small`'s default recipe and `experiment=fast` at the same shape, each `steps` steps with a val loss
+    every `every`: the steps and time (steps x the median step time, validation left out) each takes to the
+    default recipe's final val loss."""
+    runs = {}
+    for name, extra in (("default", []), ("experiment=fast", ["experiment=fast"])):
+        cfg = compose([*overrides, *extra, f"trainer.max_steps={steps}", f"trainer.val_check_interval={every}"])
+        cfg.optim.warmup_steps = max(1, steps // 10)  # both recipes warm up alike over this short run
+        clock = Clock()
+        objects = build(cfg)
+        timer = StepTimer()
+        objects["trainer"].callbacks.extend([timer, clock])
+        objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+        times = [b - a for a, b in zip(timer.starts, timer.starts[1:])][SETTLE:]
+        val_steps = {p[0] for p in clock.curve}
+        times = [t for i, t in enumerate(times, SETTLE + 1) if i not in val_steps] or times
+        runs[name] = (clock.curve, throughput(name, objects, times, None))
+    target = runs["default"][0][-1][3]
+    print(f"time to the default recipe's val loss after {steps} steps ({target:.4f}):")
+    base = reach(runs["default"][0], target)
+    for name, (curve, step) in runs.items():
+        hit = reach(curve, target)
+        if hit is None:
+            print(f"  {name}: not reached (final {curve[-1][3]:.4f})")
+            continue
+        print(
+            f"  {name}: step {hit[0]} ({hit[0] / base[0]:.3f}x the steps), {hit[0] * step:.1f} s "
+            f"({hit[0] * step / (base[0] * runs['default'][1]):.3f}x the time)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
@@ -92,60 +155,49 @@ def main() -> None:
     ap.add_argument(
         "--compare-defer", action="store_true", help="also run with the measurement read at the step itself"
     )
+    ap.add_argument("--to-loss", action="store_true", help="the default recipe against experiment=fast, to a loss")
+    ap.add_argument("--every", type=int, default=25, help="--to-loss: steps between val losses")
+    ap.add_argument("--cpu", action="store_true", help="the CPU form (a small shape, fp32, eager): for the tests")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: no CUDA GPU visible; this benchmark needs one (the CPU ratios are in `make bench`)")
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU visible; this benchmark needs one (--cpu: its CPU form; `make bench`: CPU ratios)")
 
     work = Path(tempfile.mkdtemp(prefix="steadylm-gpu-"))
-    prepare(input=None, out_dir=work / "data", max_bytes=4_000_000, progress=False)
+    prepare(input=None, out_dir=work / "data", max_bytes=400_000 if args.cpu else 4_000_000, progress=False)
+    device = (
+        CPU
+        if args.cpu
+        else ["trainer=gpu", "trainer.precision=bf16-mixed", "data.num_workers=2", "data.pin_memory=true"]
+    )
     overrides = [
         "model=small",
-        "trainer=gpu",
-        "trainer.precision=bf16-mixed",
-        f"compile={not args.no_compile}",
+        *device,
+        f"compile={not (args.no_compile or args.cpu)}",
         f"data.dir={work / 'data'}",
         f"data.batch_size={args.batch}",
-        "data.num_workers=2",
-        "data.pin_memory=true",
         f"paths.output_dir={work / 'run'}",
         f"trainer.max_steps={args.steps}",
         "optim.warmup_steps=10",
-        "trainer.limit_val_batches=0",
+        "trainer.limit_val_batches=0" if not args.to_loss else "trainer.limit_val_batches=20",
         "trainer.val_check_interval=1000000",
         "logger=none",
         "~callbacks.checkpoint",
         "trainer.enable_progress_bar=false",
         *args.overrides,
     ]
+    if args.to_loss:
+        return to_loss(overrides, args.steps, args.every)
     cfg = compose(overrides)
     objects, times, all_syncs = fit_and_time(cfg)
-
-    tokens = cfg.data.batch_size * cfg.model.context_length
-    tps = tokens / statistics.median(times)
     net = objects["module"].net
-    name = torch.cuda.get_device_name()
-    peak = peak_flops(name)
-    print(f"device: {name}; params {net.num_params():,}; FLOPs/token {net.flops_per_token():,}")
-    print(
-        f"flash attention usable: {flash_attention_usable(net.cfg.d_model // net.cfg.n_head, net.cfg.context_length)}"
-    )
-    print(f"step time (median of {len(times)}): {statistics.median(times) * 1e3:.1f} ms; tokens/s: {tps:,.0f}")
-    achieved = tps * net.flops_per_token()
-    mfu = f"{achieved / peak:.1%}" if peak else "unknown (device not in steadylm.progress.PEAK_FLOPS)"
-    print(f"model FLOP/s: {achieved / 1e12:.1f} TFLOP/s; MFU: {mfu}")
-    every = cfg.trainer.log_every_n_steps
-    logging = [n for i, n in enumerate(all_syncs) if i >= SETTLE and (i + 1) % every == 0]
-    ordinary = [n for i, n in enumerate(all_syncs) if i >= SETTLE and (i + 1) % every]
-    print(
-        f"synchronizing CUDA calls per ordinary step: median {statistics.median(ordinary)}, max {max(ordinary)}; "
-        f"per logging step (every {every}th): median {statistics.median(logging) if logging else 'n/a'}"
-    )
+    if not args.cpu:
+        head, seq = net.cfg.d_model // net.cfg.n_head, net.cfg.context_length
+        print(f"flash attention usable: {flash_attention_usable(head, seq)}")
+    step = throughput(" ".join(args.overrides) or "model=small", objects, times, all_syncs)
     if args.compare_defer:
         _, same_step, _ = fit_and_time(compose([*overrides, "callbacks.stability.defer=false"]))
-        print(
-            f"step time: measurement read at the step itself / deferred = {statistics.median(same_step) / statistics.median(times):.3f}"
-        )
+        print(f"step time: measurement read at the step itself / deferred = {statistics.median(same_step) / step:.3f}")
 
 
 if __name__ == "__main__":

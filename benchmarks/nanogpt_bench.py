@@ -17,6 +17,10 @@ nanoGPT's tokens/s"):
 Default shape: the issue's 4 layers, d 256, 4 heads, context 256, batch 16, fp32, on the embedded corpus
 (byte vocabulary, 320).
 
+--to-loss: time to a loss instead (issue 43): nanoGPT's own `train.py` (its small-model config) and steadylm's
+`experiment=fast` started together, one thread each; the ratio of steadylm's wall time to nanoGPT's val loss after
+--steps (600; exact on the shards' val split) over nanoGPT's time for those steps (target <= 0.25), and of steps.
+
 --rss: peak RSS instead, each run a process of its own: nanoGPT's `train.py` (the checkout's, on the same
 tokens written as its `train.bin`/`val.bin`, fp32 on the CPU, no compile, one micro-step a step) against
 steadylm's `train.py` at the same shape and steps, with the default suite, `callbacks=minimal` and
@@ -26,6 +30,7 @@ rounds of that round's peak / nanoGPT's peak (glibc's heap high-water moves peak
 
 Usage: python benchmarks/nanogpt_bench.py --nanogpt PATH [--rounds N] [--steps N] [--quick] [overrides...]
        python benchmarks/nanogpt_bench.py --nanogpt PATH --rss [--steps N] [--rounds N]
+       python benchmarks/nanogpt_bench.py --nanogpt PATH --to-loss [--steps 600] [--rounds N] [overrides...]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import importlib.util
 import logging
 import os
 import pickle
+import re
 import statistics
 import subprocess
 import sys
@@ -44,13 +50,18 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+import torch.nn.functional as F
 from bench import CHUNK, overhead_samples, paired_ratios, paired_run, raw_step, setup, verdict
 from bench import interval as paired_interval
 from bench import ratio as ratio_of_medians
+from time_to_loss import Clock, reach
 
+from steadylm.config import compose
 from steadylm.data.prepare import prepare
 from steadylm.data.shards import DATASET
+from steadylm.model.gpt import IGNORE_INDEX
 from steadylm.schedule import set_lr
+from steadylm.train import build
 
 SHAPE = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.context_length=256", "data.batch_size=16"]
 
@@ -105,13 +116,12 @@ def peak_rss_gb(cmd: list[str], cwd: Path) -> float:
     return usage.ru_maxrss / 1e6  # kilobytes on Linux
 
 
-def rss(checkout: Path, steps: int, rounds: int = 1) -> dict[str, list[float]]:
-    """nanoGPT's train.py and steadylm's on the same tokens and shape, one process each: peak RSS in GB."""
-    if not (checkout / "train.py").is_file():
-        raise SystemExit(f"error: --nanogpt {checkout}: no train.py there (--rss runs nanoGPT's own training script)")
-    work = Path(tempfile.mkdtemp(prefix="steadylm-rss-"))
+def nanogpt_workdir(checkout: Path, prefix: str) -> Path:
+    """A folder holding the embedded corpus as steadylm's shards (`shards/`) and, for nanoGPT's own `train.py` run
+    from it, the same tokens as its `data/steadylm/{train,val}.bin` and the `configurator.py` it exec()s from cwd."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     prepare(input=None, out_dir=work / "shards", max_bytes=3_000_000, progress=False)
-    nano_data = work / "data" / "steadylm"  # nanoGPT reads data/<dataset>/ under its working directory
+    nano_data = work / "data" / "steadylm"
     nano_data.mkdir(parents=True)
     for split in ("train", "val"):
         files = sorted((work / "shards").glob(f"{split}-*.h5"))
@@ -119,7 +129,15 @@ def rss(checkout: Path, steps: int, rounds: int = 1) -> dict[str, list[float]]:
         tokens.tofile(nano_data / f"{split}.bin")
     with open(nano_data / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 320}, f)
-    (work / "configurator.py").symlink_to((checkout / "configurator.py").resolve())  # train.py exec()s it from cwd
+    (work / "configurator.py").symlink_to((checkout / "configurator.py").resolve())
+    return work
+
+
+def rss(checkout: Path, steps: int, rounds: int = 1) -> dict[str, list[float]]:
+    """nanoGPT's train.py and steadylm's on the same tokens and shape, one process each: peak RSS in GB."""
+    if not (checkout / "train.py").is_file():
+        raise SystemExit(f"error: --nanogpt {checkout}: no train.py there (--rss runs nanoGPT's own training script)")
+    work = nanogpt_workdir(checkout, "steadylm-rss-")
     m = dict(kv.split("=", 1) for kv in SHAPE)
     warmup = max(1, steps // 10)
     nano = [
@@ -159,6 +177,83 @@ def rss(checkout: Path, steps: int, rounds: int = 1) -> dict[str, list[float]]:
     return peaks
 
 
+def to_loss(checkout: Path, steps: int, rounds: int, eval_every: int, overrides: list[str]) -> list[dict]:
+    """nanoGPT's own `train.py` (its small-model config, `config/train_shakespeare_char.py`, at the issue's shape,
+    dropout 0, fp32, `steps` iterations with a tenth warmup and the cosine to `steps`) and steadylm's
+    `experiment=fast` (`train.py`'s path, the default suite on) started together, one thread each. The target is
+    nanoGPT's val loss after `steps`, exact on the shards' val split; steadylm's time to it is its training wall
+    time up to its first evaluation at or below it (every `eval_every` steps, evaluations not counted); nanoGPT's is
+    the sum of the step times it prints (its two 1-batch estimates included)."""
+    if not (checkout / "config" / "train_shakespeare_char.py").is_file():
+        raise SystemExit(f"error: --nanogpt {checkout}: no config/train_shakespeare_char.py (a nanoGPT checkout?)")
+    work, m, out = nanogpt_workdir(checkout, "steadylm-to-loss-"), dict(kv.split("=", 1) for kv in SHAPE), []
+    torch.set_num_threads(1)
+    for r in range(rounds):
+        nano_cmd = [
+            sys.executable, str((checkout / "train.py").resolve()),
+            str((checkout / "config" / "train_shakespeare_char.py").resolve()), "--dataset=steadylm", "--device=cpu",
+            "--dtype=float32", "--compile=False", f"--n_layer={m['model.n_layer']}", f"--n_head={m['model.n_head']}",
+            f"--n_embd={m['model.d_model']}", f"--block_size={m['model.context_length']}",
+            f"--batch_size={m['data.batch_size']}", "--dropout=0.0", f"--max_iters={steps}",
+            f"--lr_decay_iters={steps}", f"--warmup_iters={steps // 10}", f"--eval_interval={steps}",
+            "--eval_iters=1", "--log_interval=1", "--always_save_checkpoint=True", f"--out_dir={work / f'nano{r}'}",
+        ]  # fmt: skip
+        print(f"round {r + 1}/{rounds}: nanoGPT train.py and steadylm experiment=fast, together …", file=sys.stderr)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            nano_cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        cfg = compose(
+            [
+                "trainer=cpu", f"data.dir={work / 'shards'}", f"paths.output_dir={work / f'fast{r}'}", "logger=none",
+                "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                "trainer.num_sanity_val_steps=0", f"trainer.max_steps={steps}",
+                f"trainer.val_check_interval={eval_every}", "trainer.limit_val_batches=1.0", "~callbacks.checkpoint",
+                "experiment=fast", *SHAPE, *overrides,
+            ]
+        )  # fmt: skip
+        objects, clock = build(cfg), Clock()
+        objects["trainer"].callbacks.append(clock)
+        objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+        log, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"error: nanoGPT's train.py failed:\n{log[-2000:]}")
+        times = [float(t) for n, t in re.findall(r"^iter (\d+): .*time ([\d.]+)ms", log, re.M) if int(n) < steps]
+        ckpt = torch.load(work / f"nano{r}" / "ckpt.pt", map_location="cpu", weights_only=False)
+        net = load(checkout).GPT(load(checkout).GPTConfig(**ckpt["model_args"]))
+        net.load_state_dict(ckpt["model"])
+        target = exact_val_loss(net, objects["datamodule"].val_dataloader())
+        hit = reach(clock.curve, target)
+        row = {"target": target, "nanogpt_wall": sum(times) / 1e3, "fast_curve": clock.curve, "hit": hit}
+        row["steps_x"], row["wall_x"] = (hit[0] / steps, hit[1] / row["nanogpt_wall"]) if hit else (None, None)
+        out.append(row)
+        reached = f"step {hit[0]}, {hit[1]:.1f} s" if hit else f"not reached (final {clock.curve[-1][3]:.4f})"
+        print(
+            f"round {r + 1}: nanoGPT val {target:.4f} after {steps} steps in {row['nanogpt_wall']:.1f} s; "
+            f"experiment=fast: {reached}" + (f"; steps {row['steps_x']:.3f}x, wall {row['wall_x']:.3f}x" if hit else "")
+        )
+    walls = [row["wall_x"] for row in out if row["wall_x"] is not None]
+    if walls:
+        print(
+            f"experiment=fast / nanoGPT, wall time to nanoGPT's {steps}-step val loss: median "
+            f"{statistics.median(walls):.3f} [{min(walls):.3f}, {max(walls):.3f}] over {len(walls)} round(s); "
+            f"target <= 0.25: {'met' if max(walls) <= 0.25 else 'missed'}"
+        )
+    return out
+
+
+@torch.no_grad()
+def exact_val_loss(net, loader) -> float:
+    """Token-weighted cross-entropy of nanoGPT's model over every val window (padding targets left out)."""
+    net.eval()
+    total, count = 0.0, 0
+    for x, y in loader:
+        logits, _ = net(x, y.clamp(min=0))  # with targets nanoGPT returns every position's logits
+        total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"))
+        count += int((y != IGNORE_INDEX).sum())
+    return total / count
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (its model.py is imported)")
@@ -166,16 +261,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, help="trainer.fit runs and model-only blocks per side (4); --rss: rounds (1)")
     ap.add_argument("--steps", type=int, help="timed steps per run (40); --rss: steps of each training run (80)")
     ap.add_argument("--rss", action="store_true", help="peak RSS of each train.py in its own process instead")
+    ap.add_argument("--to-loss", action="store_true", help="experiment=fast's wall time to nanoGPT's val loss instead")
+    ap.add_argument("--eval-every", type=int, default=20, help="--to-loss: steps between steadylm's val losses")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides after the default shape, e.g. data.batch_size=8")
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be >= 1")
     if args.rss:
         return rss(args.nanogpt, args.steps or 80, args.rounds or 1)
+    if args.quick:
+        SHAPE[:] = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=16"]
+    if args.to_loss:
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+        steps = 20 if args.quick else args.steps or 600
+        return to_loss(args.nanogpt, steps, args.rounds or 1, 10 if args.quick else args.eval_every, args.overrides)
     args.steps, args.rounds = args.steps or 40, args.rounds or 4
     if args.quick:
         args.rounds, args.steps = 1, CHUNK
-        SHAPE[:] = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32"]
     if args.rounds < 1 or args.steps < CHUNK:
         ap.error(f"--rounds must be >= 1 and --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)

@@ -1,6 +1,7 @@
 """Throughput/MFU logging, the peak-FLOPs table, and the benchmark script's quick mode."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,31 @@ def test_no_steadylm_code_reads_a_tensor_on_the_host_on_ordinary_steps(make_cfg,
     ordinary = [(s, f, fn) for s, f, fn in sites if (s + 1) % 4]  # logging and checkpoint steps end at 3, 7, 11
     assert {(f, fn) for _, f, fn in ordinary} <= HOST_SIDE, ordinary
     assert {(f, fn) for s, f, fn in sites if (s + 1) % 4 == 0} - HOST_SIDE  # the check sees reads where they happen
+
+
+@pytest.mark.slow
+def test_gpu_script_cpu_form_times_both_recipes_to_the_default_loss():
+    """gpu.sh's time-to-loss part in its CPU form: both recipes' throughput and each one's steps and time to the
+    default recipe's final val loss (which the default recipe reaches at its last step by definition)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--cpu", "--to-loss", "--steps", "16", "--every", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "default: device cpu" in out and "experiment=fast: device cpu" in out and "tokens/s" in out
+    assert "  default: step 16 (1.000x the steps)" in out, out
+    assert re.search(r"  experiment=fast: (step \d+ \([\d.]+x the steps\)|not reached)", out), out
+
+
+@pytest.mark.slow
+def test_speedrun_bench_quick_prints_a_row_per_switch(tmp_path):
+    """The contribution table's plumbing on tiny sizes: every switch composes, trains and gets a row."""
+    out = tmp_path / "sr.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "speedrun_bench.py"), "--quick", "--jobs", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from speedrun_bench import SWITCHES
+
+    assert set(table) == set(SWITCHES)
+    assert table["baseline"]["steps"] == [1.0]  # the target is the baseline's own final loss
