@@ -59,6 +59,7 @@ from time_to_loss import Clock, reach
 from steadylm.config import compose
 from steadylm.data.prepare import prepare
 from steadylm.data.shards import DATASET
+from steadylm.devices import resolve_precision
 from steadylm.model.gpt import IGNORE_INDEX
 from steadylm.schedule import set_lr
 from steadylm.train import build
@@ -270,7 +271,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rss:
         return rss(args.nanogpt, args.steps or 80, args.rounds or 1)
     if args.quick:
-        SHAPE[:] = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=16"]
+        SHAPE[:] = [
+            "model.n_layer=1",
+            "model.d_model=32",
+            "model.n_head=2",
+            "model.context_length=32",
+            "data.batch_size=16",
+        ]
     if args.to_loss:
         logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
         steps = 20 if args.quick else args.steps or 600
@@ -302,6 +309,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nsteadylm / nanoGPT step time ({shape}, {torch.get_num_threads()} threads; < 1: steadylm is faster)")
     print(f"{'':54} {'ratio':>6}  {'90% interval':>15}  target  verdict")
     results = {}
+    # `trainer.precision=auto`, steadylm's default, is bf16 autocast on a CPU with bf16 units; nanoGPT's train.py
+    # runs fp32 on any CPU (no autocast off CUDA), so the default-to-default comparison is this row.
+    auto = resolve_precision("auto", "cpu")
+    if auto == "bf16-mixed" and not args.quick:
+        print("whole step again at trainer.precision=auto (bf16-mixed here) …", file=sys.stderr)
+        cfg16, module16, datamodule16, _ = setup(False, [*SHAPE, "trainer.precision=bf16-mixed", *args.overrides])
+        t16 = overhead_samples(
+            [paired_run(cfg16, module16, datamodule16, nano, args.steps, r) for r in range(args.rounds)]
+        )
+        rows["whole step, suite on, trainer.precision=auto (bf16-mixed: bf16 units)"] = (t16["on"], t16["raw"])
+    else:
+        print(
+            f"(trainer.precision=auto is {auto} on this CPU{'' if args.quick else ': no bf16 units'}: the rows below are the default's)"
+        )
     for name, (a, b) in rows.items():
         value, (low, high) = ratio_of_medians(a, b), paired_interval(a, b)
         results[name] = {"ratio": value, "interval": [low, high]}
