@@ -133,8 +133,9 @@ class LMModule(L.LightningModule):
         0: a step under a restore counts -1) and the LR scale. The last step asks the Trainer to stop, so Lightning
         validates after it: every run with val data ends with a `val/loss`."""
         trainer = self.trainer
-        lr = self.schedule.lr_of(max(0, trainer.global_step - self.skipped_steps), self.lr_scale, self.rewarm)
-        set_lr(optimizer, lr)
+        applied = max(0, trainer.global_step - self.skipped_steps)
+        lr = self.schedule.lr_of(applied, self.lr_scale, self.rewarm)
+        set_lr(optimizer, lr, applied)
         if self.logs_now:
             write_metrics(trainer, {"optim/lr": lr})
         if trainer.global_step + 1 >= trainer.max_steps > 0:
@@ -164,6 +165,11 @@ class LMModule(L.LightningModule):
         self.skipped_steps = step - applied
         if rewarm_steps:
             self.rewarm = (applied, rewarm_steps)
+        for cb in getattr(
+            attached_trainer(self), "callbacks", []
+        ):  # an average of the weights restarts from these (ema.py)
+            if hasattr(cb, "weights_restored"):
+                cb.weights_restored(self)
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
@@ -191,14 +197,15 @@ class LMModule(L.LightningModule):
         common = {"lr": o["lr"], "betas": tuple(o["betas"]), "eps": o["eps"], "fused": fused}
         if o.get("name", "adamw") != "muon":
             # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
-            groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
+            groups = param_groups(self.named_parameters(), self.net.cfg, o["lr"], o["weight_decay"], mults=o)
             return torch.optim.AdamW(groups, **common)
         # Muon on the blocks' matrices, AdamW on the rest (loaded only by a run that picks it).
         from steadylm.muon import Muon
         from steadylm.muon import param_groups as muon_groups
 
         knobs = ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")
-        return Muon(muon_groups(self.net, o), **common, **{k: o["muon"][k] for k in knobs})
+        more = {k: o["muon"][k] for k in ("momentum_start", "momentum_warmup_steps", "cautious_wd") if k in o["muon"]}
+        return Muon(muon_groups(self.net, o), **common, **{k: o["muon"][k] for k in knobs}, **more)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip here, not through the precision plugin (it refuses any clipping next to a fused optimizer, even under

@@ -24,6 +24,7 @@ from torch.optim.adamw import adamw
 
 from steadylm import compat
 from steadylm.errors import is_int, number
+from steadylm.model.mup import table_lr_mults
 
 # Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
 # (its last entry repeats past its end) and the safety factor the input norm is divided by.
@@ -57,6 +58,14 @@ def config_rules(m, t) -> list[tuple[str, object, bool, str]]:
         ("optim.muon.lr_mult", m.lr_mult, number(m.lr_mult) > 0, "a number > 0"),
         ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
         ("optim.muon.momentum", m.momentum, 0 <= number(m.momentum) < 1, "a number in [0, 1), e.g. 0.95"),
+        ("optim.muon.momentum_start", m.momentum_start, 0 <= number(m.momentum_start) < 1, "a number in [0, 1)"),
+        (
+            "optim.muon.momentum_warmup_steps",
+            m.momentum_warmup_steps,
+            is_int(m.momentum_warmup_steps) and m.momentum_warmup_steps >= 0,
+            "a whole number of steps >= 0 (0: no warmup)",
+        ),
+        ("optim.muon.cautious_wd", m.cautious_wd, isinstance(m.cautious_wd, bool), "true or false"),
         ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
         ("optim.muon.ns_steps", m.ns_steps, is_int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
         ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
@@ -126,6 +135,15 @@ def _iterate_gram(x: torch.Tensor, schedule: list) -> torch.Tensor:
     return torch.bmm(q, x)
 
 
+def momentum_of(group: dict) -> float:
+    """The momentum of this update: linear from `momentum_start` to `momentum` over the first `momentum_warmup_steps`
+    applied steps (modded-nanogpt: 0.85 to 0.95 over 300), so a skip, a rollback and a resume follow the LR's count."""
+    n, mu = group["momentum_warmup_steps"], group["momentum"]
+    if not n:
+        return mu
+    return group["momentum_start"] + min(group["applied_step"] / n, 1.0) * (mu - group["momentum_start"])
+
+
 def lr_ratio(rule: str, rows: int, cols: int) -> float:
     """How much a matrix's step is scaled. match_rms_adamw (Moonlight): 0.2·sqrt(max(A, B)) gives the update the
     RMS of a typical AdamW update, so Muon reuses AdamW's LR and weight decay; original (Keller Jordan):
@@ -152,6 +170,9 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         momentum: float = 0.95,
+        momentum_start: float = 0.85,
+        momentum_warmup_steps: int = 0,
+        cautious_wd: bool = False,
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_dtype: str = "auto",
@@ -170,6 +191,10 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             weight_decay=weight_decay,
             momentum=momentum,
+            momentum_start=momentum_start,
+            momentum_warmup_steps=momentum_warmup_steps,
+            applied_step=0,  # set before each update by `schedule.set_lr`
+            cautious_wd=cautious_wd,
             nesterov=nesterov,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
@@ -186,8 +211,12 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:  # checkpoints from before `ns_coeffs` existed iterated Keller Jordan's quintic
-            group.setdefault("ns_coeffs", "quintic")
+        # Checkpoints from before `ns_coeffs` iterated Keller Jordan's quintic, and from before the momentum warmup and
+        # cautious decay had neither.
+        old = {"ns_coeffs": "quintic", "momentum_warmup_steps": 0, "cautious_wd": False, "applied_step": 0}
+        for group in self.param_groups:
+            for key, value in old.items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure=None) -> torch.Tensor | None:
@@ -234,7 +263,7 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_step(self, group: dict, found_inf: torch.Tensor | None) -> None:
-        lr, mu = group["lr"], group["momentum"]
+        lr, mu, wd = group["lr"], momentum_of(group), group["weight_decay"]
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -254,7 +283,10 @@ class Muon(torch.optim.Optimizer):
         for p, new_buf, ps in zip(params, new_bufs, parts):
             mine = [next(ortho) for _ in ps]
             step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
-            new_p = p.mul(1 - lr * group["weight_decay"]).sub_(step)  # decoupled decay, with the unscaled LR
+            if group["cautious_wd"]:  # decay only where the step moves p toward 0 (Chen et al. 2025)
+                new_p = p.addcmul(p, (p * step > 0).to(p.dtype), value=-lr * wd).sub_(step)
+            else:
+                new_p = p.mul(1 - lr * wd).sub_(step)  # decoupled decay, with the unscaled LR
             buf = self.state[p]["momentum_buffer"]
             if skip is None:
                 buf.copy_(new_buf)
@@ -306,4 +338,4 @@ def param_groups(net: torch.nn.Module, optim: dict) -> list[dict]:
     groups.append(
         {"params": muon, "weight_decay": wd, "muon": True, "splits": splits, "lr": lr * mult, "lr_mult": mult}
     )
-    return [g for g in groups if g["params"]]
+    return table_lr_mults(groups, {id(p): n for n, p in net.named_parameters()}, optim)

@@ -123,7 +123,10 @@ def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, 
     )
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group's LR for the next update: `lr` times the group's own multiplier (`lr_mult`, default 1)."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, step: int = 0) -> None:
+    """Every group's LR for the next update: `lr` times the group's own multiplier (`lr_mult`, default 1); a group
+    that keeps `applied_step` (Muon's, for its momentum warmup) learns the applied step `step` it is at."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
+        if "applied_step" in group:
+            group["applied_step"] = step

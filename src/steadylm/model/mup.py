@@ -9,11 +9,15 @@ shape every multiplier is exactly 1: mup is sp bit for bit. The Muon groups keep
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from steadylm.model.config import GPTConfig
+
+# The embedding tables and the output head by parameter name: the one rule for muP's embedding-like group and for
+# `optim.embed_lr_mult` / `optim.head_lr_mult` under both optimizers (a new table joins here).
+TABLES = {"embed_lr_mult": ("wte.weight", "wpe.weight"), "head_lr_mult": ("lm_head.weight",)}
 
 
 def width_mult(cfg: GPTConfig) -> float:
@@ -30,21 +34,41 @@ def attn_scale(cfg: GPTConfig) -> float | None:
     return (1.0 / math.sqrt(b)) * (b / cfg.head_dim) if cfg.parametrization == "mup" else None
 
 
+def table_lr_mults(groups: list[dict], names: dict[int, str], optim: Mapping) -> list[dict]:
+    """`groups` with the embedding tables and the head (`names`: id(param) -> name) moved into groups of their own at
+    `optim.embed_lr_mult` / `optim.head_lr_mult` x their group's LR; at 1 (the default) nothing moves."""
+    moved = []
+    for group in groups:
+        for key, suffixes in TABLES.items():
+            k = float(optim.get(key, 1.0))
+            mine = {id(p) for p in group["params"] if k != 1.0 and names[id(p)].endswith(suffixes)}
+            if mine:
+                moved.append({**group, "name": key, "params": [p for p in group["params"] if id(p) in mine]})
+                moved[-1].update(lr=group["lr"] * k, lr_mult=group["lr_mult"] * k)
+                group["params"] = [p for p in group["params"] if id(p) not in mine]
+    return [g for g in groups + moved if g["params"]]
+
+
 def param_groups(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: GPTConfig, lr: float, weight_decay: float
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+    cfg: GPTConfig,
+    lr: float,
+    weight_decay: float,
+    mults: Mapping | None = None,
 ) -> list[dict]:
     """AdamW groups, decay on >=2-D weights: sp [matrices, vectors]; mup [embedding-like, vectors, hidden at lr/m,
-    wd*m]. Group 0 runs at the base LR (`optim/lr`)."""
+    wd*m]; then `table_lr_mults` by `mults` (the optim config). Group 0 runs at the base LR (`optim/lr`)."""
     params = [(n, p) for n, p in named_params if p.requires_grad]
     matrices = [(n, p) for n, p in params if p.dim() >= 2]
     vectors = ("vectors", [p for _, p in params if p.dim() < 2], 0.0, 1.0)
     if cfg.parametrization != "mup":
         groups = [("matrices", [p for _, p in matrices], weight_decay, 1.0), vectors]
     else:  # embedding-like: one side is the vocabulary or the positions, so no width factor
-        m, tables = width_mult(cfg), ("wte.weight", "wpe.weight", "lm_head.weight")
+        m, tables = width_mult(cfg), sum(TABLES.values(), ())
         groups = [
             ("embeddings", [p for n, p in matrices if n.endswith(tables)], weight_decay, 1.0),
             vectors,
             ("hidden", [p for n, p in matrices if not n.endswith(tables)], weight_decay * m, 1.0 / m),
         ]
-    return [{"name": g, "params": ps, "weight_decay": wd, "lr_mult": k, "lr": lr * k} for g, ps, wd, k in groups]
+    groups = [{"name": g, "params": ps, "weight_decay": wd, "lr_mult": k, "lr": lr * k} for g, ps, wd, k in groups]
+    return table_lr_mults(groups, {id(p): n for n, p in params}, mults or {})
