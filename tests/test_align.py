@@ -143,9 +143,10 @@ def test_a_bad_align_is_one_config_error_and_a_stream_refuses_doc(tmp_path):
         data_source(compose(stream))
 
 
-def test_train_py_fits_with_doc_windows(shards_dir, tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: DDP on CPU, ~30 s
+def test_train_py_fits_with_doc_windows(shards_dir, tmp_path, ranks):
     proc = run_cli(
-        "trainer=cpu",
+        "trainer=cpu" if ranks == 1 else "trainer=ddp_sim",
         *CLI_TINY,
         "trainer.max_steps=3",
         "trainer.limit_val_batches=1",
@@ -157,6 +158,7 @@ def test_train_py_fits_with_doc_windows(shards_dir, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
-    assert "data.align=doc: " in out and "document segments at T=32" in out, out[-3000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "data.align=doc: " in ln]
+    assert lines and all("document segments at T=32" in ln for ln in lines), proc.stderr[-3000:]
+    assert len({ln[ln.index("data.align") :] for ln in lines}) == 1  # every rank: the same layout
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
