@@ -336,9 +336,9 @@ def test_index_over_a_billion_virtual_tokens_has_flat_memory_and_full_coverage()
         np.add.at(seen, ids, 1)
     assert seen.min() == 1 and seen.max() == 1
     assert first[0] == samplers[0].batch_windows(0)
-    # locate names the shard and token offset behind any window
-    shard, start = ds.locate(len(ds) - 1)
-    assert ds.paths[shard].name == "train-00999.h5" and start + T + 1 <= 1_000_000
+    # locate names the shard, token offset and real targets behind any window
+    shard, start, targets = ds.locate(len(ds) - 1)
+    assert ds.paths[shard].name == "train-00999.h5" and start + T + 1 <= 1_000_000 and targets == T
 
 
 # --- every window checked as it is read ---------------------------------------------------------------------

@@ -61,7 +61,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     betas = list(o.betas) if OmegaConf.is_list(o.betas) else o.betas
     betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= number(b) < 1 for b in betas)
     clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
-    accumulate, val_fraction = t.accumulate_grad_batches, d.get("val_fraction", 0.01)
+    accumulate, val_fraction, align = t.accumulate_grad_batches, d.get("val_fraction", 0.01), d.get("align", "none")
     fused, name = o.get("fused", "auto"), o.get("name", "adamw")
     embed, head, tied = o.get("embed_lr_mult", 1.0), o.get("head_lr_mult", 1.0), cfg.model.get("tie_embeddings", True)
     tied_head = "model.tie_embeddings=true (the head is the embedding table: set optim.embed_lr_mult)"
@@ -71,6 +71,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("data.batch_size", d.batch_size, _whole(d.batch_size, 1), "a whole number > 0"),
         ("data.num_workers", d.num_workers, _whole(d.num_workers, 0), "a whole number >= 0"),
         ("data.val_fraction", val_fraction, 0 < number(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
+        ("data.align", align, align in ("none", "doc"), "none (a window every T tokens) or doc (per document)"),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.max_steps", t.max_steps, _whole(t.max_steps, 1), "a whole number of optimizer steps > 0"),
         ("trainer.accumulate_grad_batches", accumulate, _whole(accumulate, 1), "a whole number >= 1"),

@@ -48,12 +48,13 @@ class ShardDataModule(L.LightningDataModule):
         shuffle: bool = True,
         drop_last: bool = False,
         pin_memory: bool = False,
+        align: str = "none",
     ):
         super().__init__()
         self.dir = Path(dir).expanduser()
         self.batch_size, self.num_workers, self.context_length = int(batch_size), int(num_workers), int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
-        self.tokenizer, self.seed = tokenizer, int(seed)
+        self.tokenizer, self.seed, self.align = tokenizer, int(seed), align
         self.shuffle, self.drop_last, self.pin_memory = bool(shuffle), bool(drop_last), bool(pin_memory)
         self.train_set = self.val_set = self._train_sampler = self._pending_state = None
         self.infos: dict[str, list[ShardInfo]] = {}
@@ -90,7 +91,10 @@ class ShardDataModule(L.LightningDataModule):
                 )
         sets = {}
         for split, inf in infos.items():
-            sets[split] = TokenWindows([i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V)
+            align = self.align if split == "train" else "none"  # val as it was: val/loss compares across it
+            sets[split] = TokenWindows(
+                [i.path for i in inf], self.context_length, infos=inf, model_vocab_size=V, align=align
+            )
             if not len(sets[split]):  # no shard holds context_length + 1 tokens
                 longest = max(inf, key=lambda i: i.n_tokens)
                 raise DataError(
@@ -153,9 +157,9 @@ class ShardDataModule(L.LightningDataModule):
         if window < 0:
             return {}
         self.setup(None)
-        s, start = self.train_set.locate(window)
+        s, start, targets = self.train_set.locate(window)
         path = self.train_set.paths[s]
-        return {"shard": path.name, "shard_path": str(path), "start": start, "end": start + self.context_length + 1}
+        return {"shard": path.name, "shard_path": str(path), "start": start, "end": start + targets + 1}
 
     def window_ids(self, batch_idx: int) -> list[int]:
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)

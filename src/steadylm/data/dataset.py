@@ -28,7 +28,7 @@ class ShardReadError(DataError):
 
 class TokenWindows(Dataset):
     def __init__(
-        self, paths, context_length: int, *, infos: list[ShardInfo] | None = None, model_vocab_size: int | None = None
+        self, paths, context_length: int, *, infos: list[ShardInfo] | None = None, model_vocab_size=None, align="none"
     ):
         self.paths = [Path(p) for p in paths]
         self.context_length = T = int(context_length)  # > 0: model.context_length's rule
@@ -36,18 +36,24 @@ class TokenWindows(Dataset):
         # Ids at or above the limit are refused as they are read: the model's vocabulary when known.
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.limits = [int(i.vocab_size) if model_vocab_size is None else self.model_vocab_size for i in infos]
-        # starts[s]: the first window of shard s; starts[-1]: all windows
-        self.starts = np.cumsum([0] + [max((i.n_tokens - 1) // T, 0) for i in infos], dtype=np.int64)
+        self.docs = None  # align="doc": windows per document (data/align.py, loaded only then)
+        if align == "doc":
+            from steadylm.data.align import DocLayout
+
+            self.docs = DocLayout(infos, T)
+        counts = self.docs.counts if self.docs else [max((i.n_tokens - 1) // T, 0) for i in infos]
+        self.starts = np.cumsum([0, *counts], dtype=np.int64)  # starts[s]: shard s's first window; [-1]: all
         self.n_total = int(self.starts[-1])
         self._pid, self._handles = os.getpid(), {}  # shard number -> open `tokens`, this process's only
 
     def __len__(self) -> int:
         return self.n_total
 
-    def locate(self, index: int) -> tuple[int, int]:
-        """Global window index -> (shard number, token offset of the window's first token)."""
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """Global window index -> (shard number, token offset of its first token, its real targets: T unless padded)."""
         s = int(np.searchsorted(self.starts, index, side="right")) - 1
-        return s, (int(index) - int(self.starts[s])) * self.context_length
+        w, T = int(index) - int(self.starts[s]), self.context_length
+        return (s, *(self.docs.place(s, w) if self.docs else (w * T, T)))
 
     def __getitem__(self, index):
         return self.__getitems__([index])[0]
@@ -61,14 +67,15 @@ class TokenWindows(Dataset):
             self._pid, self._handles = os.getpid(), {}
         real = idx != PAD_INDEX
         shards = np.searchsorted(self.starts, idx[real], side="right") - 1
-        offsets = (idx[real] - self.starts[shards]) * T
-        buf = np.zeros((len(idx), T + 1), dtype=np.int64)
-        for row, s, off in zip(np.flatnonzero(real).tolist(), shards.tolist(), offsets.tolist()):
+        local = idx[real] - self.starts[shards]
+        buf, targets = np.zeros((len(idx), T + 1), dtype=np.int64), np.zeros((len(idx), 1), dtype=np.int64)
+        for row, s, w in zip(np.flatnonzero(real).tolist(), shards.tolist(), local.tolist()):
+            off, k = self.docs.place(s, w) if self.docs else (w * T, T)  # k: real targets, T unless padded
             path, limit = self.paths[s], self.limits[s]
             try:
                 if s not in self._handles:
                     self._handles[s] = open_tokens(path)
-                raw = self._handles[s][off : off + T + 1]
+                raw = self._handles[s][off : off + k + 1]
             except DataError as e:
                 raise ShardReadError(str(e)) from None
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -76,9 +83,9 @@ class TokenWindows(Dataset):
                     f"{path}: unreadable tokens at token offset {off} ({type(e).__name__}: "
                     f"{str(e).splitlines()[0]}); {REWRITE}"
                 ) from None
-            if raw.shape != (T + 1,):
+            if raw.shape != (k + 1,):
                 raise ShardReadError(
-                    f"{path}: window at token offset {off} has {raw.size} of {T + 1} tokens (the file is shorter "
+                    f"{path}: window at token offset {off} has {raw.size} of {k + 1} tokens (the file is shorter "
                     f"than its n_tokens attribute: truncated?); {REWRITE}"
                 )
             if int(raw.max()) >= limit:
@@ -88,9 +95,9 @@ class TokenWindows(Dataset):
                     f"{path}: token id {int(raw[bad])} at token offset {off + bad} is >= {what} {limit}; the shard "
                     "is corrupt or was made with another tokenizer: re-run `python -m steadylm.data.prepare`"
                 )
-            buf[row] = raw
+            buf[row, : k + 1], targets[row] = raw, k
         y = buf[:, 1:].copy()
-        y[~real] = IGNORE_INDEX
+        y[np.arange(T) >= targets] = IGNORE_INDEX  # padding rows, and a document's padded tail
         return list(zip(torch.from_numpy(buf[:, :-1]), torch.from_numpy(y)))
 
     def __getstate__(self):

@@ -114,10 +114,13 @@ class StreamDataModule(L.LightningDataModule):
         model_vocab_size: int | None = None,
         global_batch_tokens: int | None = None,
         num_workers: int = 0,
+        align: str = "none",
     ):
         super().__init__()
         if num_workers:
             raise ConfigError(f"data.num_workers={num_workers}: data=hf_stream reads in the training process; set 0")
+        if align != "none":
+            raise ConfigError(f"data.align={align}: data=hf_stream packs the stream as it comes; doc needs shards")
         self.name, self.config, self.split, self.text_field = str(name), config, str(split), str(text_field)
         self.data_files = data_files
         self.tokenizer = get_tokenizer(tokenizer or "bytes")
