@@ -74,10 +74,9 @@ class GPTConfig:
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} must be true or false")
         if not (self.logit_softcap is None or number(self.logit_softcap) > 0):
             raise ConfigError(f"model.logit_softcap={self.logit_softcap!r} must be a number > 0 (e.g. 15), or null")
-        if not (is_int(self.value_embeds) and 0 <= self.value_embeds <= (self.n_layer + 1) // 2):
+        if not (is_int(k := self.value_embeds) and 0 <= k <= (self.n_layer + 1) // 2):  # table i: layers i, L-1-i
             raise ConfigError(
-                f"model.value_embeds={self.value_embeds!r} must be a whole number from 0 to {(self.n_layer + 1) // 2}:"
-                f" table i feeds layers i and n_layer-1-i, so {self.n_layer} layers take at most that many"
+                f"model.value_embeds={k!r} must be a whole number from 0 to ceil(n_layer/2) = {(self.n_layer + 1) // 2}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")

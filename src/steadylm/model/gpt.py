@@ -35,7 +35,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """`model.logit_softcap`: cap·tanh(logits/cap), in fp32 as the loss reads it (|logits| < cap); None: as they are."""
+    """`model.logit_softcap`: cap·tanh(logits/cap) in fp32, as the loss reads it (|logits| < cap); None: unchanged."""
     return logits if cap is None else cap * torch.tanh(logits.float() / cap)
 
 
@@ -73,8 +73,7 @@ class CausalSelfAttention(nn.Module):
         self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
     def forward(self, x: torch.Tensor, rope=None, ve: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, C); `rope`: this length's (cos, sin) tables, each (T, 1, head_dim), or None; `ve` (B, T, KV·D):
-        the value embeddings added to v (`model.value_embeds`), or None."""
+        """x (B, T, C); `rope`: this length's (cos, sin), each (T, 1, D), or None; `ve` (B, T, KV·D): added to v."""
         (B, T, C), H, KV, D = x.shape, self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
         if ve is not None:  # the table is fp32 under autocast: cast to v's dtype, as SDPA needs one dtype
@@ -202,8 +201,7 @@ class GPT(nn.Module):
 # gradients are computed in the forward while its logits exist (as Liger's fused linear cross-entropy); the backward
 # only scales them. Numerics follow the plain path: matmuls in the autocast dtype, the rest in fp32.
 class _HeadLoss(torch.autograd.Function):
-    """Mean over non-ignored targets of CE + z_coeff * (log Z)^2, with the CE and z terms riding along (no grad);
-    with `cap`, of the logits cap·tanh(logits/cap) (`model.logit_softcap`)."""
+    """Mean over non-ignored targets of CE + z_coeff * (log Z)^2 (logits capped by `cap`), CE and z riding along."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, z_coeff: float, chunk: int, dtype: torch.dtype, cap: float | None):
@@ -219,8 +217,7 @@ class _HeadLoss(torch.autograd.Function):
                 # One fused log-softmax; log Z read back at the target's column (logit - log-prob).
                 logits = F.linear(h, w).float()
                 if cap is not None:
-                    tanh = logits.div_(cap).tanh_()
-                    logits = tanh * cap
+                    logits = (tanh := logits.div_(cap).tanh_()) * cap
                 logp = torch.log_softmax(logits, dim=-1)
                 col, valid = t.clamp(min=0)[:, None], t != IGNORE_INDEX
                 picked = logp.gather(1, col).squeeze(1)
@@ -232,10 +229,8 @@ class _HeadLoss(torch.autograd.Function):
                 # d/dlogits of CE + z (log Z)^2 = softmax * (1 + 2 z log Z) - onehot(target), on valid rows only.
                 row = torch.where(valid, (1 + 2 * z_coeff * lse) * inv, 0.0)
                 g = logp.exp_().mul_(row[:, None])  # the softmax, in the log-softmax's own buffer
-                g = g.scatter_add_(1, col, -(valid * inv)[:, None])
-                if cap is not None:  # through the cap: d/dz of cap·tanh(z/cap) = 1 - tanh²
-                    g = g.mul_(1 - tanh.square())
-                g = g.to(dtype)
+                g = g.scatter_add_(1, col, -(valid * inv)[:, None])  # through a cap: d/dz cap·tanh(z/cap) = 1 - tanh²
+                g = (g if cap is None else g.mul_(1 - tanh.square())).to(dtype)
                 if grad_h is not None:
                     grad_h[s : s + chunk] = g @ w
                 if grad_w is not None:
@@ -257,8 +252,7 @@ def chunked_head_loss(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_coeff: float = 0.0, chunk: int = 1024, cap=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CE + z-loss, CE, z-loss), each a mean over non-ignored targets (0 when all are ignored); only the first
-    carries a gradient. `hidden` (..., d) is the input of the head `weight` (vocab, d); `targets` (...) int64; `cap`:
-    `model.logit_softcap`."""
+    carries a gradient. `hidden` (..., d) is the input of the head `weight` (vocab, d); `targets` (...) int64."""
     h, dev = hidden.reshape(-1, hidden.shape[-1]), hidden.device.type
     if not torch.is_grad_enabled():  # no_grad (validation): skip the gradients the forward would otherwise compute
         h, weight = h.detach(), weight.detach()
@@ -270,13 +264,12 @@ def chunked_head_loss(
 def chunked_token_losses(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024, cap: float | None = None
 ) -> torch.Tensor:
-    """Per-token cross-entropy (fp32, 0 at ignored targets), shaped like `targets`, a chunk of logits at a time;
-    `cap`: of the logits cap·tanh(logits/cap)."""
+    """Per-token cross-entropy (fp32, 0 at ignored targets) of the `cap`ped logits, shaped like `targets`, by chunks."""
     h, t, dev = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     with torch.autocast(dev, enabled=False):
         w = weight.to(dtype)
         ce = functools.partial(F.cross_entropy, ignore_index=IGNORE_INDEX, reduction="none")
-        logits = lambda s: softcap(F.linear(h[s : s + chunk].to(dtype), w).float(), cap)  # noqa: E731
+        logits = lambda s: softcap(F.linear(h[s : s + chunk].to(dtype), w).float(), cap)
         out = [ce(logits(s), t[s : s + chunk]) for s in range(0, len(h), chunk)]
     return torch.cat(out).view(targets.shape)

@@ -30,10 +30,8 @@ def attn_scale(cfg: GPTConfig) -> float | None:
     return (1.0 / math.sqrt(b)) * (b / cfg.head_dim) if cfg.parametrization == "mup" else None
 
 
-def decayed(name: str, p: torch.nn.Parameter) -> bool:
-    """Weight decay on the matrices, not on vectors, scalars or the value tables (`model.value_embeds`, as
-    modded-nanogpt: a row is only looked up, and decay would shrink a rare token's every step)."""
-    return p.dim() >= 2 and "value_embeds." not in name
+# Weight decay on the matrices; not on vectors, scalars, or the value tables (`model.value_embeds`, modded-nanogpt's).
+decayed = lambda name, p: p.dim() >= 2 and "value_embeds." not in name
 
 
 def param_groups(
