@@ -12,6 +12,8 @@ from steadylm.stability.suspects import sample_losses
 
 MODEL = dict(n_layer=1, n_head=2, d_model=32, context_length=16, vocab_size=200)
 MUP = dict(tie_embeddings=False, parametrization="mup", mup_base_width=16, mup_output_mult=2.0)
+CAP = dict(logit_softcap=0.5)  # logits of a few tenths: the cap bends them, so the tanh's gradient is tested
+MODELS = dict(argnames="model", argvalues=[{}, MUP, CAP, {**MUP, **CAP}], ids=["tied", "mup-untied", "cap", "mup-cap"])
 
 
 def batch():
@@ -32,7 +34,7 @@ def step(path, precision, z_loss, **model):
     return loss.item(), z.item(), {n: p.grad for n, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("model", [{}, MUP], ids=["tied", "mup-untied"])
+@pytest.mark.parametrize(**MODELS)
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 def test_chunked_equals_plain_in_fp32(model, z_loss):
     plain, chunked = step("plain", "fp32", z_loss, **model), step("chunked", "fp32", z_loss, **model)
@@ -43,11 +45,11 @@ def test_chunked_equals_plain_in_fp32(model, z_loss):
         torch.testing.assert_close(chunked[2][name], grad, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("model", [{}, MUP], ids=["tied", "mup-untied"])
+@pytest.mark.parametrize(**MODELS)
 def test_chunked_equals_plain_in_bf16(model):
     """Loss and every gradient below the head equal; the head's own gradient is summed over chunks in fp32 where the
     plain path rounds one bf16 matmul, so the two may differ by one bf16 step at the gradient's scale."""
-    head = "net.wte.weight" if not model else "net.lm_head.weight"
+    head = "net.lm_head.weight" if "tie_embeddings" in model else "net.wte.weight"
     plain, chunked = step("plain", "bf16", 0.0, **model), step("chunked", "bf16", 0.0, **model)
     assert chunked[0] == pytest.approx(plain[0], abs=1e-5)
     for name, grad in plain[2].items():
@@ -57,9 +59,10 @@ def test_chunked_equals_plain_in_bf16(model):
     torch.testing.assert_close(chunked[2][head], plain[2][head], atol=ulp, rtol=0)
 
 
-def test_per_target_losses_val_sum_and_suspects_follow_the_plain_path():
+@pytest.mark.parametrize("model", [{}, CAP], ids=["uncapped", "cap"])
+def test_per_target_losses_val_sum_and_suspects_follow_the_plain_path(model):
     torch.manual_seed(0)
-    module = LMModule(model=MODEL, optim=dict(lr=1e-3, loss_chunk=5))
+    module = LMModule(model={**MODEL, **model}, optim=dict(lr=1e-3, loss_chunk=5))
     assert module.loss_path == "chunked"
     x, y = batch()
     plain = F.cross_entropy(module(x).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="none").view(y.shape)

@@ -87,7 +87,8 @@ class LMModule(L.LightningModule):
             return self.loss(self(x), targets)
         hidden = self.net(x, head=False)
         check_targets(hidden, targets)
-        loss, _, z = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk)
+        cap = self.net.cfg.logit_softcap
+        loss, _, z = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap)
         return loss, z
 
     def target_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ class LMModule(L.LightningModule):
             hidden = self.net(x, head=False)
             check_targets(hidden, targets)
             chunk = max(1, targets.numel()) if self.loss_path == "plain" else self.loss_chunk
-            return chunked_token_losses(hidden, self.net.lm_head.weight, targets, chunk)
+            return chunked_token_losses(hidden, self.net.lm_head.weight, targets, chunk, self.net.cfg.logit_softcap)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

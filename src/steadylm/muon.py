@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw
 
 from steadylm import compat
 from steadylm.errors import is_int, number
-from steadylm.model.mup import table_lr_mults
+from steadylm.model.mup import decayed, table_lr_mults
 
 # Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
 # (its last entry repeats past its end) and the safety factor the input norm is divided by.
@@ -329,7 +329,7 @@ def param_groups(net: torch.nn.Module, optim: dict) -> list[dict]:
             muon.append(p)
             splits.append(next((rows for suffix, rows in fused_rows.items() if name.endswith(suffix)), None))
         else:
-            (adam_decay if p.dim() >= 2 else adam_plain).append(p)
+            (adam_decay if decayed(name, p) else adam_plain).append(p)
     lr, wd = optim["lr"], optim["weight_decay"]
     groups = [
         {"params": adam_decay, "weight_decay": wd, "muon": False, "lr": lr, "lr_mult": 1.0},

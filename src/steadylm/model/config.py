@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args, get_type_hints
 
-from steadylm.errors import ConfigError, is_int
+from steadylm.errors import ConfigError, is_int, number
 
 
 @dataclass
@@ -24,8 +24,8 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    mlp_hidden: int | None = None  # null: 4·d_model (gelu), or Llama's 8/3·d_model (swiglu), rounded up
+    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: relu(x)² (modded-nanogpt)
+    mlp_hidden: int | None = None  # null: 4·d_model (gelu, relu2), or Llama's 8/3·d_model (swiglu), rounded up
     mlp_multiple_of: int = 1  # the hidden size is rounded up to a multiple of this (256 in Llama)
     n_kv_head: int | None = None  # null: = n_head; fewer = grouped-query attention (must divide n_head)
     tie_embeddings: bool = True  # the output projection is the input embedding (one matrix)
@@ -33,6 +33,10 @@ class GPTConfig:
     mup_base_width: int | None = None  # mup: the d_model the LR was tuned at (null: this d_model)
     mup_base_head_dim: int | None = None  # mup: that model's head size (null: this head size)
     mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
+    zero_init_proj: bool = False  # the residual projections start at 0: every block starts as the identity
+    logit_softcap: float | None = None  # c: logits = c·tanh(logits/c) (Gemma 2), so |logits| < c
+    value_embeds: int = 0  # k tables of per-token values added to v: table i feeds layers i and n_layer-1-i
+    x0_mix: bool = False  # each block reads λ_r·x + λ_0·x0 (x0: the embedding output); λ learned from 1 and 0
 
     def __post_init__(self) -> None:
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -64,6 +68,15 @@ class GPTConfig:
         if self.pos == "rope" and not self.rope_theta > 0:
             raise ConfigError(
                 f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)"
+            )
+        for key in (k for k, t in get_type_hints(GPTConfig).items() if t is bool):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} must be true or false")
+        if not (self.logit_softcap is None or number(self.logit_softcap) > 0):
+            raise ConfigError(f"model.logit_softcap={self.logit_softcap!r} must be a number > 0 (e.g. 15), or null")
+        if not (is_int(k := self.value_embeds) and 0 <= k <= (self.n_layer + 1) // 2):  # table i: layers i, L-1-i
+            raise ConfigError(
+                f"model.value_embeds={k!r} must be a whole number from 0 to ceil(n_layer/2) = {(self.n_layer + 1) // 2}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
@@ -99,6 +112,6 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
-        """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, a GELU MLP's parameter count), rounded up to `mlp_multiple_of`."""
+        """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, the others' parameter count), rounded up to `mlp_multiple_of`."""
         h = self.mlp_hidden or (int(2 * 4 * self.d_model / 3) if self.mlp == "swiglu" else 4 * self.d_model)
         return -(-h // self.mlp_multiple_of) * self.mlp_multiple_of

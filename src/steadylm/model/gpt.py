@@ -34,6 +34,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`model.logit_softcap`: cap·tanh(logits/cap) in fp32, as the loss reads it (|logits| < cap); None: unchanged."""
+    return logits if cap is None else cap * torch.tanh(logits.float() / cap)
+
+
 @functools.lru_cache(maxsize=16)
 def _additive(blocked, pattern: Hashable, rows: int, cols: int, start: int, device: torch.device) -> torch.Tensor:
     """`blocked` as -inf/0 for `baddbmm`, which saves a pass over the logits; built once per pattern and shape."""
@@ -67,10 +72,12 @@ class CausalSelfAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None  # the layer's largest logit (a scalar)
         self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x (B, T, C); `rope`: this length's (cos, sin) tables, each (T, 1, head_dim), or None."""
+    def forward(self, x: torch.Tensor, rope=None, ve: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C); `rope`: this length's (cos, sin), each (T, 1, D), or None; `ve` (B, T, KV·D): added to v."""
         (B, T, C), H, KV, D = x.shape, self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
+        if ve is not None:  # the table is fp32 under autocast: cast to v's dtype, as SDPA needs one dtype
+            v = v + ve.view(B, T, KV, D).to(v.dtype)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # in (B, T, heads, D), before the transpose: elementwise ops on contiguous rows
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -104,11 +111,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
+    """GELU (GPT-2), SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it), or ReLU²."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
+        self.swiglu, self.relu2 = cfg.mlp == "swiglu", cfg.mlp == "relu2"
         self.fc = layer(nn.Linear, cfg.init, cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
         self.proj = layer(nn.Linear, cfg.init, cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_proj = True
@@ -118,6 +125,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.dropout(self.proj(F.silu(gate) * up))
+        if self.relu2:
+            return self.dropout(self.proj(F.relu(self.fc(x)).square()))
         return self.dropout(self.proj(F.gelu(self.fc(x))))  # exact (erf): on a CPU the tanh form costs 1.7x
 
 
@@ -128,9 +137,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None  # λ_r, λ_0 (`model.x0_mix`)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
+    def forward(self, x: torch.Tensor, rope=None, ve=None, x0: torch.Tensor | None = None) -> torch.Tensor:
+        if self.lambdas is not None:  # at init 1·x + 0·x0: x exactly
+            x = self.lambdas[0] * x + self.lambdas[1] * x0
+        x = x + self.attn(self.ln_1(x), rope, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -148,6 +160,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, cfg.d_model)
         self.lm_head = layer(nn.Linear, cfg.init, cfg.d_model, cfg.vocab_size, bias=False)
+        kv_dim, k, L = cfg.n_kv_head * cfg.head_dim, cfg.value_embeds, cfg.n_layer
+        self.value_embeds = nn.ModuleList(layer(nn.Embedding, cfg.init, cfg.vocab_size, kv_dim) for _ in range(k))
+        self.ve_of_layer = [t if (t := min(i, L - 1 - i)) < k else None for i in range(L)]  # each block's table
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         init_weights(self, cfg)
@@ -161,19 +176,19 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} > model.context_length={self.cfg.context_length}")
         rope = None if self.wpe is not None else (self.rope_cos[:T], self.rope_sin[:T])
-        x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
-        for block in self.blocks:
-            x = block(x, rope)
+        x = x0 = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for block, t in zip(self.blocks, self.ve_of_layer):
+            x = block(x, rope, None if t is None else self.value_embeds[t](idx), x0)
         if self.track_residual:
             self.residual_rms = x.detach().float().pow(2).mean().sqrt()
         x = self.ln_f(x)
         if self.logit_mult != 1.0:
             x = x * self.logit_mult
-        return self.lm_head(x) if head else x
+        return softcap(self.lm_head(x), self.cfg.logit_softcap) if head else x
 
     def num_params(self, non_embedding: bool = True) -> int:
         """A tied matrix once; `non_embedding` drops the tables only looked up, never multiplied (the 6N rule)."""
-        tables = [self.wpe, None if self.cfg.tie_embeddings else self.wte] if non_embedding else []
+        tables = [self.wpe, None if self.cfg.tie_embeddings else self.wte, *self.value_embeds] if non_embedding else []
         return sum(p.numel() for p in self.parameters()) - sum(t.weight.numel() for t in tables if t is not None)
 
     def flops_per_token(self) -> int:
@@ -186,10 +201,10 @@ class GPT(nn.Module):
 # gradients are computed in the forward while its logits exist (as Liger's fused linear cross-entropy); the backward
 # only scales them. Numerics follow the plain path: matmuls in the autocast dtype, the rest in fp32.
 class _HeadLoss(torch.autograd.Function):
-    """Mean over non-ignored targets of CE + z_coeff * (log Z)^2, with the CE and z terms riding along (no grad)."""
+    """Mean over non-ignored targets of CE + z_coeff * (log Z)^2 (logits capped by `cap`), CE and z riding along."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, z_coeff: float, chunk: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, targets, z_coeff: float, chunk: int, dtype: torch.dtype, cap: float | None):
         with torch.autocast(hidden.device.type, enabled=False):
             w, need = weight.to(dtype), ctx.needs_input_grad
             grad_h = torch.empty_like(hidden) if need[0] else None
@@ -201,6 +216,8 @@ class _HeadLoss(torch.autograd.Function):
                 h, t = hidden[s : s + chunk].to(dtype), targets[s : s + chunk]
                 # One fused log-softmax; log Z read back at the target's column (logit - log-prob).
                 logits = F.linear(h, w).float()
+                if cap is not None:
+                    logits = (tanh := logits.div_(cap).tanh_()) * cap
                 logp = torch.log_softmax(logits, dim=-1)
                 col, valid = t.clamp(min=0)[:, None], t != IGNORE_INDEX
                 picked = logp.gather(1, col).squeeze(1)
@@ -212,7 +229,8 @@ class _HeadLoss(torch.autograd.Function):
                 # d/dlogits of CE + z (log Z)^2 = softmax * (1 + 2 z log Z) - onehot(target), on valid rows only.
                 row = torch.where(valid, (1 + 2 * z_coeff * lse) * inv, 0.0)
                 g = logp.exp_().mul_(row[:, None])  # the softmax, in the log-softmax's own buffer
-                g = g.scatter_add_(1, col, -(valid * inv)[:, None]).to(dtype)
+                g = g.scatter_add_(1, col, -(valid * inv)[:, None])  # through a cap: d/dz cap·tanh(z/cap) = 1 - tanh²
+                g = (g if cap is None else g.mul_(1 - tanh.square())).to(dtype)
                 if grad_h is not None:
                     grad_h[s : s + chunk] = g @ w
                 if grad_w is not None:
@@ -227,11 +245,11 @@ class _HeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors  # (no comprehension: a call fewer a step)
         grad_h = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
         grad_w = grad_w * grad_loss.to(grad_w.dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_head_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_coeff: float = 0.0, chunk: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_coeff: float = 0.0, chunk: int = 1024, cap=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CE + z-loss, CE, z-loss), each a mean over non-ignored targets (0 when all are ignored); only the first
     carries a gradient. `hidden` (..., d) is the input of the head `weight` (vocab, d); `targets` (...) int64."""
@@ -239,18 +257,19 @@ def chunked_head_loss(
     if not torch.is_grad_enabled():  # no_grad (validation): skip the gradients the forward would otherwise compute
         h, weight = h.detach(), weight.detach()
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype  # the matmul's
-    return _HeadLoss.apply(h, weight, targets.reshape(-1), float(z_coeff), int(chunk), dtype)
+    return _HeadLoss.apply(h, weight, targets.reshape(-1), float(z_coeff), int(chunk), dtype, cap)
 
 
 @torch.no_grad()
 def chunked_token_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024, cap: float | None = None
 ) -> torch.Tensor:
-    """Per-token cross-entropy (fp32, 0 at ignored targets), shaped like `targets`, a chunk of logits at a time."""
+    """Per-token cross-entropy (fp32, 0 at ignored targets) of the `cap`ped logits, shaped like `targets`, by chunks."""
     h, t, dev = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     with torch.autocast(dev, enabled=False):
         w = weight.to(dtype)
         ce = functools.partial(F.cross_entropy, ignore_index=IGNORE_INDEX, reduction="none")
-        out = [ce(F.linear(h[s : s + chunk].to(dtype), w).float(), t[s : s + chunk]) for s in range(0, len(h), chunk)]
+        logits = lambda s: softcap(F.linear(h[s : s + chunk].to(dtype), w).float(), cap)
+        out = [ce(logits(s), t[s : s + chunk]) for s in range(0, len(h), chunk)]
     return torch.cat(out).view(targets.shape)

@@ -49,6 +49,10 @@ def table_lr_mults(groups: list[dict], names: dict[int, str], optim: Mapping) ->
     return [g for g in groups + moved if g["params"]]
 
 
+# Weight decay on the matrices; not on vectors, scalars, or the value tables (`model.value_embeds`, modded-nanogpt's).
+decayed = lambda name, p: p.dim() >= 2 and "value_embeds." not in name
+
+
 def param_groups(
     named_params: Iterable[tuple[str, torch.nn.Parameter]],
     cfg: GPTConfig,
@@ -59,8 +63,8 @@ def param_groups(
     """AdamW groups, decay on >=2-D weights: sp [matrices, vectors]; mup [embedding-like, vectors, hidden at lr/m,
     wd*m]; then `table_lr_mults` by `mults` (the optim config). Group 0 runs at the base LR (`optim/lr`)."""
     params = [(n, p) for n, p in named_params if p.requires_grad]
-    matrices = [(n, p) for n, p in params if p.dim() >= 2]
-    vectors = ("vectors", [p for _, p in params if p.dim() < 2], 0.0, 1.0)
+    matrices = [(n, p) for n, p in params if decayed(n, p)]
+    vectors = ("vectors", [p for n, p in params if not decayed(n, p)], 0.0, 1.0)
     if cfg.parametrization != "mup":
         groups = [("matrices", [p for _, p in matrices], weight_decay, 1.0), vectors]
     else:  # embedding-like: one side is the vocabulary or the positions, so no width factor
