@@ -172,6 +172,10 @@ def test_a_signal_read_every_step_is_forecast_from_its_fit_within_its_horizon():
     slow = Precursors()
     climb = [(s, 20.0 + 0.05 * s) for s in range(400)]  # 20 -> 40 in 400 steps: the level is 1,500+ steps away
     assert [v for s, x in climb for v in slow.watch(s, {"attn_logit": x})] == []
+    fast = Precursors()  # the residual RMS of the 100x-LR QK-norm run (divergence_bench), steps 0-5: 100 at step 5
+    steep = enumerate([0.0509, 0.6357, 11.43, 42.66, 99.57, 185.0])
+    ((step, v),) = [(s, v) for s, x in steep for v in fast.watch(s, {"residual_rms": x})]
+    assert (step, v.detail["expected_step"]) == (3, 3)
 
 
 def test_a_forecast_that_acts_holds_the_lr_until_its_horizon_and_then_gives_it_back():

@@ -76,7 +76,10 @@ SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
 STEPWISE = ("residual_rms", "attn_logit")  # also read every step, where that costs no host read
-FIT_POINTS = 6  # the fewest steps a per-step trend is fitted over: a 30x LR takes the residual past 100 in ~15
+# The fewest steps a per-step trend is fitted over: a 100x LR takes the residual from 0.05 past 100 in 5 steps. The
+# window keeps every value from the start, so so few points are only fitted in a run's first steps (or after a
+# restart), where a healthy run is far below `forecast_from` of the level.
+FIT_POINTS = 4
 
 
 def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
