@@ -44,11 +44,6 @@ def attached_trainer(module: Any) -> Any | None:
     return module._trainer
 
 
-def averaged_module(callback: Any) -> torch.nn.Module | None:
-    """Lightning's `WeightAveraging` average (None before `fit` sets it up)."""
-    return callback._average_model.module if callback._average_model is not None else None
-
-
 # GradScaler's undocumented protocol with the fused optimizers: every later `step()` skips itself on the device
 # (weights, moments and step counts left alone) while this attribute, a 0-dim float written in place, is 1.
 FOUND_INF = "found_inf"

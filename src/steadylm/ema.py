@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 
-from steadylm.compat import averaged_module
 from steadylm.errors import ConfigError, is_int, number
 
 
@@ -30,6 +29,6 @@ class EMA(EMAWeightAveraging):
     @torch.no_grad()
     def weights_restored(self, pl_module) -> None:
         """The suite restored older weights: the average starts again from them (LMModule.continue_from calls it)."""
-        if (average := averaged_module(self)) is not None:
-            for avg, live in zip(average.state_dict().values(), pl_module.state_dict().values()):
+        if self._average_model is not None:
+            for avg, live in zip(self._average_model.module.state_dict().values(), pl_module.state_dict().values()):
                 avg.copy_(live)

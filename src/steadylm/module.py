@@ -166,9 +166,7 @@ class LMModule(L.LightningModule):
         self.skipped_steps = step - applied
         if rewarm_steps:
             self.rewarm = (applied, rewarm_steps)
-        for cb in getattr(
-            attached_trainer(self), "callbacks", []
-        ):  # an average of the weights restarts from these (ema.py)
+        for cb in getattr(self._trainer, "callbacks", []):  # an average of the weights restarts from these (ema.py)
             if hasattr(cb, "weights_restored"):
                 cb.weights_restored(self)
 
