@@ -3,19 +3,14 @@ warmup. Each is off by default; each changes what it says on a real fit; a bad v
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import lightning as L
 import pytest
 import torch
 
-from steadylm.checkpointing import safe_load
 from steadylm.config import compose, validate_config
 from steadylm.errors import ConfigError
 from steadylm.muon import Muon, momentum_of, param_groups
 from steadylm.schedule import set_lr
-from steadylm.stability import read_events
 from steadylm.train import build, train
 from tests.helpers import run_cli
 from tests.test_muon import OPTIM, backward, tiny
@@ -160,57 +155,3 @@ def test_cautious_decay_under_adamw_is_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:") and "optim.muon is not a config key" in lines[0], (
         out.stderr
     )
-
-
-EMA = "callbacks.ema={_target_: steadylm.ema.EMA, decay: 0.9}"
-
-
-def val_loss_of(module, datamodule, batches: int) -> float:
-    """The mean cross-entropy of the first `batches` val batches (what the Trainer validates on), on the weights now."""
-    totals = torch.zeros(2, dtype=torch.float64)
-    for x, y in itertools.islice(datamodule.val_dataloader(), batches):
-        totals += torch.stack([module.target_losses(x, y).double().sum(), (y != -100).sum().double()])
-    return (totals[0] / totals[1]).item()
-
-
-def test_ema_validates_and_ends_on_the_average_and_a_rollback_drops_the_nan_weights(make_cfg, tmp_path):
-    """nan_weight: a NaN in a weight at step 25, 3 skipped steps, a rollback at 27. The EMA averaged the NaN weights
-    (steps 25-27) too; the restore restarts it from the restored ones, so the average ends finite."""
-    metrics, objs = train(make_cfg("experiment=divergence/nan_weight", EMA))
-    kinds = [(e["step"], e["kind"]) for e in read_events(tmp_path / "run")]
-    assert (27, "rollback") in kinds
-    module, dm, n = objs["module"], objs["datamodule"], int(objs["trainer"].limit_val_batches)
-    assert all(p.isfinite().all() for p in module.parameters())
-    # val/loss is the average's: after fit the module holds the average, and its val loss is the one reported
-    assert math.isfinite(metrics["val/loss"]) and val_loss_of(module, dm, n) == pytest.approx(
-        metrics["val/loss"], rel=1e-6
-    )
-    last = safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    avg, trained = last["state_dict"], last["current_model_state"]  # generate/export read state_dict: the average
-    assert all(torch.equal(avg[k], v) for k, v in module.state_dict().items())
-    assert not all(torch.equal(avg[k], trained[k]) for k in avg)
-    module.load_state_dict(trained)
-    assert val_loss_of(module, dm, n) != pytest.approx(metrics["val/loss"], rel=1e-6)
-
-
-def test_lightnings_own_ema_keeps_the_nan_weights_through_a_rollback(make_cfg, tmp_path):
-    """Why ema.py exists: Lightning's callback alone does not know of the suite's restore."""
-    plain = "callbacks.ema={_target_: lightning.pytorch.callbacks.EMAWeightAveraging, decay: 0.9}"
-    metrics, _ = train(make_cfg("experiment=divergence/nan_weight", plain))
-    assert math.isnan(metrics["val/loss"])
-
-
-def test_ema_resumes_bitwise(make_cfg, tmp_path):
-    full, split = tmp_path / "full", tmp_path / "split"
-    train(make_cfg(EMA, out=full))
-    train(make_cfg(EMA, "trainer.max_steps=15", "optim.total_steps=30", out=split))
-    train(make_cfg(EMA, "resume=auto", out=split))
-    a, b = (safe_load(d / "checkpoints" / "last.ckpt") for d in (full, split))
-    for key in ("state_dict", "current_model_state"):
-        assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
-
-
-@pytest.mark.parametrize("bad,line", [("decay: 1.0", "callbacks.ema.decay=1.0"), ("update_starting_at_step: -1", "")])
-def test_bad_ema_settings_are_one_line(make_cfg, bad, line):
-    with pytest.raises(ConfigError, match=line or "update_starting_at_step=-1"):
-        build(make_cfg("callbacks.ema={_target_: steadylm.ema.EMA, " + bad + "}"))

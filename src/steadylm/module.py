@@ -166,9 +166,6 @@ class LMModule(L.LightningModule):
         self.skipped_steps = step - applied
         if rewarm_steps:
             self.rewarm = (applied, rewarm_steps)
-        for cb in getattr(self._trainer, "callbacks", []):  # an average of the weights restarts from these (ema.py)
-            if hasattr(cb, "weights_restored"):
-                cb.weights_restored(self)
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is

@@ -27,14 +27,13 @@ def rollback(trainer, pl_module, optimizer, at_or_before: int) -> dict | None:
         step = int(ckpt.get("global_step", -1))
         if step > at_or_before or (best is not None and step <= best[1]["global_step"]):
             continue
-        weights = ckpt.get("current_model_state", ckpt["state_dict"])  # the trained weights under callbacks.ema
-        if all(t.isfinite().all() for t in weights.values() if t.is_floating_point()):
+        if all(t.isfinite().all() for t in ckpt["state_dict"].values() if t.is_floating_point()):
             best = (path, ckpt)
     if best is None:
         return None
     path, ckpt = best
     step = int(ckpt["global_step"])
-    pl_module.load_state_dict(ckpt.get("current_model_state", ckpt["state_dict"]))
+    pl_module.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
     # The optimizer steps whose update is in its weights: less one when its last step was skipped on the device
     # and not yet counted when it was saved (a non-finite measurement still pending).
