@@ -39,17 +39,13 @@ SWITCHES: dict[str, list[str]] = {
     "baseline": [],
     "bf16 autocast": ["trainer.precision=bf16-mixed"],
     "qk_norm": ["model.qk_norm=true"],
-    "relu2 mlp": ["model.mlp=relu2"],
     "zero-init proj": ["model.zero_init_proj=true"],
-    "untied head, head lr x0.5": ["model.tie_embeddings=false", "optim.head_lr_mult=0.5"],
     "untied head": ["model.tie_embeddings=false"],
     "logit softcap 15": ["model.logit_softcap=15"],
     "value embeds": ["model.value_embeds=1"],
     "x0 mixing": ["model.x0_mix=true"],
-    "cautious wd": ["optim.cautious_wd=true"],
     "muon momentum warmup": ["optim.muon.momentum_warmup_steps=100"],
     "doc-aligned windows": ["data.align=doc"],
-    "ema 0.95": ["+callbacks.ema.decay=0.95"],
     "experiment=fast": ["experiment=fast"],
 }
 QUICK = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32", "data.batch_size=4"]
@@ -90,11 +86,48 @@ def one_run(work: str, name: str, seed: int, args: dict) -> dict:
     return {"name": name, "seed": seed, "curve": clock.curve, "events": sorted(set(events))}
 
 
-def spread(values: list[float]) -> str:
-    """median [min, max], or '-' when a seed never reached the target."""
-    if not values or any(v != v for v in values):
-        return "-"
-    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+def first_step(curve: list, target: float) -> int | None:
+    hit = reach(curve, target)
+    return hit[0] if hit else None
+
+
+def report(results: list[dict], steps: int, at: float = 2 / 3) -> dict:
+    """The table: per switch, the final val loss against the baseline's at the same seed, the steps the median curve
+    over the seeds takes to the target (each seed's in brackets, '>N' never), the CPU time a step costs against the
+    baseline's, their product (the time to the target), and the suite's events on these healthy runs."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in results:
+        by.setdefault(r["name"], {})[r["seed"]] = r
+    seeds = sorted(by["baseline"])
+    median_curve = lambda runs: [
+        (p[0], statistics.median(r["curve"][i][3] for r in runs)) for i, p in enumerate(runs[0]["curve"])
+    ]
+    cost = lambda runs: statistics.median(r["curve"][-1][2] / r["curve"][-1][0] for r in runs)  # CPU s a step
+    base = list(by["baseline"].values())
+    # The target is reached mid-run, so a switch has room to get there sooner or later within the run.
+    base_steps, target = min(median_curve(base), key=lambda p: abs(p[0] - at * steps))
+    print(
+        f"\ntarget: val loss {target:.4f}, the baseline's median over {len(seeds)} seeds at step {base_steps} of {steps}"
+    )
+    head = ("switch", "final val vs baseline", "steps to target (each seed)", "cpu/step", "time x", "suite events")
+    print(f"{head[0]:22} {head[1]:<27} {head[2]:<30} {head[3]:>8} {head[4]:>7}  {head[5]}")
+    table = {}
+    for name, runs_by_seed in by.items():
+        runs = [runs_by_seed[s] for s in seeds]
+        delta = [100 * (runs_by_seed[s]["curve"][-1][3] / by["baseline"][s]["curve"][-1][3] - 1) for s in seeds]
+        hit = next((step for step, val in median_curve(runs) if val <= target), None)
+        each = [first_step(r["curve"], target) for r in runs]
+        steps_x = hit / base_steps if hit else None
+        cost_x = cost(runs) / cost(base)
+        events = sorted({e for r in runs for e in r["events"]})
+        table[name] = {"final_delta_pct": delta, "steps_x": steps_x, "each": each, "cpu_step_x": cost_x}
+        table[name] |= {"time_x": steps_x * cost_x if hit else None, "events": events}
+        d = f"{statistics.median(delta):+.1f} % [{min(delta):+.1f}, {max(delta):+.1f}]"
+        st = f"{steps_x:.2f}x" if hit else f">{steps}"
+        st += " (" + ", ".join(str(e) if e else f">{steps}" for e in each) + ")"
+        tx = f"{steps_x * cost_x:.2f}x" if hit else "-"
+        print(f"{name:22} {d:<27} {st:<30} {cost_x:7.2f}x {tx:>7}  {', '.join(events) or '-'}")
+    return {"target": target, "table": table}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,7 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite; numbers are not meaningful")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--report", type=Path, help="print the table again from a --json file; runs nothing")
     a = ap.parse_args(argv)
+    if a.report:
+        saved = json.loads(a.report.read_text())
+        return report(saved["runs"], saved["steps"])
     names = ["baseline", *(n for n in SWITCHES if n != "baseline" and (a.only is None or n in a.only))]
     if unknown := set(a.only or ()) - set(SWITCHES):
         ap.error(f"--only: unknown switch {sorted(unknown)[0]!r}; known: {', '.join(SWITCHES)}")
@@ -123,29 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{len(runs)} runs of {a.steps} steps, {a.jobs} at a time, in {work}", file=sys.stderr)
     with ProcessPoolExecutor(a.jobs, max_tasks_per_child=1) as pool:
         results = list(pool.map(one_run, [work] * len(runs), *zip(*runs), [shared] * len(runs)))
-    by = {(r["name"], r["seed"]): r for r in results}
-    seeds = range(1, a.seeds + 1)
-    target = max(by["baseline", s]["curve"][-1][3] for s in seeds)  # every baseline seed reaches it
-    print(f"\ntarget: val loss {target:.4f}, the baseline's worst seed after {a.steps} steps")
     print(f"baseline: {' '.join(BASELINE + shape + a.overrides)}; {a.seeds} seeds; one thread a run")
-    head = ("switch", "final val", "steps x (to target)", "wall x", "cpu x", "suite events")
-    print(f"{head[0]:26} {head[1]:>9}  {head[2]:<24} {head[3]:<24} {head[4]:<24} {head[5]}")
-    table = {}
-    for name in names:
-        ratios: dict[str, list[float]] = {"steps": [], "wall": [], "cpu": []}
-        for s in seeds:
-            base, hit = reach(by["baseline", s]["curve"], target), reach(by[name, s]["curve"], target)
-            for i, k in enumerate(ratios):
-                ratios[k].append(hit[i] / base[i] if hit and base else float("nan"))
-        finals = [by[name, s]["curve"][-1][3] for s in seeds]
-        events = sorted({e for s in seeds for e in by[name, s]["events"]})
-        table[name] = {"final": finals, **ratios, "events": events}
-        print(
-            f"{name:26} {statistics.median(finals):9.4f}  {spread(ratios['steps']):<24} {spread(ratios['wall']):<24} "
-            f"{spread(ratios['cpu']):<24} {', '.join(events) or '-'}"
-        )
+    table = report(results, a.steps)
     if a.json:
-        a.json.write_text(json.dumps({"target": target, "table": table, "runs": results}, indent=1))
+        a.json.write_text(json.dumps({**table, "steps": a.steps, "runs": results}, indent=1))
     return table
 
 

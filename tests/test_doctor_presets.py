@@ -14,7 +14,7 @@ from steadylm.doctor.check import FAIL
 
 FAST = ["tiny", "llama_tiny"]
 SLOW = ["small", "llama_small", "medium", "large", "llama_1b"]
-EXPERIMENTS = ["gpt2_124m", "llama_124m"]
+EXPERIMENTS = ["gpt2_124m", "llama_124m", "fast"]
 
 
 def doctor_rows(shards_dir, tmp_path, monkeypatch, *overrides):

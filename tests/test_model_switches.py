@@ -258,15 +258,8 @@ def test_each_switch_trains_under_the_full_suite_with_qk_norm_z_loss_and_xavier(
             assert values and all(math.isfinite(v) and (v > 0 or not positive) for v in values), (stat, i, values)
 
 
-# The speedrun switches (modded-nanogpt, nanochat): mlp=relu2, zero_init_proj, logit_softcap, value_embeds, x0_mix.
-SPEEDRUN = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=1, x0_mix=True)
-
-
-def test_relu2_mlp_is_relu_squared_with_the_gelu_mlps_shapes():
-    relu2, gelu = small(mlp="relu2"), small()
-    mlp, x = relu2.blocks[0].mlp, torch.randn(2, T, 32)
-    torch.testing.assert_close(mlp(x), mlp.proj(F.relu(mlp.fc(x)) ** 2), rtol=0, atol=0)
-    assert [p.shape for p in relu2.parameters()] == [p.shape for p in gelu.parameters()]
+# The speedrun switches (modded-nanogpt, nanochat): zero_init_proj, logit_softcap, value_embeds, x0_mix.
+SPEEDRUN = dict(zero_init_proj=True, logit_softcap=15.0, value_embeds=1, x0_mix=True)
 
 
 @pytest.mark.parametrize(
@@ -349,7 +342,7 @@ def test_x0_mix_is_the_model_without_it_at_init_and_mixes_the_embedding_when_tra
 def test_switches_off_keep_every_checkpoint_name():
     names = set(small().state_dict())
     assert not [n for n in names if "value_embeds" in n or "lambdas" in n]
-    assert set(small(zero_init_proj=True, logit_softcap=30.0, mlp="relu2").state_dict()) == names
+    assert set(small(zero_init_proj=True, logit_softcap=30.0).state_dict()) == names
 
 
 @pytest.mark.parametrize("parametrization", ["sp", "mup"])
@@ -386,7 +379,7 @@ def test_export_refuses_each_speedrun_switch_in_one_line_but_zero_init(key, valu
 @pytest.mark.parametrize(
     "kw,message",
     [
-        ({"mlp": "relu3"}, "model.mlp='relu3' is not allowed; use one of: gelu, swiglu, relu2"),
+        ({"mlp": "relu3"}, "model.mlp='relu3' is not allowed; use one of: gelu, swiglu"),
         ({"logit_softcap": 0}, "model.logit_softcap=0 must be a number > 0 (e.g. 15), or null"),
         ({"logit_softcap": "big"}, "model.logit_softcap='big' must be a number > 0"),
         ({"value_embeds": 2}, "model.value_embeds=2 must be a whole number from 0 to ceil(n_layer/2) = 1"),
@@ -411,7 +404,7 @@ def test_all_speedrun_switches_train_finite_under_the_full_suite(make_cfg, tmp_p
     """The real Trainer and stability suite with QK-norm and z-loss: finite losses and per-block stats."""
     from tests.helpers import FAST, fit, scalars
 
-    switches = [f"model.{k}={str(v).lower()}" for k, v in SPEEDRUN.items() if k != "mlp"] + ["model.mlp=relu2"]
+    switches = [f"model.{k}={str(v).lower()}" for k, v in SPEEDRUN.items()]
     objs = fit(make_cfg(*family, *FAST, *switches, "model.qk_norm=true", "optim.z_loss=1e-4"))
     assert objs["trainer"].global_step == 12 and objs["module"].skipped_steps == 0
     net = objs["module"].net

@@ -63,8 +63,6 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
     accumulate, val_fraction, align = t.accumulate_grad_batches, d.get("val_fraction", 0.01), d.get("align", "none")
     fused, name = o.get("fused", "auto"), o.get("name", "adamw")
-    embed, head, tied = o.get("embed_lr_mult", 1.0), o.get("head_lr_mult", 1.0), cfg.model.get("tie_embeddings", True)
-    tied_head = "model.tie_embeddings=true (the head is the embedding table: set optim.embed_lr_mult)"
     warmup_ok = is_int(o.warmup_steps) and 0 <= o.warmup_steps < number(o.total_steps)
     warmup = f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"
     rules = [
@@ -81,13 +79,6 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("optim.lr", o.lr, number(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= number(o.min_lr) <= number(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, number(o.weight_decay) >= 0, "a number >= 0"),
-        ("optim.embed_lr_mult", embed, number(embed) > 0, "a number > 0 (1.0: optim.lr)"),
-        (
-            "optim.head_lr_mult",
-            head,
-            number(head) == 1 or number(head) > 0 and not tied,
-            f"1 with {tied_head}, else > 0",
-        ),
         ("optim.eps", o.eps, number(o.eps) > 0, "a number > 0, e.g. 1e-8"),
         ("optim.betas", betas, betas_ok, "two numbers in [0, 1), e.g. [0.9, 0.95]"),
         ("optim.warmup_steps", o.warmup_steps, warmup_ok, warmup),

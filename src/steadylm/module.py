@@ -193,15 +193,15 @@ class LMModule(L.LightningModule):
         common = {"lr": o["lr"], "betas": tuple(o["betas"]), "eps": o["eps"], "fused": fused}
         if o.get("name", "adamw") != "muon":
             # Weight decay on matrices only; each group's `lr_mult` is muP's LR factor (1 under sp).
-            groups = param_groups(self.named_parameters(), self.net.cfg, o["lr"], o["weight_decay"], mults=o)
+            groups = param_groups(self.named_parameters(), self.net.cfg, lr=o["lr"], weight_decay=o["weight_decay"])
             return torch.optim.AdamW(groups, **common)
         # Muon on the blocks' matrices, AdamW on the rest (loaded only by a run that picks it).
         from steadylm.muon import Muon
         from steadylm.muon import param_groups as muon_groups
 
-        knobs = ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")
-        more = {k: o["muon"][k] for k in ("momentum_start", "momentum_warmup_steps", "cautious_wd") if k in o["muon"]}
-        return Muon(muon_groups(self.net, o), **common, **{k: o["muon"][k] for k in knobs}, **more)
+        knobs = ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr", "momentum_start")
+        knobs += ("momentum_warmup_steps",)
+        return Muon(muon_groups(self.net, o), **common, **{k: o["muon"][k] for k in knobs})
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip here, not through the precision plugin (it refuses any clipping next to a fused optimizer, even under

@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw
 
 from steadylm import compat
 from steadylm.errors import is_int, number
-from steadylm.model.mup import decayed, table_lr_mults
+from steadylm.model.mup import decayed
 
 # Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
 # (its last entry repeats past its end) and the safety factor the input norm is divided by.
@@ -65,7 +65,6 @@ def config_rules(m, t) -> list[tuple[str, object, bool, str]]:
             is_int(m.momentum_warmup_steps) and m.momentum_warmup_steps >= 0,
             "a whole number of steps >= 0 (0: no warmup)",
         ),
-        ("optim.muon.cautious_wd", m.cautious_wd, isinstance(m.cautious_wd, bool), "true or false"),
         ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
         ("optim.muon.ns_steps", m.ns_steps, is_int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
         ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
@@ -172,7 +171,6 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         momentum_start: float = 0.85,
         momentum_warmup_steps: int = 0,
-        cautious_wd: bool = False,
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_dtype: str = "auto",
@@ -194,7 +192,6 @@ class Muon(torch.optim.Optimizer):
             momentum_start=momentum_start,
             momentum_warmup_steps=momentum_warmup_steps,
             applied_step=0,  # set before each update by `schedule.set_lr`
-            cautious_wd=cautious_wd,
             nesterov=nesterov,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
@@ -211,9 +208,9 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # Checkpoints from before `ns_coeffs` iterated Keller Jordan's quintic, and from before the momentum warmup and
-        # cautious decay had neither.
-        old = {"ns_coeffs": "quintic", "momentum_warmup_steps": 0, "cautious_wd": False, "applied_step": 0}
+        # Checkpoints from before `ns_coeffs` iterated Keller Jordan's quintic, and from before the momentum warmup had
+        # none.
+        old = {"ns_coeffs": "quintic", "momentum_warmup_steps": 0, "applied_step": 0}
         for group in self.param_groups:
             for key, value in old.items():
                 group.setdefault(key, value)
@@ -283,10 +280,7 @@ class Muon(torch.optim.Optimizer):
         for p, new_buf, ps in zip(params, new_bufs, parts):
             mine = [next(ortho) for _ in ps]
             step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
-            if group["cautious_wd"]:  # decay only where the step moves p toward 0 (Chen et al. 2025)
-                new_p = p.addcmul(p, (p * step > 0).to(p.dtype), value=-lr * wd).sub_(step)
-            else:
-                new_p = p.mul(1 - lr * wd).sub_(step)  # decoupled decay, with the unscaled LR
+            new_p = p.mul(1 - lr * wd).sub_(step)  # decoupled decay, with the unscaled LR
             buf = self.state[p]["momentum_buffer"]
             if skip is None:
                 buf.copy_(new_buf)
@@ -338,4 +332,4 @@ def param_groups(net: torch.nn.Module, optim: dict) -> list[dict]:
     groups.append(
         {"params": muon, "weight_decay": wd, "muon": True, "splits": splits, "lr": lr * mult, "lr_mult": mult}
     )
-    return table_lr_mults(groups, {id(p): n for n, p in net.named_parameters()}, optim)
+    return groups

@@ -24,8 +24,8 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: relu(x)² (modded-nanogpt)
-    mlp_hidden: int | None = None  # null: 4·d_model (gelu, relu2), or Llama's 8/3·d_model (swiglu), rounded up
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp_hidden: int | None = None  # null: 4·d_model (gelu), or Llama's 8/3·d_model (swiglu), rounded up
     mlp_multiple_of: int = 1  # the hidden size is rounded up to a multiple of this (256 in Llama)
     n_kv_head: int | None = None  # null: = n_head; fewer = grouped-query attention (must divide n_head)
     tie_embeddings: bool = True  # the output projection is the input embedding (one matrix)
@@ -112,6 +112,6 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
-        """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, the others' parameter count), rounded up to `mlp_multiple_of`."""
+        """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, a GELU MLP's parameter count), rounded up to `mlp_multiple_of`."""
         h = self.mlp_hidden or (int(2 * 4 * self.d_model / 3) if self.mlp == "swiglu" else 4 * self.d_model)
         return -(-h // self.mlp_multiple_of) * self.mlp_multiple_of

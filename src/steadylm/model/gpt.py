@@ -111,11 +111,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2), SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it), or ReLU²."""
+    """GELU (GPT-2) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.swiglu, self.relu2 = cfg.mlp == "swiglu", cfg.mlp == "relu2"
+        self.swiglu = cfg.mlp == "swiglu"
         self.fc = layer(nn.Linear, cfg.init, cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
         self.proj = layer(nn.Linear, cfg.init, cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_proj = True
@@ -125,8 +125,6 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.dropout(self.proj(F.silu(gate) * up))
-        if self.relu2:
-            return self.dropout(self.proj(F.relu(self.fc(x)).square()))
         return self.dropout(self.proj(F.gelu(self.fc(x))))  # exact (erf): on a CPU the tanh form costs 1.7x
 
 

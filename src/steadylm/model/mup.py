@@ -9,15 +9,11 @@ shape every multiplier is exactly 1: mup is sp bit for bit. The Muon groups keep
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
 from steadylm.model.config import GPTConfig
-
-# The embedding tables and the output head by parameter name: the one rule for muP's embedding-like group and for
-# `optim.embed_lr_mult` / `optim.head_lr_mult` under both optimizers (a new table joins here).
-TABLES = {"embed_lr_mult": ("wte.weight", "wpe.weight"), "head_lr_mult": ("lm_head.weight",)}
 
 
 def width_mult(cfg: GPTConfig) -> float:
@@ -34,45 +30,25 @@ def attn_scale(cfg: GPTConfig) -> float | None:
     return (1.0 / math.sqrt(b)) * (b / cfg.head_dim) if cfg.parametrization == "mup" else None
 
 
-def table_lr_mults(groups: list[dict], names: dict[int, str], optim: Mapping) -> list[dict]:
-    """`groups` with the embedding tables and the head (`names`: id(param) -> name) moved into groups of their own at
-    `optim.embed_lr_mult` / `optim.head_lr_mult` x their group's LR; at 1 (the default) nothing moves."""
-    moved = []
-    for group in groups:
-        for key, suffixes in TABLES.items():
-            k = float(optim.get(key, 1.0))
-            mine = {id(p) for p in group["params"] if k != 1.0 and names[id(p)].endswith(suffixes)}
-            if mine:
-                moved.append({**group, "name": key, "params": [p for p in group["params"] if id(p) in mine]})
-                moved[-1].update(lr=group["lr"] * k, lr_mult=group["lr_mult"] * k)
-                group["params"] = [p for p in group["params"] if id(p) not in mine]
-    return [g for g in groups + moved if g["params"]]
-
-
 # Weight decay on the matrices; not on vectors, scalars, or the value tables (`model.value_embeds`, modded-nanogpt's).
 decayed = lambda name, p: p.dim() >= 2 and "value_embeds." not in name
 
 
 def param_groups(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]],
-    cfg: GPTConfig,
-    lr: float,
-    weight_decay: float,
-    mults: Mapping | None = None,
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: GPTConfig, lr: float, weight_decay: float
 ) -> list[dict]:
-    """AdamW groups, decay on >=2-D weights: sp [matrices, vectors]; mup [embedding-like, vectors, hidden at lr/m,
-    wd*m]; then `table_lr_mults` by `mults` (the optim config). Group 0 runs at the base LR (`optim/lr`)."""
+    """AdamW groups, decay on the matrices (`decayed`): sp [matrices, vectors]; mup [embedding-like, vectors, hidden at
+    lr/m, wd*m]. Group 0 runs at the base LR (`optim/lr`); the undecayed rest, vectors and value tables, at it too."""
     params = [(n, p) for n, p in named_params if p.requires_grad]
     matrices = [(n, p) for n, p in params if decayed(n, p)]
     vectors = ("vectors", [p for n, p in params if not decayed(n, p)], 0.0, 1.0)
     if cfg.parametrization != "mup":
         groups = [("matrices", [p for _, p in matrices], weight_decay, 1.0), vectors]
     else:  # embedding-like: one side is the vocabulary or the positions, so no width factor
-        m, tables = width_mult(cfg), sum(TABLES.values(), ())
+        m, tables = width_mult(cfg), ("wte.weight", "wpe.weight", "lm_head.weight")
         groups = [
             ("embeddings", [p for n, p in matrices if n.endswith(tables)], weight_decay, 1.0),
             vectors,
             ("hidden", [p for n, p in matrices if not n.endswith(tables)], weight_decay * m, 1.0 / m),
         ]
-    groups = [{"name": g, "params": ps, "weight_decay": wd, "lr_mult": k, "lr": lr * k} for g, ps, wd, k in groups]
-    return table_lr_mults(groups, {id(p): n for n, p in params}, mults or {})
+    return [{"name": g, "params": ps, "weight_decay": wd, "lr_mult": k, "lr": lr * k} for g, ps, wd, k in groups]
