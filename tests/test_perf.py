@@ -202,4 +202,4 @@ def test_speedrun_bench_quick_prints_a_row_per_switch(tmp_path):
     from speedrun_bench import SWITCHES
 
     assert set(table) == set(SWITCHES)
-    assert table["baseline"]["steps"] == [1.0]  # the target is the baseline's own final loss
+    assert table["baseline"]["steps_x"] == 1.0 and table["baseline"]["final_delta_pct"] == [0.0]  # its own target
