@@ -5,7 +5,7 @@ Every run is a real `python train.py` of tiny's 2 layers at d 64 and context 64 
 the embedded corpus. Each scenario runs twice: observed (`callbacks.stability.signals.action=log`, QK-clip
 measuring but never clipping, spikes logged) for the lead times, and with the default suite for the mitigation.
 Its healthy twin (the scenario's fix, e.g. the default LR) runs at three seeds; the healthy group adds the twins at
-2x their LR and the tiny preset at its defaults. Judged per run:
+2x their LR and the tiny and fast presets at their defaults. Judged per run:
 
 - forecast: the first `forecast` event; it came before the loss's onset, and by how many steps;
 - the first alarm: the first `precursor`, `attn_logit`, `update_ratio`, `loss_spike` or non-finite event;
@@ -64,6 +64,7 @@ TWINS = {
     # in order, so the repeated stretch arrives as a window of steps; {work}: the bench's folder (`data_folders`)
     "clean_data": [*NOQK, "data.dir={work}/data-clean", "data.shuffle=false"],
     "fp16": [*NOQK, "trainer=gpu", "trainer.precision=16-mixed"],
+    "fast": ["experiment=fast"],  # Muon, bf16 where the CPU has bf16 units
 }
 NEEDS_CUDA = {"fp16"}  # Lightning runs 16-mixed on a CPU as bf16-mixed, so fp16's overflow needs a CUDA GPU
 REPEATED = ("this.py", 40)  # the real stdlib file repeated, and how often (~33 KB: ~32 steps of 16 x 64 bytes)
@@ -110,6 +111,7 @@ SCENARIOS = {
         [*NOQK, "data.dir={work}/data-repeated", "data.shuffle=false"],
         "clean_data",
     ),
+    "experiment=fast, lr 3x": ("the fast preset (Muon) at 3x its LR", [*TWINS["fast"], "optim.lr=0.06"], "fast"),
     "fp16 mixed precision, lr 30x, no QK-norm": (
         "Micikevicius et al. 2018: fp16's range (65504) against growing activations, the loss scale its guard",
         [*TWINS["fp16"], "optim.lr=0.06"],
@@ -118,6 +120,8 @@ SCENARIOS = {
 }
 SEEDS = (1, 2, 3)
 DOUBLED = {"noqk": "optim.lr=4e-3", "qk": "optim.lr=4e-3", "muon_qk": "optim.lr=4e-2", "muon_noqk": "optim.lr=4e-2"}
+DOUBLED["fast"] = "optim.lr=4e-2"
+PRESETS = {"tiny": ([], (1, 2)), "fast": (["experiment=fast"], SEEDS)}  # at their defaults: tiny's shape, not SHAPE
 
 
 def data_folders(work: Path) -> None:
@@ -234,8 +238,9 @@ def main() -> None:
             jobs[("twin", t, seed)] = [*SHAPE, *TWINS[t], f"seed={seed}"]
         if t in DOUBLED:
             jobs[("2x lr", t, 1)] = [*SHAPE, *TWINS[t], DOUBLED[t], "seed=1"]
-    if not args.only:
-        jobs.update({("preset", "tiny", seed): [f"seed={seed}"] for seed in (1, 2)})
+    for p, (overrides, seeds) in PRESETS.items():
+        if not args.only or p in twins:  # a preset whose scenario runs is judged at its defaults too
+            jobs.update({("preset", p, seed): [*overrides, f"seed={seed}"] for seed in seeds})
     for name, (_, o, _) in scenarios.items():
         jobs[("observed", name, 1)] = [*SHAPE, *o, *OBSERVE, "seed=1"]
         jobs[("default suite", name, 1)] = [*SHAPE, *o, "seed=1"]
@@ -324,6 +329,8 @@ def report(scenarios: dict, rows: dict, folder: dict) -> None:
     print(f" ({', '.join(false_healthy)})" if false_healthy else "", end="")
     print(f"; {false_unstable} on unstable runs whose horizon passed with nothing")
     print(f"mitigated by the default suite: {mitigated}/{len(scenarios)}")
+    alarmed = [f"{k[0]} {k[1]} seed {k[2]}" for k, r in healthy.items() if r["alarm"] is not None]
+    print(f"alarms on healthy runs: {len(alarmed)} of {len(healthy)}" + (f" ({', '.join(alarmed)})" if alarmed else ""))
     bad = [k for k, r in healthy.items() if r["status"] != "ok"]
     if bad:
         print("healthy runs not ok: " + ", ".join(f"{k} ({rows[k]['status']}, {folder[k]})" for k in bad))

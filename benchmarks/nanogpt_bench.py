@@ -184,7 +184,8 @@ def to_loss(checkout: Path, steps: int, rounds: int, eval_every: int, overrides:
     `experiment=fast` (`train.py`'s path, the default suite on) started together, one thread each. The target is
     nanoGPT's val loss after `steps`, exact on the shards' val split; steadylm's time to it is its training wall
     time up to its first evaluation at or below it (every `eval_every` steps, evaluations not counted); nanoGPT's is
-    the sum of the step times it prints (its two 1-batch estimates included)."""
+    the sum of the step times it prints (its two 1-batch estimates included). Round r runs steadylm at seed r: the
+    interval holds seeds and timing noise (nanoGPT's own seed is fixed)."""
     if not (checkout / "config" / "train_shakespeare_char.py").is_file():
         raise SystemExit(f"error: --nanogpt {checkout}: no config/train_shakespeare_char.py (a nanoGPT checkout?)")
     work, m, out = nanogpt_workdir(checkout, "steadylm-to-loss-"), dict(kv.split("=", 1) for kv in SHAPE), []
@@ -210,7 +211,7 @@ def to_loss(checkout: Path, steps: int, rounds: int, eval_every: int, overrides:
                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                 "trainer.num_sanity_val_steps=0", f"trainer.max_steps={steps}",
                 f"trainer.val_check_interval={eval_every}", "trainer.limit_val_batches=1.0", "~callbacks.checkpoint",
-                "experiment=fast", *SHAPE, *overrides,
+                "experiment=fast", f"seed={r + 1}", *SHAPE, *overrides,
             ]
         )  # fmt: skip
         objects, clock = build(cfg), Clock()
@@ -289,14 +290,15 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--rounds must be >= 1 and --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     nano_module = load(args.nanogpt)
-    cfg, module, datamodule, raw = setup(args.quick, [*SHAPE, *args.overrides])
+    run, module, datamodule, raw = setup(args.quick, [*SHAPE, *args.overrides])
+    cfg = run.cfg
     net, opt = nanogpt(nano_module, cfg)
 
     def nano() -> None:
         nanogpt_step(net, opt, raw.sched, next(raw.batches), raw.clip)
 
     print(f"whole step: {args.rounds} runs of {args.steps} steps, each paired with a nanoGPT step …", file=sys.stderr)
-    runs = [paired_run(cfg, module, datamodule, nano, args.steps, r) for r in range(args.rounds)]
+    runs = [paired_run(run, module, datamodule, nano, args.steps, r) for r in range(args.rounds)]
     t = overhead_samples(runs)
     print("model only: plain steps, a pair at a time in random order …", file=sys.stderr)
     pairs = paired_ratios(lambda: raw_step(module, raw.opt, raw.sched, next(raw.batches), raw.clip), nano, args.steps)
@@ -314,9 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
     auto = resolve_precision("auto", "cpu")
     if auto == "bf16-mixed" and not args.quick:
         print("whole step again at trainer.precision=auto (bf16-mixed here) …", file=sys.stderr)
-        cfg16, module16, datamodule16, _ = setup(False, [*SHAPE, "trainer.precision=bf16-mixed", *args.overrides])
+        run16, module16, datamodule16, _ = setup(False, [*SHAPE, "trainer.precision=bf16-mixed", *args.overrides])
         t16 = overhead_samples(
-            [paired_run(cfg16, module16, datamodule16, nano, args.steps, r) for r in range(args.rounds)]
+            [paired_run(run16, module16, datamodule16, nano, args.steps, r) for r in range(args.rounds)]
         )
         rows["whole step, suite on, trainer.precision=auto (bf16-mixed: bf16 units)"] = (t16["on"], t16["raw"])
     else:

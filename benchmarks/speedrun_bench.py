@@ -39,12 +39,8 @@ SWITCHES: dict[str, list[str]] = {
     "baseline": [],
     "bf16 autocast": ["trainer.precision=bf16-mixed"],
     "qk_norm": ["model.qk_norm=true"],
-    "zero-init proj": ["model.zero_init_proj=true"],
     "untied head": ["model.tie_embeddings=false"],
     "logit softcap 15": ["model.logit_softcap=15"],
-    "value embeds": ["model.value_embeds=1"],
-    "x0 mixing": ["model.x0_mix=true"],
-    "muon momentum warmup": ["optim.muon.momentum_warmup_steps=100"],
     "doc-aligned windows": ["data.align=doc"],
     "experiment=fast": ["experiment=fast"],
 }

@@ -177,6 +177,8 @@ CLI_CASES = {
     ),
     "resume_bogus": (["resume=yes"], r"resume=yes is not supported; use resume=auto"),
     "resume_and_ckpt": (["resume=auto", "ckpt_path=x.ckpt"], r"both ckpt_path and resume=auto are set"),
+    "init_from_and_ckpt": (["init_from=a.ckpt", "ckpt_path=x.ckpt"], r"both ckpt_path and init_from are set"),
+    "init_from_missing": (["init_from=nowhere.ckpt"], r"nowhere\.ckpt: checkpoint file not found"),
     "guard_action": (
         ["callbacks.stability.guard.action=bogus"],
         r"callbacks\.stability\.guard\.action='bogus' is not one of rollback, stop",

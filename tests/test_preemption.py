@@ -17,11 +17,12 @@ import lightning as L
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from steadylm.checkpointing import latest_checkpoint, safe_load
+from steadylm.checkpointing import safe_load
 from steadylm.errors import ConfigError
 from steadylm.preemption import Preemption, signal_numbers, submitit_signal
 from steadylm.requeue import PREEMPTED_EXIT, requeue, resume_command, slurm_requeue_command
 from steadylm.result import finish_job
+from steadylm.resume import latest_checkpoint
 from steadylm.sweep import summarize_sweep
 from steadylm.train import train
 from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli

@@ -10,7 +10,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from steadylm.checkpointing import latest_checkpoint, safe_load
+from steadylm.checkpointing import safe_load
+from steadylm.resume import latest_checkpoint
 from steadylm.train import train
 from tests.helpers import fit
 
@@ -97,6 +98,45 @@ def test_resume_auto_in_an_empty_run_dir_starts_fresh(make_cfg, tmp_path):
     _, objects = train(make_cfg("trainer.max_steps=3", "optim.warmup_steps=1", "resume=auto"))
     assert objects["trainer"].global_step == 3
     assert safe_load(latest_checkpoint(tmp_path / "run" / "checkpoints"))["global_step"] == 3
+
+
+def test_init_from_starts_a_new_schedule_from_another_runs_weights(make_cfg, tmp_path):
+    """`init_from`: the weights only. The optimizer, the LR schedule (warmup again from step 0), the step count and
+    the data position start fresh; a changed schedule, which `ckpt_path` refuses, is the point."""
+    _, first = train(make_cfg("trainer.max_steps=4", "optim.warmup_steps=1", out=tmp_path / "a"))
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    trained = {k: v.clone() for k, v in first["module"].state_dict().items()}
+    restart = ["optim.lr=0.02", "optim.warmup_steps=0", "trainer.log_every_n_steps=1", f"init_from={ckpt}"]
+    cfg = make_cfg("trainer.max_steps=2", *restart, out=tmp_path / "b")
+    seen = []
+
+    class Before(L.Callback):  # the weights the first update starts from
+        def on_train_start(self, trainer, pl_module):
+            seen.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+    from steadylm import train as train_module
+
+    objects = train_module.build(cfg)
+    objects["trainer"].callbacks.append(Before())
+    from steadylm.resume import checkpoint_to_resume
+
+    assert checkpoint_to_resume(cfg, objects["module"]) is None  # nothing resumed: a new run
+    objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+    assert same(seen[0], trained)
+    assert objects["trainer"].global_step == 2 and objects["module"].skipped_steps == 0
+    lrs = EventAccumulator(str(tmp_path / "b" / "tensorboard"))
+    lrs.Reload()
+    assert [e.value for e in lrs.Scalars("optim/lr")][0] == pytest.approx(0.02)  # no warmup: the new schedule's
+
+
+def test_init_from_under_resume_auto_continues_the_runs_own_checkpoint(make_cfg, tmp_path):
+    _, first = train(make_cfg("trainer.max_steps=2", "optim.warmup_steps=1", out=tmp_path / "a"))
+    other = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    run = ["optim.warmup_steps=1", "optim.total_steps=5", "resume=auto", f"init_from={other}"]
+    train(make_cfg("trainer.max_steps=3", *run, out=tmp_path / "b"))  # no checkpoint of its own yet: init_from
+    _, objects = train(make_cfg("trainer.max_steps=5", *run, out=tmp_path / "b"))  # its own last.ckpt at step 3
+    assert objects["trainer"].global_step == 5
+    assert safe_load(tmp_path / "b" / "checkpoints" / "last.ckpt")["global_step"] == 5
 
 
 def test_latest_checkpoint_skips_partial_and_temp_files(tmp_path):

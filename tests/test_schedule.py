@@ -10,7 +10,8 @@ import torch
 from steadylm.checkpointing import safe_load
 from steadylm.config import compose, validate_config
 from steadylm.errors import ConfigError
-from steadylm.schedule import Schedule, check_resume
+from steadylm.resume import check_resume
+from steadylm.schedule import Schedule
 from steadylm.train import train
 from tests.test_resume import same, step_losses
 

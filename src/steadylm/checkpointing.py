@@ -19,7 +19,6 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadylm.errors import SteadyError
 from steadylm.preemption import Preempted
-from steadylm.schedule import check_resume
 
 log = logging.getLogger("steadylm")
 STABILITY_STATE_KEY = "steadylm.stability"  # the stability callback's Lightning `state_key` in "callbacks"
@@ -88,64 +87,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage, weights_only=None) -> dict:
         return safe_load(path, map_location=map_location)
-
-
-def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """The most recently written complete `*.ckpt` in `folder` (temp files and broken files skipped)."""
-    for path in sorted(Path(folder).glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True):
-        if is_complete(path):
-            return path
-        log.warning("resume=auto: skipping %s (incomplete or corrupt)", path)
-    return None
-
-
-def check_compatible(ckpt: dict, path: str | os.PathLike, module: torch.nn.Module) -> None:
-    """Refuse, naming the keys, a checkpoint whose weights do not fit the configured model."""
-    theirs = ckpt.get("state_dict")
-    if not isinstance(theirs, dict):
-        raise CheckpointError(f"{path}: has no 'state_dict'; it is not a steadylm/Lightning training checkpoint")
-    ours = module.state_dict()
-    missing = [k for k in ours if k not in theirs]  # state_dict order: the model's own names first
-    unexpected = [k for k in theirs if k not in ours]
-    wrong = [k for k in ours if k in theirs and theirs[k].shape != ours[k].shape]
-    wrong = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in wrong]
-    named = (("shape mismatch (checkpoint vs config)", wrong), ("missing", missing), ("unexpected", unexpected))
-    parts = [f"{what}: " + ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "") for what, keys in named if keys]
-    if not parts:
-        return
-    model = (ckpt.get("steadylm") or {}).get("config", {}).get("model")
-    fix = "use the model config it was trained with"
-    if isinstance(model, dict):
-        fix = "use the model overrides it was trained with: " + " ".join(f"model.{k}={v}" for k, v in model.items())
-    raise CheckpointError(f"{path}: was written for a different model shape ({'; '.join(parts)}); {fix}")
-
-
-def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
-    """`ckpt_path=<file>`, or `resume=auto`: the newest good checkpoint in this run's `checkpoints/` (a fresh
-    start if none), as a requeued submitit job does by itself (the launcher cannot add it to the command); checked
-    to load safely, fit `module` and match its schedule."""
-    ckpt_path, resume = cfg.get("ckpt_path"), cfg.get("resume")
-    if resume not in (None, "auto"):
-        raise CheckpointError(
-            f"resume={resume} is not supported; use resume=auto, or ckpt_path=<file> for a given checkpoint"
-        )
-    if resume == "auto" and ckpt_path:
-        raise CheckpointError("both ckpt_path and resume=auto are set; pass only one of them")
-    folder = Path(cfg.paths.output_dir) / "checkpoints"
-    how = "resume=auto" if resume else "submitit requeued this job" if os.environ.get("SUBMITIT_EXECUTOR") else None
-    if how and (found := latest_checkpoint(folder)):
-        log.info("%s: continuing from %s", how, found)
-        ckpt_path = found
-    elif resume:
-        log.info("resume=auto: no checkpoint in %s, starting from scratch", folder)
-    if not ckpt_path:
-        return None
-    ckpt = safe_load(ckpt_path, mmap=True)  # mmap: no second full read into RAM
-    check_compatible(ckpt, ckpt_path, module)
-    meta = ckpt.get("steadylm") or {}
-    applied = int(ckpt.get("global_step", 0)) - int(meta.get("skipped_steps", 0))
-    check_resume((meta.get("config") or {}).get("optim"), module.schedule, applied, f"ckpt_path={ckpt_path}")
-    return str(ckpt_path)
 
 
 class SaveOnException(L.Callback):

@@ -78,7 +78,7 @@ def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None
     logit_tokens = min(tokens, int(optim.get("loss_chunk", 1024))) if chunked else tokens
     parts = {
         "weights+grads+adamw": n_params * ADAMW_BYTES_PER_PARAM // shards,
-        "activations": tokens * m.n_layer * (34 * elem // 2 + 4 * m.x0_mix) * m.d_model,  # x0_mix keeps fp32 x
+        "activations": tokens * m.n_layer * 34 * m.d_model * elem // 2,
         "logits": logit_tokens * vocab * (elem + (16 if m.logit_softcap else 8)) + vocab * int(m.d_model) * 4 * chunked,
     }
     if devices.on_cuda:

@@ -134,9 +134,8 @@ class LMModule(L.LightningModule):
         0: a step under a restore counts -1) and the LR scale. The last step asks the Trainer to stop, so Lightning
         validates after it: every run with val data ends with a `val/loss`."""
         trainer = self.trainer
-        applied = max(0, trainer.global_step - self.skipped_steps)
-        lr = self.schedule.lr_of(applied, self.lr_scale, self.rewarm)
-        set_lr(optimizer, lr, applied)
+        lr = self.schedule.lr_of(max(0, trainer.global_step - self.skipped_steps), self.lr_scale, self.rewarm)
+        set_lr(optimizer, lr)
         if self.logs_now:
             write_metrics(trainer, {"optim/lr": lr})
         if trainer.global_step + 1 >= trainer.max_steps > 0:
@@ -199,8 +198,7 @@ class LMModule(L.LightningModule):
         from steadylm.muon import Muon
         from steadylm.muon import param_groups as muon_groups
 
-        knobs = ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr", "momentum_start")
-        knobs += ("momentum_warmup_steps",)
+        knobs = ("momentum", "nesterov", "ns_steps", "ns_dtype", "ns_coeffs", "adjust_lr")
         return Muon(muon_groups(self.net, o), **common, **{k: o["muon"][k] for k in knobs})
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

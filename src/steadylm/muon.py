@@ -24,7 +24,6 @@ from torch.optim.adamw import adamw
 
 from steadylm import compat
 from steadylm.errors import is_int, number
-from steadylm.model.mup import decayed
 
 # Each Newton-Schulz iteration applies p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X; a schedule lists (a, b, c) per iteration
 # (its last entry repeats past its end) and the safety factor the input norm is divided by.
@@ -58,13 +57,6 @@ def config_rules(m, t) -> list[tuple[str, object, bool, str]]:
         ("optim.muon.lr_mult", m.lr_mult, number(m.lr_mult) > 0, "a number > 0"),
         ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
         ("optim.muon.momentum", m.momentum, 0 <= number(m.momentum) < 1, "a number in [0, 1), e.g. 0.95"),
-        ("optim.muon.momentum_start", m.momentum_start, 0 <= number(m.momentum_start) < 1, "a number in [0, 1)"),
-        (
-            "optim.muon.momentum_warmup_steps",
-            m.momentum_warmup_steps,
-            is_int(m.momentum_warmup_steps) and m.momentum_warmup_steps >= 0,
-            "a whole number of steps >= 0 (0: no warmup)",
-        ),
         ("optim.muon.nesterov", m.nesterov, isinstance(m.nesterov, bool), "true or false"),
         ("optim.muon.ns_steps", m.ns_steps, is_int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
         ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
@@ -134,15 +126,6 @@ def _iterate_gram(x: torch.Tensor, schedule: list) -> torch.Tensor:
     return torch.bmm(q, x)
 
 
-def momentum_of(group: dict) -> float:
-    """The momentum of this update: linear from `momentum_start` to `momentum` over the first `momentum_warmup_steps`
-    applied steps (modded-nanogpt: 0.85 to 0.95 over 300), so a skip, a rollback and a resume follow the LR's count."""
-    n, mu = group["momentum_warmup_steps"], group["momentum"]
-    if not n:
-        return mu
-    return group["momentum_start"] + min(group["applied_step"] / n, 1.0) * (mu - group["momentum_start"])
-
-
 def lr_ratio(rule: str, rows: int, cols: int) -> float:
     """How much a matrix's step is scaled. match_rms_adamw (Moonlight): 0.2·sqrt(max(A, B)) gives the update the
     RMS of a typical AdamW update, so Muon reuses AdamW's LR and weight decay; original (Keller Jordan):
@@ -169,8 +152,6 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         momentum: float = 0.95,
-        momentum_start: float = 0.85,
-        momentum_warmup_steps: int = 0,
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_dtype: str = "auto",
@@ -189,9 +170,6 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             weight_decay=weight_decay,
             momentum=momentum,
-            momentum_start=momentum_start,
-            momentum_warmup_steps=momentum_warmup_steps,
-            applied_step=0,  # set before each update by `schedule.set_lr`
             nesterov=nesterov,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
@@ -208,12 +186,8 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # Checkpoints from before `ns_coeffs` iterated Keller Jordan's quintic, and from before the momentum warmup had
-        # none.
-        old = {"ns_coeffs": "quintic", "momentum_warmup_steps": 0, "applied_step": 0}
-        for group in self.param_groups:
-            for key, value in old.items():
-                group.setdefault(key, value)
+        for group in self.param_groups:  # checkpoints from before `ns_coeffs` iterated Keller Jordan's quintic
+            group.setdefault("ns_coeffs", "quintic")
 
     @torch.no_grad()
     def step(self, closure=None) -> torch.Tensor | None:
@@ -260,7 +234,7 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_step(self, group: dict, found_inf: torch.Tensor | None) -> None:
-        lr, mu, wd = group["lr"], momentum_of(group), group["weight_decay"]
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -323,7 +297,7 @@ def param_groups(net: torch.nn.Module, optim: dict) -> list[dict]:
             muon.append(p)
             splits.append(next((rows for suffix, rows in fused_rows.items() if name.endswith(suffix)), None))
         else:
-            (adam_decay if decayed(name, p) else adam_plain).append(p)
+            (adam_decay if p.dim() >= 2 else adam_plain).append(p)
     lr, wd = optim["lr"], optim["weight_decay"]
     groups = [
         {"params": adam_decay, "weight_decay": wd, "muon": False, "lr": lr, "lr_mult": 1.0},

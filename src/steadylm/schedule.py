@@ -92,41 +92,7 @@ class Schedule:
         return f"{self.shape}: {warm}{self.lr:.3g} decaying to {self.min_lr:.3g} at step {self.total_steps}"
 
 
-def check_resume(saved_optim: Mapping | None, schedule: Schedule, applied: int, where: str) -> None:
-    """Refuse to resume `applied` steps under a schedule that would have given them other LRs; changing only the
-    length (or `min_lr`) is an anneal, allowed while every step taken is before both schedules' decay."""
-    if not saved_optim:
-        return
-    saved = Schedule.from_optim(saved_optim)
-    # What the LR before `decay_start` depends on (not the length, not `min_lr`).
-    same_head = (saved.lr, saved.warmup_steps, saved.shape) == (schedule.lr, schedule.warmup_steps, schedule.shape)
-    # The first applied step `schedule` gives another LR; none: the run goes on as if it had been this schedule's.
-    start = min(saved.decay_start, schedule.decay_start) if same_head else 0
-    step = next((s for s in range(start, applied) if saved(s) != schedule(s)), None) if saved != schedule else None
-    if step is None:
-        return
-    if not same_head:
-        fix = (
-            f"resume with the checkpoint's optim.schedule={saved.shape} optim.lr={saved.lr:g} "
-            f"optim.warmup_steps={saved.warmup_steps}"
-        )
-    elif saved.shape == "wsd":
-        fix = f"anneal from a checkpoint saved at or before step {step}, or keep optim.total_steps={saved.total_steps}"
-    else:
-        fix = (
-            f"keep optim.total_steps={saved.total_steps} (the LR then stays at optim.min_lr past it); only "
-            "optim.schedule=wsd can be annealed to another length"
-        )
-    raise ConfigError(
-        f"{where} has {applied} applied steps under {saved.describe()}; this run's {schedule.describe()} would have "
-        f"given step {step} LR {schedule(step):.4g}, not {saved(step):.4g}; {fix}"
-    )
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float, step: int = 0) -> None:
-    """Every group's LR for the next update: `lr` times the group's own multiplier (`lr_mult`, default 1); a group
-    that keeps `applied_step` (Muon's, for its momentum warmup) learns the applied step `step` it is at."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's LR for the next update: `lr` times the group's own multiplier (`lr_mult`, default 1)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
-        if "applied_step" in group:
-            group["applied_step"] = step

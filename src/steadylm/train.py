@@ -4,6 +4,7 @@ composed config); `main` is the `@hydra.main` wrapper that turns a user's mistak
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import nullcontext, suppress
 from pathlib import Path
@@ -18,7 +19,6 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from steadylm.checkpointing import checkpoint_to_resume
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
@@ -77,7 +77,11 @@ def build_trainer(run: Resolved) -> L.Trainer:
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     objects = build(cfg)
     trainer = objects["trainer"]
-    ckpt_path = checkpoint_to_resume(cfg, objects["module"])
+    ckpt_path = None
+    if any(cfg.get(k) is not None for k in ("ckpt_path", "resume", "init_from")) or os.environ.get("SUBMITIT_EXECUTOR"):
+        from steadylm.resume import checkpoint_to_resume  # loaded only by a run that may start from a checkpoint
+
+        ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
     with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback

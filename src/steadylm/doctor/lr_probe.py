@@ -184,7 +184,7 @@ def run_probe(
     module.train()
     for step in range(steps):
         x, y = batches[step % len(batches)]
-        set_lr(opt, schedule(step) * anneal(step, steps, floor), step)
+        set_lr(opt, schedule(step) * anneal(step, steps, floor))
         for a in attns:
             a.track_max_logit = True
         logits = module(x)

@@ -33,10 +33,7 @@ class GPTConfig:
     mup_base_width: int | None = None  # mup: the d_model the LR was tuned at (null: this d_model)
     mup_base_head_dim: int | None = None  # mup: that model's head size (null: this head size)
     mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
-    zero_init_proj: bool = False  # the residual projections start at 0: every block starts as the identity
     logit_softcap: float | None = None  # c: logits = c·tanh(logits/c) (Gemma 2), so |logits| < c
-    value_embeds: int = 0  # k tables of per-token values added to v: table i feeds layers i and n_layer-1-i
-    x0_mix: bool = False  # each block reads λ_r·x + λ_0·x0 (x0: the embedding output); λ learned from 1 and 0
 
     def __post_init__(self) -> None:
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -74,10 +71,6 @@ class GPTConfig:
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} must be true or false")
         if not (self.logit_softcap is None or number(self.logit_softcap) > 0):
             raise ConfigError(f"model.logit_softcap={self.logit_softcap!r} must be a number > 0 (e.g. 15), or null")
-        if not (is_int(k := self.value_embeds) and 0 <= k <= (self.n_layer + 1) // 2):  # table i: layers i, L-1-i
-            raise ConfigError(
-                f"model.value_embeds={k!r} must be a whole number from 0 to ceil(n_layer/2) = {(self.n_layer + 1) // 2}"
-            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not self.norm_eps > 0:

@@ -72,12 +72,10 @@ class CausalSelfAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None  # the layer's largest logit (a scalar)
         self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
-    def forward(self, x: torch.Tensor, rope=None, ve: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, C); `rope`: this length's (cos, sin), each (T, 1, D), or None; `ve` (B, T, KV·D): added to v."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x (B, T, C); `rope`: this length's (cos, sin), each (T, 1, D), or None (learned positions)."""
         (B, T, C), H, KV, D = x.shape, self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
-        if ve is not None:  # the table is fp32 under autocast: cast to v's dtype, as SDPA needs one dtype
-            v = v + ve.view(B, T, KV, D).to(v.dtype)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # in (B, T, heads, D), before the transpose: elementwise ops on contiguous rows
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -135,12 +133,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None  # λ_r, λ_0 (`model.x0_mix`)
 
-    def forward(self, x: torch.Tensor, rope=None, ve=None, x0: torch.Tensor | None = None) -> torch.Tensor:
-        if self.lambdas is not None:  # at init 1·x + 0·x0: x exactly
-            x = self.lambdas[0] * x + self.lambdas[1] * x0
-        x = x + self.attn(self.ln_1(x), rope, ve)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -158,9 +153,6 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, cfg.d_model)
         self.lm_head = layer(nn.Linear, cfg.init, cfg.d_model, cfg.vocab_size, bias=False)
-        kv_dim, k, L = cfg.n_kv_head * cfg.head_dim, cfg.value_embeds, cfg.n_layer
-        self.value_embeds = nn.ModuleList(layer(nn.Embedding, cfg.init, cfg.vocab_size, kv_dim) for _ in range(k))
-        self.ve_of_layer = [t if (t := min(i, L - 1 - i)) < k else None for i in range(L)]  # each block's table
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         init_weights(self, cfg)
@@ -174,9 +166,9 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} > model.context_length={self.cfg.context_length}")
         rope = None if self.wpe is not None else (self.rope_cos[:T], self.rope_sin[:T])
-        x = x0 = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
-        for block, t in zip(self.blocks, self.ve_of_layer):
-            x = block(x, rope, None if t is None else self.value_embeds[t](idx), x0)
+        x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for block in self.blocks:
+            x = block(x, rope)
         if self.track_residual:
             self.residual_rms = x.detach().float().pow(2).mean().sqrt()
         x = self.ln_f(x)
@@ -186,7 +178,7 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         """A tied matrix once; `non_embedding` drops the tables only looked up, never multiplied (the 6N rule)."""
-        tables = [self.wpe, None if self.cfg.tie_embeddings else self.wte, *self.value_embeds] if non_embedding else []
+        tables = [self.wpe, None if self.cfg.tie_embeddings else self.wte] if non_embedding else []
         return sum(p.numel() for p in self.parameters()) - sum(t.weight.numel() for t in tables if t is not None)
 
     def flops_per_token(self) -> int:

@@ -1,7 +1,6 @@
 """How the model's layers are built and initialised. `model.init=gpt2`: N(0, 0.02), the residual projections by
 1/sqrt(2·n_layer) so the residual variance does not grow with depth (GPT-2 §2.3); `xavier`: Glorot-uniform
-linears; `torch_default`: PyTorch's own, kept to show what unstable init looks like. `zero_init_proj` then zeroes the
-residual projections (modded-nanogpt, nanochat)."""
+linears; `torch_default`: PyTorch's own, kept to show what unstable init looks like."""
 
 from __future__ import annotations
 
@@ -28,14 +27,11 @@ def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
 
 def init_weights(model: nn.Module, cfg: GPTConfig) -> None:
     """gpt2: every linear but the readout (`lm_head`) gets its std times muP's 1/sqrt(m)."""
+    if cfg.init == "torch_default":
+        return
     mult = 1.0 / math.sqrt(mup.width_mult(cfg))
     for module in model.modules():
-        if cfg.zero_init_proj and getattr(module, "is_residual_proj", False):  # any init, any parametrization
-            for p in module.parameters():  # weight and bias: the block adds exactly 0
-                nn.init.zeros_(p)
-        elif cfg.init == "torch_default":
-            continue
-        elif isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):
             if cfg.init == "gpt2":
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if getattr(module, "is_residual_proj", False) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std if module is model.lm_head else std * mult)

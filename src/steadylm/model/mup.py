@@ -30,18 +30,14 @@ def attn_scale(cfg: GPTConfig) -> float | None:
     return (1.0 / math.sqrt(b)) * (b / cfg.head_dim) if cfg.parametrization == "mup" else None
 
 
-# Weight decay on the matrices; not on vectors, scalars, or the value tables (`model.value_embeds`, modded-nanogpt's).
-decayed = lambda name, p: p.dim() >= 2 and "value_embeds." not in name
-
-
 def param_groups(
     named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: GPTConfig, lr: float, weight_decay: float
 ) -> list[dict]:
-    """AdamW groups, decay on the matrices (`decayed`): sp [matrices, vectors]; mup [embedding-like, vectors, hidden at
-    lr/m, wd*m]. Group 0 runs at the base LR (`optim/lr`); the undecayed rest, vectors and value tables, at it too."""
+    """AdamW groups, decay on >=2-D weights: sp [matrices, vectors]; mup [embedding-like, vectors, hidden at lr/m,
+    wd*m]. Group 0 runs at the base LR (`optim/lr`)."""
     params = [(n, p) for n, p in named_params if p.requires_grad]
-    matrices = [(n, p) for n, p in params if decayed(n, p)]
-    vectors = ("vectors", [p for n, p in params if not decayed(n, p)], 0.0, 1.0)
+    matrices = [(n, p) for n, p in params if p.dim() >= 2]
+    vectors = ("vectors", [p for _, p in params if p.dim() < 2], 0.0, 1.0)
     if cfg.parametrization != "mup":
         groups = [("matrices", [p for _, p in matrices], weight_decay, 1.0), vectors]
     else:  # embedding-like: one side is the vocabulary or the positions, so no width factor

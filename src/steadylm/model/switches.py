@@ -53,10 +53,7 @@ SWITCHES: dict[str, Switch] = {
     "mup_base_width": MUP,
     "mup_base_head_dim": MUP,
     "mup_output_mult": MUP,
-    "zero_init_proj": Switch("nothing: the weights carry it", "nothing", "nothing", False),
     "logit_softcap": Switch(None, NONE, "8 more bytes a logit (its fp32 tanh)"),
-    "value_embeds": Switch(None, "nothing: tables looked up, left out of N", PARAMS + "; the lookups are transient", 0),
-    "x0_mix": Switch(None, NONE + "; 2 scalars a layer in N", PARAMS + "; the unmixed x, 4·d bytes a layer", False),
 }
 
 
