@@ -65,6 +65,8 @@ TWINS = {
     "clean_data": [*NOQK, "data.dir={work}/data-clean", "data.shuffle=false"],
     "fp16": [*NOQK, "trainer=gpu", "trainer.precision=16-mixed"],
     "fast": ["experiment=fast"],  # Muon, bf16 where the CPU has bf16 units
+    # a second stage from a trained run's weights (`pretrain`): a new schedule with its own warmup
+    "restart": [*NOQK, "init_from={work}/pretrained/checkpoints/last.ckpt"],
 }
 NEEDS_CUDA = {"fp16"}  # Lightning runs 16-mixed on a CPU as bf16-mixed, so fp16's overflow needs a CUDA GPU
 REPEATED = ("this.py", 40)  # the real stdlib file repeated, and how often (~33 KB: ~32 steps of 16 x 64 bytes)
@@ -110,6 +112,11 @@ SCENARIOS = {
         "Chowdhery et al. 2022 (PaLM): spikes tied to particular data batches",
         [*NOQK, "data.dir={work}/data-repeated", "data.shuffle=false"],
         "clean_data",
+    ),
+    "LR restarted at 10x with no warmup, from trained weights": (
+        "the seed guide: an abrupt LR jump (a schedule restarted high mid-run)",
+        [*TWINS["restart"], "optim.lr=0.02", "optim.warmup_steps=0"],
+        "restart",
     ),
     "experiment=fast, lr 3x": ("the fast preset (Muon) at 3x its LR", [*TWINS["fast"], "optim.lr=0.06"], "fast"),
     "fp16 mixed precision, lr 30x, no QK-norm": (
@@ -232,6 +239,8 @@ def main() -> None:
     work = (args.reuse or Path(tempfile.mkdtemp(prefix="steadylm-divergence-"))).resolve()
     if "clean_data" in twins:
         data_folders(work)
+    if "restart" in twins:  # the run whose weights the restarted schedules start from, before them
+        run(work / "pretrained", [*SHAPE, *NOQK, "seed=1"], args.steps, args.overrides)
     jobs = {}
     for t in twins:
         for seed in SEEDS:

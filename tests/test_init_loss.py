@@ -38,3 +38,14 @@ def test_a_wrong_init_is_flagged_at_step_0_and_the_run_ends_unstable(make_cfg, t
         )
     )
     assert not [e for e in read_events(tmp_path / "gpt2") if e["kind"] == "init_loss"]
+
+
+def test_a_run_from_trained_weights_has_no_init_to_judge(make_cfg, tmp_path):
+    """`init_from` loads weights whose loss is rightly far from ln(vocab_size): no `init_loss` event. The weights here
+    are a wrong init's, so the only thing that keeps the event away is that they were loaded."""
+    steps = ["trainer.max_steps=2", "optim.warmup_steps=1", "callbacks.checkpoint.every_n_train_steps=2"]
+    train(make_cfg("model.init=torch_default", *steps, out=tmp_path / "a"))
+    assert [e["kind"] for e in read_events(tmp_path / "a") if e["kind"] == "init_loss"] == ["init_loss"]
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    train(make_cfg("model.init=torch_default", *steps, f"init_from={ckpt}", out=tmp_path / "b"))
+    assert not [e for e in read_events(tmp_path / "b") if e["kind"] == "init_loss"]

@@ -63,6 +63,7 @@ class LMModule(L.LightningModule):
         self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
         self.pre_clip_grad_norm: torch.Tensor | None = None
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
+        self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)

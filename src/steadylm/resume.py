@@ -119,6 +119,7 @@ def init_weights_from(path: str, module: torch.nn.Module) -> None:
     ckpt = safe_load(path, mmap=True)
     check_compatible(ckpt, path, module)
     module.load_state_dict(ckpt["state_dict"])
+    module.weights_from = str(path)
     log.info(
         "init_from: the weights of %s (step %d); optimizer and LR schedule start fresh",
         path,

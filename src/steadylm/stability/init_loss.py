@@ -1,6 +1,7 @@
 """`InitLoss`: a fresh run whose step-0 loss is not ln(vocab_size) within `tolerance` nats started from a wrong init
 (PyTorch's default init starts the tiny model at ~43 nats, and then nothing diverges and no other check fires): one
-`init_loss` event makes the run end `unstable` with the fix instead of `ok`. A resumed run is not judged again."""
+`init_loss` event makes the run end `unstable` with the fix instead of `ok`. A resumed run is not judged again, and
+a run that starts from trained weights (`init_from`) has no init to judge."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ class InitLoss(Check):
         if not tolerance > 0:
             raise ConfigError(f"callbacks.stability.init_loss.tolerance={tolerance} must be > 0 (nats)")
         self.tolerance = float(tolerance)
+
+    def applies(self, trainer) -> bool:
+        return getattr(trainer.lightning_module, "weights_from", None) is None
 
     def verdict(self, m, view: StepView) -> Verdict:
         self.next_step = math.inf  # judged once, on the fit's first measurement
