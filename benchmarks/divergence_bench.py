@@ -65,7 +65,7 @@ TWINS = {
     "clean_data": [*NOQK, "data.dir={work}/data-clean", "data.shuffle=false"],
     "fp16": [*NOQK, "trainer=gpu", "trainer.precision=16-mixed"],
     "fast": ["experiment=fast"],  # Muon, bf16 where the CPU has bf16 units
-    # a second stage from a trained run's weights (`pretrain`): a new schedule with its own warmup
+    # a second stage from a trained run's weights (`{work}/pretrained`, run first): a new schedule, its own warmup
     "restart": [*NOQK, "init_from={work}/pretrained/checkpoints/last.ckpt"],
 }
 NEEDS_CUDA = {"fp16"}  # Lightning runs 16-mixed on a CPU as bf16-mixed, so fp16's overflow needs a CUDA GPU
