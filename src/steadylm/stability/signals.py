@@ -16,9 +16,9 @@ cannot act (QK-norm on, or QK-clip removed), it asks its `Backoff` for a lower L
 began (`action: backoff`). Before that, once per episode, a *forecast*: from a log-linear fit of the values read
 every step (the residual RMS the model keeps, QK-clip's max logit: no host read of their own), or of the rising last
 `trend_points` stats-step values (`log_z`). The levels are absolute and far from healthy values, and the horizon
-short: in `benchmarks/divergence_bench.py` the unstable runs doubled every 0.6-2.4 steps at their forecast, the only
-healthy growth forecast (Muon at twice the LR, 200-step horizon) every 35-43, so the rule does not depend on width
-or parametrisation.
+short: in `benchmarks/divergence_bench.py` the unstable runs' residual doubled every 0.3-2.8 steps at their forecast,
+the healthy runs' closest climb through the same values (12 layers, Muon at twice its LR) every 4-6, a level 20+
+steps out, so the rule does not depend on width or parametrisation.
 """
 
 from __future__ import annotations
@@ -76,10 +76,11 @@ SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
 STEPWISE = ("residual_rms", "attn_logit")  # also read every step, where that costs no host read
-# The fewest steps a per-step trend is fitted over: a 100x LR takes the residual from 0.05 past 100 in 5 steps. The
-# window keeps every value from the start, so so few points are only fitted in a run's first steps (or after a
-# restart), where a healthy run is far below `forecast_from` of the level.
+# The fewest steps a per-step trend is fitted over: a 100x LR takes the residual from 0.05 past 100 in 5 steps.
 FIT_POINTS = 4
+# Where a forecast starts, as a share of the level (else 1/4): the residual from 3, past the climb from its init (0.05
+# to 1-2 in a healthy run's first 20 steps, doubling every 2-5); attention logits reach 5-10 early, in noisy jumps.
+FORECAST_FROM = {"residual_rms": 0.03}
 
 
 def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
@@ -120,7 +121,7 @@ class Precursors(Check):
 
     def __init__(
         self, residual_rms=100.0, update_ratio=None, log_z=None, attn_logit=100.0, persist=3, action="backoff",
-        trend_points=3, horizon=25, forecast_from=0.25, trend_window=32, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
+        trend_points=3, horizon=12, forecast_from=None, trend_window=12, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
         rewind=True, rewarm_steps=100, watch=None, forecast_lr=None,
     ) -> None:  # fmt: skip
         where = "callbacks.stability.signals"
@@ -145,13 +146,14 @@ class Precursors(Check):
                 raise ConfigError(f"{where}.{name}={level} must be > 0, or null to not judge it")
         if action not in ("backoff", "log"):
             raise ConfigError(f"{where}.action={action!r} must be backoff or log")
-        if persist < 1 or trend_points < 2 or horizon < 1 or not 0 < forecast_from <= 1:
-            raise ConfigError(f"{where}: persist >= 1, trend_points >= 2, horizon >= 1 and forecast_from in (0, 1]")
-        if trend_window < 4 or not 0 <= min_fit < 1:
-            raise ConfigError(f"{where}: trend_window >= 4 and min_fit in [0, 1)")
+        shares = FORECAST_FROM if forecast_from is None else forecast_from
+        if not isinstance(shares, dict) or not all(s in self.levels and 0 < x <= 1 for s, x in shares.items()):
+            raise ConfigError(f"{where}.forecast_from={shares} must be {{signal: its share of the level, in (0, 1]}}")
+        self.floor = {name: (level or 0) * shares.get(name, 0.25) for name, level in self.levels.items()}
+        if persist < 1 or trend_points < 2 or horizon < 1 or trend_window < 4 or not 0 <= min_fit < 1:
+            raise ConfigError(f"{where}: persist, horizon >= 1; trend_points >= 2; trend_window >= 4; 0 <= min_fit < 1")
         self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
-        self.horizon, self.forecast_from = int(horizon), float(forecast_from)
-        self.trend_window, self.min_fit = int(trend_window), float(min_fit)
+        self.horizon, self.trend_window, self.min_fit = int(horizon), int(trend_window), float(min_fit)
         self.series = {s: deque(maxlen=self.trend_window) for s in (*STEPWISE, *self.watched)}  # per-step values
         self.stepwise: set[str] = set()  # the signals this fit reads every step (their forecast comes from there)
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
@@ -209,7 +211,7 @@ class Precursors(Check):
             self.series[name].append((step, value))
             if name in self.watched and value <= level:
                 self.streak[name] = 0  # your own signal: back under its level ends its alarm
-            if value < level * self.forecast_from:
+            if value < self.floor[name]:
                 if self.streak[name] == 0:
                     self.forecast[name], self.onset[name] = False, -1  # the episode is over
                 continue
@@ -296,7 +298,7 @@ class Precursors(Check):
             if level is None or value is None or not math.isfinite(value) or (name in AFTER_WARMUP and in_warmup):
                 continue
             self.history[name].append((step, value))
-            low = value < level * self.forecast_from
+            low = value < self.floor[name]
             if low and self.streak[name] == 0:
                 self.forecast[name], self.onset[name] = False, -1  # the episode is over
             if value <= level:
