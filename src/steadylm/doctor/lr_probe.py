@@ -179,6 +179,7 @@ def run_probe(
     params = [p for p in module.parameters() if p.requires_grad]
     out = Probe(lr, [], [], [], [])
     watch = Precursors(**{**(signals or {}), "action": "log"})
+    watch.fit_to(module.net.cfg.d_model, module.net.cfg.n_layer, optim.get("name"))
     module.net.track_residual = True
     schedule = Schedule(lr=lr, min_lr=lr, warmup_steps=warmup, total_steps=steps)  # warmup, then flat at `lr`
     module.train()

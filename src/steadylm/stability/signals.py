@@ -1,24 +1,17 @@
 """`Precursors`: instability that the attention logits do not show, flagged, forecast and backed off from.
 
-With QK-norm on, attention logits stay bounded whatever the LR, so QK-clip never fires; a far too high LR still
-does its damage elsewhere. The signals come from what the `stats` check measures on its steps, in the step's one
-collective (activations and logits with MAX over ranks):
-
-| signal | value | why |
-| --- | --- | --- |
-| `residual_rms` | the largest per-block RMS of the residual stream | a pre-LN model stays O(1) there; a too-high LR grows the weights, and with them the stream, by orders of magnitude, drowning what later updates add |
-| `update_ratio` | ‖Δθ‖/‖θ‖ of the whole model, after the warmup | Adam moves each weight by about the LR; a ratio far above the usual 1e-3..1e-2 at the peak LR is a step size the weights cannot absorb |
-| `log_z` | the mean \\|log Z\\| of the output softmax | Wortsman et al. 2023: output-logit divergence shows as log Z drifting far from 0 (z-loss holds it) |
-| `attn_logit` | the max attention logit (forecast only) | QK-clip owns its alarm and its mitigation; here it is only forecast |
+With QK-norm on, attention logits stay bounded at any LR, so QK-clip never fires; a far too high LR still does its
+damage elsewhere. The signals (docs/stability.md) come from the `stats` check's steps, in the step's one collective:
+`residual_rms` (a too-high LR grows the weights, and with them the stream, by orders of magnitude), `update_ratio`
+(a step the weights cannot absorb), `log_z` (output-logit divergence, Wortsman et al. 2023) and `attn_logit`
+(forecast only: QK-clip owns its alarm and its mitigation).
 
 A signal is *alarmed* above its level (null: not judged); alarmed on `persist` stats steps in a row where QK-clip
-cannot act (QK-norm on, or QK-clip removed), it asks its `Backoff` for a lower LR and a rewind to before the growth
-began (`action: backoff`). Before that, once per episode, a *forecast*: from a log-linear fit of the values read
-every step (the residual RMS the model keeps, QK-clip's max logit: no host read of their own), or of the rising last
-`trend_points` stats-step values (`log_z`). The levels are absolute and far from healthy values, and the horizon
-short: in `benchmarks/divergence_bench.py` the unstable runs' residual doubled every 0.3-2.8 steps at their forecast,
-the healthy runs' closest climb through the same values (12 layers, Muon at twice its LR) every 4-6, a level 20+
-steps out, so the rule does not depend on width or parametrisation.
+cannot act, it asks its `Backoff` for a lower LR and a rewind to before the growth began. Before that, once per
+episode, a *forecast*: from a log-linear fit of the values read every step (the residual RMS, QK-clip's max logit: no
+host read of their own), or of the rising last `trend_points` stats-step values (`log_z`). The levels are far above
+healthy values (under Muon, scaled to the model's size: `fit_to`) and the horizon short: in
+`benchmarks/divergence_bench.py` the unstable runs doubled every 0.6-2.4 steps at their forecast.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from steadylm.stability.verdict import Verdict
 
 PERSISTENT_PRECURSORS = 5  # `precursor` events (with no backoff) that make a run `unstable`
 SIGNAL_CAUSES = {
-    "residual_rms": "the residual stream's RMS grew past {level:g} (max {peak:.3g}; healthy runs stay O(1))",
+    "residual_rms": "the residual stream's RMS grew past {level:g} (max {peak:.3g})",
     "update_ratio": "the update/param ratio stayed above {level:g} after the warmup (max {peak:.3g})",
     "log_z": "the output softmax's |log Z| drifted past {level:g} (max {peak:.3g})",
 }
@@ -76,11 +69,14 @@ SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup
 STEPWISE = ("residual_rms", "attn_logit")  # also read every step, where that costs no host read
-# The fewest steps a per-step trend is fitted over: a 100x LR takes the residual from 0.05 past 100 in 5 steps.
+# The fewest steps a per-step trend is fitted over: a 100x LR takes the residual from 0.05 past 100 in 5 steps. The
+# window keeps every value from the start, so so few points are only fitted in a run's first steps (or after a
+# restart), where a healthy run is far below `forecast_from` of the level.
 FIT_POINTS = 4
-# Where a forecast starts, as a share of the level (else 1/4): the residual from 3, past the climb from its init (0.05
-# to 1-2 in a healthy run's first 20 steps, doubling every 2-5); attention logits reach 5-10 early, in noisy jumps.
-FORECAST_FROM = {"residual_rms": 0.03}
+# The shape the residual level was set at (tiny's: d 128, 2 layers). Muon moves every hidden matrix by the same RMS at
+# any size, so its healthy residual grows with width and depth (LR 2e-2: 6.8 / 28 / 56 at d 64 / 256 / 512 with 2
+# layers, 23 / 110 at d 64 / 256 with 8); muP keeps AdamW's (1.7 / 1.4 at d 64 / 512, 2 layers; 4.6 at d 256, 8).
+LEVEL_SHAPE = 128 * 2
 
 
 def signal_values(metrics: dict[str, float], qk_norm: bool) -> dict[str, float]:
@@ -121,24 +117,22 @@ class Precursors(Check):
 
     def __init__(
         self, residual_rms=100.0, update_ratio=None, log_z=None, attn_logit=100.0, persist=3, action="backoff",
-        trend_points=3, horizon=12, forecast_from=None, trend_window=12, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
-        rewind=True, rewarm_steps=100, watch=None, forecast_lr=None,
+        trend_points=3, horizon=25, forecast_from=0.25, trend_window=32, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
+        rewind=True, rewarm_steps=100, watch=None, forecast_lr=0.7,
     ) -> None:  # fmt: skip
         where = "callbacks.stability.signals"
         if forecast_lr is not None and not 0 < forecast_lr < 1:
             raise ConfigError(f"{where}.forecast_lr={forecast_lr} must be in (0, 1), or null for a forecast that logs")
         self.forecast_lr = forecast_lr
         self.holding: dict | None = None  # a forecast's LR hold under way (`verdict`)
-        self.levels = {"residual_rms": residual_rms, "update_ratio": update_ratio, "log_z": log_z}
-        self.levels["attn_logit"] = attn_logit
+        self.levels = dict(residual_rms=residual_rms, update_ratio=update_ratio, log_z=log_z, attn_logit=attn_logit)
+        self.residual_level = residual_rms  # as configured: `fit_to` scales it to the model
         self.watched = {}  # your own signals, `watch: {name: {value: CHECK.KEY, level: X}}`: {name: (check, key)}
         for name, spec in (watch or {}).items():
             value, level = str((spec or {}).get("value", "")), (spec or {}).get("level")
             if name in SIGNALS or value.count(".") != 1 or not isinstance(level, (int, float)) or not level > 0:
-                raise ConfigError(
-                    f"{where}.watch.{name} must be {{value: CHECK.KEY, level: X > 0}} (a check's measured key) under a "
-                    f"name that is not a built-in signal's"
-                )
+                must = "{value: CHECK.KEY, level: X > 0} (a check's measured key) under a name not a built-in signal's"
+                raise ConfigError(f"{where}.watch.{name} must be {must}")
             self.watched[name] = tuple(value.split("."))
         self.levels.update({name: float(watch[name]["level"]) for name in self.watched})
         for name, level in self.levels.items():
@@ -146,14 +140,13 @@ class Precursors(Check):
                 raise ConfigError(f"{where}.{name}={level} must be > 0, or null to not judge it")
         if action not in ("backoff", "log"):
             raise ConfigError(f"{where}.action={action!r} must be backoff or log")
-        shares = FORECAST_FROM if forecast_from is None else forecast_from
-        if not isinstance(shares, dict) or not all(s in self.levels and 0 < x <= 1 for s, x in shares.items()):
-            raise ConfigError(f"{where}.forecast_from={shares} must be {{signal: its share of the level, in (0, 1]}}")
-        self.floor = {name: (level or 0) * shares.get(name, 0.25) for name, level in self.levels.items()}
-        if persist < 1 or trend_points < 2 or horizon < 1 or trend_window < 4 or not 0 <= min_fit < 1:
-            raise ConfigError(f"{where}: persist, horizon >= 1; trend_points >= 2; trend_window >= 4; 0 <= min_fit < 1")
+        if persist < 1 or trend_points < 2 or horizon < 1 or not 0 < forecast_from <= 1:
+            raise ConfigError(f"{where}: persist >= 1, trend_points >= 2, horizon >= 1 and forecast_from in (0, 1]")
+        if trend_window < 4 or not 0 <= min_fit < 1:
+            raise ConfigError(f"{where}: trend_window >= 4 and min_fit in [0, 1)")
         self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
-        self.horizon, self.trend_window, self.min_fit = int(horizon), int(trend_window), float(min_fit)
+        self.horizon, self.forecast_from = int(horizon), float(forecast_from)
+        self.trend_window, self.min_fit = int(trend_window), float(min_fit)
         self.series = {s: deque(maxlen=self.trend_window) for s in (*STEPWISE, *self.watched)}  # per-step values
         self.stepwise: set[str] = set()  # the signals this fit reads every step (their forecast comes from there)
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
@@ -170,17 +163,24 @@ class Precursors(Check):
         self._net = None
 
     def applies(self, trainer) -> bool:
-        """The model keeps its residual stream's RMS on every forward (one reduction, for `measure`)."""
-        net = getattr(trainer.lightning_module, "net", None)
+        """The model keeps its residual stream's RMS on every forward (one reduction, for `measure`); `fit_to` it."""
+        module = trainer.lightning_module
+        net = getattr(module, "net", None)
         self._net = net if hasattr(net, "track_residual") and self.levels["residual_rms"] is not None else None
         if self._net is not None:
             self._net.track_residual = True
+            self.fit_to(net.cfg.d_model, net.cfg.n_layer, (getattr(module, "optim_cfg", None) or {}).get("name"))
         return True
 
+    def fit_to(self, d_model: int, n_layer: int, optim: str | None) -> None:
+        """The residual level for this model: the configured one, x d_model * n_layer past tiny's under Muon."""
+        if self.residual_level is not None:
+            scale = max(1.0, d_model * n_layer / LEVEL_SHAPE) if optim == "muon" else 1.0
+            self.levels["residual_rms"] = self.residual_level * scale
+
     def measure(self, view) -> dict:
-        if self._net is None or self._net.residual_rms is None:
-            return {}
-        return {"residual_rms": ("max", self._net.residual_rms)}
+        rms = self._net.residual_rms if self._net is not None else None
+        return {} if rms is None else {"residual_rms": ("max", rms)}
 
     def watch(self, step: int, values: dict[str, float]) -> list[Verdict]:
         """`verdict`'s per-step rule on one step's plain values `{signal: value}`."""
@@ -211,7 +211,7 @@ class Precursors(Check):
             self.series[name].append((step, value))
             if name in self.watched and value <= level:
                 self.streak[name] = 0  # your own signal: back under its level ends its alarm
-            if value < self.floor[name]:
+            if value < level * self.forecast_from:
                 if self.streak[name] == 0:
                     self.forecast[name], self.onset[name] = False, -1  # the episode is over
                 continue
@@ -256,8 +256,9 @@ class Precursors(Check):
                 out.append(v)
         # `forecast_lr`: a forecast acts before the loss turns, one at a time. The snapshot from before the growth is
         # pinned (an alarm's rewind then finds it) and the LR scale lowered until the forecast's horizon passes: one
-        # that did not come true lowers no LR for good.
-        if self.forecast_lr is None or self.holding is not None or any(v.action == "backoff" for v in out):
+        # that did not come true lowers no LR for good. `action: log` never acts.
+        acts = self.forecast_lr is not None and self.action == "backoff" and self.holding is None
+        if not acts or not out or any(v.action == "backoff" for v in out):
             return out
         first = next((v for v in out if v.kind == "forecast"), None)
         if first is None:
@@ -298,7 +299,7 @@ class Precursors(Check):
             if level is None or value is None or not math.isfinite(value) or (name in AFTER_WARMUP and in_warmup):
                 continue
             self.history[name].append((step, value))
-            low = value < self.floor[name]
+            low = value < level * self.forecast_from
             if low and self.streak[name] == 0:
                 self.forecast[name], self.onset[name] = False, -1  # the episode is over
             if value <= level:
@@ -315,8 +316,7 @@ class Precursors(Check):
                 continue  # QK-clip's alarm, not this class's
             self.streak[name] += 1
             self.alarms += 1
-            if self.onset[name] < 0:
-                self.onset[name] = step
+            self.onset[name] = step if self.onset[name] < 0 else self.onset[name]
             detail = {"signal": name, "value": value, "threshold": level, "streak": self.streak[name]}
             context = {}
             if self.streak[name] >= self.persist and self.action == "backoff" and may_back_off and not asked:
