@@ -74,6 +74,23 @@ def test_prepare_glob_and_list(tmp_path, corpus):
     assert s2["documents"]["train"] + s2["documents"]["val"] == 7
 
 
+def test_a_folder_of_your_own_text_is_read_whatever_the_suffixes_less_hidden_files(tmp_path):
+    src = tmp_path / "notes"
+    (src / "code").mkdir(parents=True)
+    (src / ".git").mkdir()
+    texts = {"README.md": "# notes\n", "code/main.py": "print('hi')\n", "LICENSE": "MIT\n"}
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    (src / ".git" / "index").write_bytes(b"DIRC\x00\x00")  # binary, and hidden: never read
+    (src / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    out = tmp_path / "out"
+    prepare(input=src, out_dir=out, val_fraction=0.5, progress=False)
+    shards = sorted(out.glob("train-*.h5")) + sorted(out.glob("val-*.h5"))
+    assert _docs_from_shards(shards, load_tokenizer(out)) == [
+        texts[k] for k in ("LICENSE", "README.md", "code/main.py")
+    ]
+
+
 def test_prepare_embedded_corpus_small(tmp_path, capsys):
     files = stdlib_files()
     assert files and not any(
@@ -116,13 +133,20 @@ def test_failed_prepare_leaves_out_dir_untouched(tmp_path, corpus):
     [
         (lambda d: d / "missing.txt", r"missing\.txt: data\.input file not found"),
         (lambda d: str(d / "*.nothing"), r"\*\.nothing: data\.input pattern matches no files"),
-        (lambda d: (d / "x.csv").write_text("a") and d / "x.csv", r"x\.csv: unsupported input type"),
+        (lambda d: (d / "x.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00") and d / "x.png", r"x\.png: looks binary"),
         (
             lambda d: (d / "bad.jsonl").write_text('{"txt": 1}\n') and d / "bad.jsonl",
             r"bad\.jsonl:1: no string field 'text'",
         ),
         (lambda d: (d / "latin.txt").write_bytes(b"caf\xe9") and d / "latin.txt", r"latin\.txt: is not UTF-8"),
-        (lambda d: (d / "empty").mkdir() or d / "empty", r"empty: data\.input folder holds no"),
+        (
+            lambda d: (
+                (d / "empty" / ".git").mkdir(parents=True)
+                or (d / "empty" / ".git" / "HEAD").write_text("x")
+                and d / "empty"
+            ),
+            r"empty: data\.input folder holds no files",
+        ),
         (lambda d: (d / "zero.txt").write_bytes(b"") or d / "zero.txt", r"zero\.txt: input file is empty"),
         (lambda d: (d / "zero.jsonl").write_bytes(b"") or d / "zero.jsonl", r"zero\.jsonl: input file is empty"),
         (

@@ -1,6 +1,7 @@
 """Input readers for `prepare`: `data.input` -> work units -> documents, streamed, never a whole file at once.
 
-Inputs are files, folders and globs mixing `.txt` (one document per file), `.jsonl`, `.jsonl.gz`,
+Inputs are files, folders and globs mixing plain text (`.txt` and any other suffix: `.md`, `.py`, ...; one
+document per file), `.jsonl`, `.jsonl.gz`,
 `.jsonl.zst` (one document per line, field `data.text_field`), `.parquet` (column `data.text_field`,
 read one row group at a time with `pyarrow`), a Hugging Face `save_to_disk` folder (its Arrow files read
 batch by batch with `pyarrow`), and `hf:NAME[:CONFIG][@SPLIT]` (a dataset streamed through `datasets`: a hub
@@ -30,21 +31,22 @@ from pathlib import Path
 
 from steadylm.errors import DataError
 
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")  # read as records; any other file is plain text
 UNIT_BYTES = 8 << 20  # target input bytes per work unit
 PIECE_BYTES = 8 << 20  # a large .txt document is read (and encoded) in pieces of about this size
 HF_PREFIX = "hf:"
 
 
 def kind_of(path: Path) -> str | None:
-    """The reader for a path: a suffix from SUFFIXES, `arrow` for a `save_to_disk` folder, else None."""
+    """The reader for a path: a suffix from SUFFIXES, `arrow` for a `save_to_disk` folder, None for another folder,
+    `txt` for any other file (a file that is not UTF-8 text is then a bad record naming it)."""
     if path.is_dir():
         return "arrow" if _arrow_files(path, probe=True) else None
     name = path.name.lower()
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
             return suffix[1:]
-    return None
+    return "txt"
 
 
 def _arrow_files(folder: Path, probe: bool = False) -> list[Path]:
@@ -90,20 +92,16 @@ def resolve_inputs(input) -> list[tuple[str, Path | str]]:
         else:
             p = Path(s).expanduser()
             if p.is_dir() and kind_of(p) != "arrow":
-                matches = sorted(q for q in p.rglob("*") if q.is_file() and kind_of(q))
+                files = (q for q in p.rglob("*") if q.is_file())  # less the hidden: .git/, .DS_Store
+                matches = sorted(q for q in files if not any(x.startswith(".") for x in q.relative_to(p).parts))
                 if not matches:
-                    raise DataError(f"{p}: data.input folder holds no {'/'.join(SUFFIXES)} files")
+                    raise DataError(f"{p}: data.input folder holds no files (hidden ones are skipped)")
             elif p.exists():
                 matches = [p]
             else:
                 raise DataError(f"{p}: data.input file not found; check the path")
         for m in matches:
             kind = kind_of(m)
-            if kind is None:
-                raise DataError(
-                    f"{m}: unsupported input type {''.join(m.suffixes) or 'without a suffix'!r}; "
-                    f"data.input takes {', '.join(SUFFIXES)} files or a `datasets` save_to_disk folder"
-                )
             if kind == "arrow":
                 out.extend(("arrow", f) for f in _arrow_files(m))
             else:
