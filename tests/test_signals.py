@@ -178,6 +178,16 @@ def test_a_signal_read_every_step_is_forecast_from_its_fit_within_its_horizon():
     assert (step, v.detail["expected_step"]) == (3, 3)
 
 
+def test_a_dip_under_the_forecast_floor_within_the_horizon_does_not_forecast_again():
+    """One forecast per episode: a noisy signal that dips under `forecast_from` of its level and climbs again while
+    its forecast's horizon is live is the same episode (model=small under Muon: 27, then 24, then 31)."""
+    check = Precursors()
+    rise = [(s, 10.0 * 2 ** (s / 3)) for s in range(5)]  # 25.2 at step 4: forecast
+    bounce = [(5, 24.0), (6, 40.0), (7, 20.0), (8, 45.0)]
+    got = [(s, v.kind) for s, x in rise + bounce for v in check.watch(s, {"attn_logit": x})]
+    assert got == [(4, "forecast")]
+
+
 def test_under_muon_the_residual_level_follows_the_models_size(make_cfg):
     """A healthy Muon run's residual RMS grows with the width and the depth (110 at d 256 with 8 layers, LR 2e-2;
     `signals.LEVEL_SHAPE`), AdamW's under muP does not: under optim=muon the level is the configured one x

@@ -154,7 +154,7 @@ class Precursors(Check):
         names = (*SIGNALS, *self.watched)
         self.streak = {s: 0 for s in names}
         self.onset = {s: -1 for s in names}  # the step the current episode began (its first forecast or alarm)
-        self.forecast = {s: False for s in names}  # forecast already given in this episode
+        self.forecast = {s: -1 for s in names}  # this episode's forecast's horizon (`by_step`); -1: none given
         self.alarms = 0
         # Set by the owner at the fit's start: QK-clip acts on this model (then it owns the mitigation and the
         # signals only log), and how often the stats measure (None: no stats, so nothing to judge).
@@ -212,8 +212,8 @@ class Precursors(Check):
             if name in self.watched and value <= level:
                 self.streak[name] = 0  # your own signal: back under its level ends its alarm
             if value < level * self.forecast_from:
-                if self.streak[name] == 0:
-                    self.forecast[name], self.onset[name] = False, -1  # the episode is over
+                if self.streak[name] == 0 and step > self.forecast[name]:  # not while a forecast's horizon is live
+                    self.forecast[name], self.onset[name] = -1, -1  # the episode is over
                 continue
             if value > level and name in self.watched:  # your own signal's alarm: logged once per episode
                 if self.streak[name] == 0:
@@ -221,7 +221,7 @@ class Precursors(Check):
                     detail = {"signal": name, "value": value, "threshold": level, "streak": 1}
                     out.append(Verdict("log", "precursor", detail, onset=step))
                 continue
-            if self.forecast[name] or value > level:
+            if self.forecast[name] >= 0 or value > level:
                 continue
             fit = _log_linear(self.series[name], FIT_POINTS)
             if fit is not None and fit[0] > 0 and fit[1] >= self.min_fit:
@@ -276,7 +276,7 @@ class Precursors(Check):
         expected = step + math.log(level / value) / rate
         if expected - step > self.horizon:
             return []
-        self.forecast[name] = True
+        self.forecast[name] = step + self.horizon
         if self.onset[name] < 0:
             self.onset[name] = since  # the growth was under way at the first point of the fit
         detail = {"signal": name, "value": value, "threshold": level, "doubling_steps": math.log(2) / rate}
@@ -300,12 +300,12 @@ class Precursors(Check):
                 continue
             self.history[name].append((step, value))
             low = value < level * self.forecast_from
-            if low and self.streak[name] == 0:
-                self.forecast[name], self.onset[name] = False, -1  # the episode is over
+            if low and self.streak[name] == 0 and step > self.forecast[name]:
+                self.forecast[name], self.onset[name] = -1, -1  # the episode is over
             if value <= level:
                 self.streak[name] = 0
                 # a signal not read every step is forecast from its last `trend_points`, each above the one before
-                if name in GROWING and name not in self.stepwise and not self.forecast[name] and not low:
+                if name in GROWING and name not in self.stepwise and self.forecast[name] < 0 and not low:
                     points = [(s, math.log(v)) for s, v in self.history[name] if v > 0]
                     if len(points) >= self.trend_points and all(b[1] > a[1] for a, b in zip(points, points[1:])):
                         fit = _log_linear(self.history[name], 2)
@@ -333,7 +333,7 @@ class Precursors(Check):
             self.holding["superseded"] = True  # the backoff's LR now rules: the hold ends at the next verdict
         for name in SIGNALS:
             self.history[name].clear()
-            self.streak[name], self.onset[name], self.forecast[name] = 0, -1, False
+            self.streak[name], self.onset[name], self.forecast[name] = 0, -1, -1
         for series in self.series.values():
             series.clear()
 
@@ -349,7 +349,7 @@ class Precursors(Check):
         for name in self.streak:
             self.streak[name] = int(state["streak"].get(name, 0))
             self.onset[name] = int(state["onset"].get(name, -1))
-            self.forecast[name] = bool(state["forecast"].get(name, False))
+            self.forecast[name] = int(state["forecast"].get(name, -1))
         for name in self.series:
             self.series[name] = deque(map(tuple, state.get("series", {}).get(name, [])), maxlen=self.trend_window)
         self.alarms = int(state["alarms"])
