@@ -5,7 +5,7 @@ Every run is a real `python train.py` of tiny's 2 layers at d 64 and context 64 
 the embedded corpus. Each scenario runs twice: observed (`callbacks.stability.signals.action=log`, QK-clip
 measuring but never clipping, spikes logged) for the lead times, and with the default suite for the mitigation.
 Its healthy twin (the scenario's fix, e.g. the default LR) runs at three seeds; the healthy group adds the twins at
-2x their LR and the tiny and fast presets at their defaults. Judged per run:
+2x their LR and the tiny and fast presets at their defaults and at 2x. Judged per run:
 
 - forecast: the first `forecast` event; it came before the loss's onset, and by how many steps;
 - the first alarm: the first `precursor`, `attn_logit`, `update_ratio`, `loss_spike` or non-finite event;
@@ -128,7 +128,10 @@ SCENARIOS = {
 SEEDS = (1, 2, 3)
 DOUBLED = {"noqk": "optim.lr=4e-3", "qk": "optim.lr=4e-3", "muon_qk": "optim.lr=4e-2", "muon_noqk": "optim.lr=4e-2"}
 DOUBLED["fast"] = "optim.lr=4e-2"
-PRESETS = {"tiny": ([], (1, 2)), "fast": (["experiment=fast"], SEEDS)}  # at their defaults: tiny's shape, not SHAPE
+# at their defaults and at 2x their LR, tiny's shape (not SHAPE); Muon's residual grows with the LR and the depth
+PRESETS = {"tiny": ([], (1, 2)), "fast": (["experiment=fast"], SEEDS), "tiny 2x": (["optim.lr=4e-3"], (1,))}
+PRESETS["fast 2x"] = (["experiment=fast", "optim.lr=4e-2"], SEEDS)
+PRESETS["fast 2x, 8 layers"] = (["experiment=fast", "optim.lr=4e-2", "model.n_layer=8"], (1,))
 
 
 def data_folders(work: Path) -> None:
@@ -248,7 +251,7 @@ def main() -> None:
         if t in DOUBLED:
             jobs[("2x lr", t, 1)] = [*SHAPE, *TWINS[t], DOUBLED[t], "seed=1"]
     for p, (overrides, seeds) in PRESETS.items():
-        if not args.only or p in twins:  # a preset whose scenario runs is judged at its defaults too
+        if not args.only or p.split()[0] in twins:  # a preset whose scenario runs is judged at its defaults too
             jobs.update({("preset", p, seed): [*overrides, f"seed={seed}"] for seed in seeds})
     for name, (_, o, _) in scenarios.items():
         jobs[("observed", name, 1)] = [*SHAPE, *o, *OBSERVE, "seed=1"]

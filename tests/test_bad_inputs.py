@@ -187,6 +187,10 @@ CLI_CASES = {
         ["+callbacks.stability.spike.sigmaa=5"],
         r"callbacks\.stability\.spike\.sigmaa is not a setting; use one of sigma, window",
     ),
+    "stability_text_for_a_number": (
+        ["callbacks.stability.signals.horizon=soon"],
+        r"callbacks\.stability\.signals\.horizon='soon' must be a number \(default 25\)",
+    ),
     "mup_off_base_with_xavier": (
         ["model=small", "model.init=xavier"],
         r"model\.parametrization=mup needs model\.init=gpt2 off its base width, got 'xavier' at d_model=32",

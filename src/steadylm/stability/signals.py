@@ -11,7 +11,7 @@ cannot act, it asks its `Backoff` for a lower LR and a rewind to before the grow
 episode, a *forecast*: from a log-linear fit of the values read every step (the residual RMS, QK-clip's max logit: no
 host read of their own), or of the rising last `trend_points` stats-step values (`log_z`). The levels are far above
 healthy values (under Muon, scaled to the model's size: `fit_to`) and the horizon short: in
-`benchmarks/divergence_bench.py` the unstable runs doubled every 0.6-2.4 steps at their forecast.
+`benchmarks/divergence_bench.py` the unstable runs doubled every 0.3-3.3 steps at their forecast.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Precursors(Check):
     def __init__(
         self, residual_rms=100.0, update_ratio=None, log_z=None, attn_logit=100.0, persist=3, action="backoff",
         trend_points=3, horizon=25, forecast_from=0.25, trend_window=32, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
-        rewind=True, rewarm_steps=100, watch=None, forecast_lr=0.7,
+        rewind=True, rewarm_steps=100, watch=None, forecast_lr=0.7, max_doubling=4,
     ) -> None:  # fmt: skip
         where = "callbacks.stability.signals"
         if forecast_lr is not None and not 0 < forecast_lr < 1:
@@ -142,11 +142,11 @@ class Precursors(Check):
             raise ConfigError(f"{where}.action={action!r} must be backoff or log")
         if persist < 1 or trend_points < 2 or horizon < 1 or not 0 < forecast_from <= 1:
             raise ConfigError(f"{where}: persist >= 1, trend_points >= 2, horizon >= 1 and forecast_from in (0, 1]")
-        if trend_window < 4 or not 0 <= min_fit < 1:
-            raise ConfigError(f"{where}: trend_window >= 4 and min_fit in [0, 1)")
+        if trend_window < 4 or not 0 <= min_fit < 1 or not max_doubling > 0:
+            raise ConfigError(f"{where}: trend_window >= 4, min_fit in [0, 1) and max_doubling > 0")
         self.persist, self.action, self.trend_points = int(persist), action, int(trend_points)
-        self.horizon, self.forecast_from = int(horizon), float(forecast_from)
-        self.trend_window, self.min_fit = int(trend_window), float(min_fit)
+        self.horizon, self.forecast_from, self.trend_window = int(horizon), float(forecast_from), int(trend_window)
+        self.min_fit, self.min_rate = float(min_fit), math.log(2) / max_doubling  # a fit's least log growth per step
         self.series = {s: deque(maxlen=self.trend_window) for s in (*STEPWISE, *self.watched)}  # per-step values
         self.stepwise: set[str] = set()  # the signals this fit reads every step (their forecast comes from there)
         self.backoff = Backoff(where, lr_backoff, max_backoffs, rewind, rewarm_steps)
@@ -188,9 +188,9 @@ class Precursors(Check):
 
     def verdict(self, m, view, values: dict[str, float] | None = None) -> list[Verdict]:
         """Every step, from the values read every step (`values`: `watch`'s, alone): a `forecast` when the log-linear
-        fit of the last `trend_window` values explains `min_fit` of their variance (a noisy plateau has a slope too)
-        and reaches the level within `horizon` steps. After a stats step: `observe` its values. A quiet step calls
-        no helper."""
+        fit of the last `trend_window` values explains `min_fit` of their variance (a noisy plateau has a slope too),
+        doubles within `max_doubling` steps (a healthy climb levelling off is slower) and reaches the level within
+        `horizon` steps. After a stats step: `observe` its values. A quiet step calls no helper."""
         step, out, watching = m.step, [], values is not None
         if not watching:  # read at no host read of their own: this check's residual RMS, QK-clip's logits
             qk_norm = bool(view.model_cfg is not None and view.model_cfg.qk_norm)
@@ -224,7 +224,7 @@ class Precursors(Check):
             if self.forecast[name] >= 0 or value > level:
                 continue
             fit = _log_linear(self.series[name], FIT_POINTS)
-            if fit is not None and fit[0] > 0 and fit[1] >= self.min_fit:
+            if fit is not None and fit[0] >= self.min_rate and fit[1] >= self.min_fit:
                 out += self._forecasting(name, step, value, level, fit[0], self.series[name][0][0])
         if watching:
             return out
@@ -265,7 +265,7 @@ class Precursors(Check):
             return out
         d = first.detail
         self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}
-        pin = self.onset[d["signal"]] - 1
+        pin = self.onset[d["signal"]]  # the weights that gave the fit its first value: the growth came after
         detail = {**self.holding, "value": d["value"], "expected_step": d["expected_step"], "pinned_before": pin}
         context = {"temporary": True, "factor": self.forecast_lr, "pin_before": pin}
         return [*out, Verdict("backoff", "forecast_hold", detail, onset=first.onset, context=context)]

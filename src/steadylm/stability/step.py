@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.checkpointing import STABILITY_STATE_KEY
 from steadylm.compat import every_n_train_steps
-from steadylm.errors import ConfigError
+from steadylm.errors import ConfigError, number
 from steadylm.logging_steps import write_metrics
 from steadylm.stability.check import StepView
 from steadylm.stability.events import emit
@@ -47,9 +48,12 @@ def _part(name: str, settings, cls=None):
         module, _, attr = CHECKS[name].partition(":")
         cls = getattr(importlib.import_module(module), attr)
     settings = OmegaConf.to_container(settings) if isinstance(settings, DictConfig) else dict(settings)
-    known = list(inspect.signature(cls).parameters)
+    known = inspect.signature(cls).parameters
     if unknown := sorted(set(settings) - set(known)):
         raise ConfigError(f"callbacks.stability.{name}.{unknown[0]} is not a setting; use one of {', '.join(known)}")
+    for key, value in settings.items():  # text where a number belongs: this line, not a TypeError in the check
+        if value is not None and math.isnan(number(value)) and not math.isnan(default := number(known[key].default)):
+            raise ConfigError(f"callbacks.stability.{name}.{key}={value!r} must be a number (default {default:g})")
     return cls(**settings)
 
 
