@@ -7,7 +7,7 @@ measuring but never clipping, spikes logged) for the lead times, and with the de
 Its healthy twin (the scenario's fix, e.g. the default LR) runs at three seeds; the healthy group adds the twins at
 2x their LR and the tiny and fast presets at their defaults and at 2x. Judged per run:
 
-- forecast: the first `forecast` event; it came before the loss's onset, and by how many steps;
+- forecast: the first `forecast` event; how many steps before the first alarm and the loss's onset it came;
 - the first alarm: the first `precursor`, `attn_logit`, `update_ratio`, `loss_spike` or non-finite event;
 - the loss's onset: its 3-point running median non-finite, or 10 % above each of the twin's seeds' at the same step;
 - mitigated: with the default suite, the final val loss within 10 % of the twin's, or an end other than `ok`;
@@ -239,6 +239,10 @@ def main() -> None:
         print(f"skipped: {name} needs a CUDA GPU (--device cuda); on a CPU Lightning runs 16-mixed as bf16-mixed")
         del scenarios[name]
     twins = sorted({t for _, _, t in scenarios.values()})
+    if not (
+        ROOT / "data/stdlib-bytes/tokenizer.json"
+    ).exists():  # a fresh clone: the runs' default data, as `make data`
+        subprocess.run([sys.executable, "-m", "steadylm.data.prepare"], cwd=ROOT, check=True)
     work = (args.reuse or Path(tempfile.mkdtemp(prefix="steadylm-divergence-"))).resolve()
     if "clean_data" in twins:
         data_folders(work)
@@ -311,12 +315,17 @@ def _s(v) -> str:
 
 
 def report(scenarios: dict, rows: dict, folder: dict) -> None:
-    print("\n| scenario (source) | forecast (signal) | first alarm | loss onset | lead on onset | default suite |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    leads, hits, onsets, false_unstable, mitigated = [], 0, 0, 0, 0
+    print(
+        "\n| scenario (source) | forecast (signal) | first alarm | lead on alarm | loss onset | lead on onset | default suite |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    leads, alarm_leads, hits, onsets, false_unstable, mitigated = [], [], 0, 0, 0, 0
     for name, (source, _, twin) in scenarios.items():
         r, d, t = rows[("observed", name, 1)], rows[("default suite", name, 1)], rows[("twin", twin, 1)]
-        lead = None
+        lead = ahead = None
+        if r["forecast"] is not None and r["alarm"] is not None and r["forecast"] <= r["alarm"]:
+            ahead = r["alarm"] - r["forecast"]
+            alarm_leads.append(ahead)
         if r["onset"] is not None:
             onsets += 1
             if r["forecast"] is not None and r["forecast"] < r["onset"]:
@@ -328,12 +337,18 @@ def report(scenarios: dict, rows: dict, folder: dict) -> None:
         mitigated += ok
         fc = f"{r['forecast']} ({r['signal']})" if r["forecast"] is not None else "-"
         suite = f"{d['status']}, val {gap:+.1%} vs twin" + ("" if ok else " (NOT mitigated)")
-        print(f"| {name} ({source}) | {fc} | {_s(r['alarm'])} | {_s(r['onset'])} | {_s(lead)} | {suite} |")
+        cells = (fc, _s(r["alarm"]), _s(ahead), _s(r["onset"]), _s(lead), suite)
+        print(f"| {name} ({source}) | " + " | ".join(cells) + " |")
     healthy = {k: r for k, r in rows.items() if k[0] in ("twin", "2x lr", "preset")}
     false_healthy = [f"{k[0]} {k[1]} seed {k[2]}" for k, r in healthy.items() if r["forecasts"]]
     print(f"\nrecall: {hits}/{onsets} unstable runs whose loss turned were forecast before the onset")
     if leads:
         print(f"lead over the onset: median {statistics.median(leads)} steps (min {min(leads)}, max {max(leads)})")
+    if alarm_leads:
+        a = alarm_leads
+        print(
+            f"lead over the first alarm: median {statistics.median(a)} steps (min {min(a)}, max {max(a)}), {len(a)} runs"
+        )
     print(f"false forecasts: {len(false_healthy)} of {len(healthy)} healthy runs", end="")
     print(f" ({', '.join(false_healthy)})" if false_healthy else "", end="")
     print(f"; {false_unstable} on unstable runs whose horizon passed with nothing")

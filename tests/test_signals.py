@@ -47,7 +47,7 @@ def test_a_growing_residual_is_forecast_then_flagged_then_backed_off_once_per_bu
     assert [s for s, _ in backoffs] == [90]  # the third alarm in a row; the budget of 1 is spent after it
     request = backoffs[0][1]
     assert request["lr_scale"] == pytest.approx(0.1) and request["signal"] == "residual_rms"
-    assert request["rewind_before"] == 29  # the growth was under way at the forecast's first point (step 30)
+    assert request["rewind_before"] == 30  # the forecast's first point (step 30) or before: the snapshot it pinned
     assert check.backoff.backoffs == 1 and len(alarms) > 3  # alarms go on being logged after the budget
 
 
@@ -259,9 +259,10 @@ def test_a_forecast_that_acts_holds_the_lr_until_its_horizon_and_then_gives_it_b
 
 
 def test_a_forecast_that_acts_lowers_the_lr_only_until_the_backoff_that_follows(make_cfg, tmp_path):
-    """A real too-high LR with `forecast_lr`: the forecast lowers the LR scale at once (`forecast_hold`), the
-    alarm's backoff then lowers it for good, and the hold's factor is given back: the run ends at the backoffs'
-    scale alone."""
+    """A real too-high LR with `forecast_lr`: the forecast lowers the LR scale at once (`forecast_hold`) and pins the
+    snapshot from before the growth (here step 0: the fit began there), the alarm's backoff then lowers the LR for
+    good and rewinds to that snapshot, and the hold's factor is given back: the run ends at the backoffs' scale
+    alone."""
     cfg = make_cfg(
         "model.qk_norm=true",
         "optim.lr=0.06",
@@ -277,6 +278,7 @@ def test_a_forecast_that_acts_lowers_the_lr_only_until_the_backoff_that_follows(
     assert holds[0]["detail"]["lr_scale"] == pytest.approx(0.5)
     backoffs = [e for e in events if e["kind"] == "lr_backoff"]
     assert backoffs and holds[1]["detail"]["released"] and holds[1]["step"] > backoffs[0]["step"]
+    assert backoffs[0]["detail"]["rewound_to"] == holds[0]["detail"]["pinned_before"] == 0
     assert objects["module"].lr_scale == pytest.approx(0.1 ** len(backoffs))  # no factor of the hold is left
 
 

@@ -153,7 +153,10 @@ class Precursors(Check):
         self.history = {s: deque(maxlen=self.trend_points) for s in SIGNALS}  # stats-step values
         names = (*SIGNALS, *self.watched)
         self.streak = {s: 0 for s in names}
-        self.onset = {s: -1 for s in names}  # the step the current episode began (its first forecast or alarm)
+        # The current episode's first step whose weights are in the trouble (-1: none): a rewind restores a snapshot
+        # from before it. An alarm's step; for a forecast, the step after the fit's first value (its weights gave
+        # that value: the last the fit saw before the growth).
+        self.onset = {s: -1 for s in names}
         self.forecast = {s: -1 for s in names}  # this episode's forecast's horizon (`by_step`); -1: none given
         self.alarms = 0
         # Set by the owner at the fit's start: QK-clip acts on this model (then it owns the mitigation and the
@@ -265,7 +268,7 @@ class Precursors(Check):
             return out
         d = first.detail
         self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}
-        pin = self.onset[d["signal"]]  # the weights that gave the fit its first value: the growth came after
+        pin = self.onset[d["signal"]] - 1  # the snapshot a backoff's rewind would restore: from before the growth
         detail = {**self.holding, "value": d["value"], "expected_step": d["expected_step"], "pinned_before": pin}
         context = {"temporary": True, "factor": self.forecast_lr, "pin_before": pin}
         return [*out, Verdict("backoff", "forecast_hold", detail, onset=first.onset, context=context)]
@@ -278,7 +281,7 @@ class Precursors(Check):
             return []
         self.forecast[name] = step + self.horizon
         if self.onset[name] < 0:
-            self.onset[name] = since  # the growth was under way at the first point of the fit
+            self.onset[name] = since + 1  # the growth was under way after the fit's first point
         detail = {"signal": name, "value": value, "threshold": level, "doubling_steps": math.log(2) / rate}
         detail.update(expected_step=int(round(expected)), by_step=step + self.horizon)
         metrics = {f"stability/forecast/{name}": float(detail["expected_step"])}  # TensorBoard's view of it
