@@ -93,9 +93,7 @@ def test_divergence_preset_is_caught_by_the_suite(name, extra, shards_dir, tmp_p
         assert rewinds and rewinds[0]["cause"] == "qk_clip" and rewinds[0]["to_step"] == 0, (name, rewinds)
     if name == "deep_default_init":  # nothing diverges; the run ends unstable with the fix
         events = read_events(tmp_path / "run")
-        assert {e["kind"] for e in events} - {"forecast", "forecast_hold"} == {"init_loss"}
-        holds = [e["detail"] for e in events if e["kind"] == "forecast_hold"]  # a false forecast: its hold given back
-        assert not holds or holds[-1].get("released") and holds[-1]["lr_scale"] == 1.0, holds
+        assert {e["kind"] for e in events} - {"forecast"} == {"init_loss"}  # a forecast only logs by default
         assert "fix: use model.init=gpt2" in instability(tmp_path / "run")
     if name in ("lr_spike", "corrupted_batch"):
         spike = [e for e in read_events(tmp_path / "run") if e["kind"] == "loss_spike"][0]

@@ -199,7 +199,6 @@ def test_two_process_ddp_clips_backs_off_and_rewinds_every_rank_alike(shards_dir
         "callbacks.stability.qk_clip.max_backoffs=1",
         "callbacks.stability.qk_clip.lr_backoff=0.5",
         "callbacks.stability.qk_clip.rewarm_steps=0",  # the LR back at once, so the logits cross tau again
-        "callbacks.stability.signals.forecast_lr=null",  # a forecast's hold would keep them under it
         "callbacks.checkpoint.every_n_train_steps=1000",
         f"+callbacks.hash={{_target_: tests.helpers.ParamHash, out: {out}}}",
         cwd=tmp_path,

@@ -244,7 +244,9 @@ def test_a_forecast_that_acts_holds_the_lr_until_its_horizon_and_then_gives_it_b
     assert not [v for v in quiet if v.kind == "forecast_hold"]  # held to the horizon
     (release,) = verdicts(check, forecast.detail["by_step"] + 1, 1.0)
     assert release.kind == "forecast_hold" and release.context == {"temporary": True, "factor": 2.0, "unpin": True}
-    assert Precursors().forecast_lr == 0.7  # the default: a forecast acts
+    default = Precursors()  # the default: a forecast only logs (acting on the alarm alone won divergence_bench)
+    kinds = [v.kind for s in range(20) for v in verdicts(default, s, 2.0 * 2 ** (s / 3))]
+    assert default.forecast_lr is None and "forecast" in kinds and "forecast_hold" not in kinds
     logged = Precursors(forecast_lr=0.5, action="log")  # `action: log`: the signals never act, forecasts included
     kinds = [v.kind for s in range(20) for v in verdicts(logged, s, 2.0 * 2 ** (s / 3))]
     assert "forecast" in kinds and "forecast_hold" not in kinds
@@ -294,6 +296,7 @@ def test_a_forecast_from_the_first_step_pins_the_initial_weights(make_cfg, tmp_p
         "callbacks.stability.recovery.every_n_steps=5",
         "callbacks.stability.recovery.keep=1",
         "callbacks.stability.qk_clip.backoff_after=4",
+        "callbacks.stability.signals.forecast_lr=0.7",
     )
     train(cfg)
     events = read_events(tmp_path / "run")

@@ -118,7 +118,7 @@ class Precursors(Check):
     def __init__(
         self, residual_rms=100.0, update_ratio=None, log_z=None, attn_logit=100.0, persist=3, action="backoff",
         trend_points=3, horizon=25, forecast_from=0.25, trend_window=32, min_fit=0.9, lr_backoff=0.1, max_backoffs=2,
-        rewind=True, rewarm_steps=100, watch=None, forecast_lr=0.7, max_doubling=4,
+        rewind=True, rewarm_steps=100, watch=None, forecast_lr=None, max_doubling=4,
     ) -> None:  # fmt: skip
         where = "callbacks.stability.signals"
         if forecast_lr is not None and not 0 < forecast_lr < 1:
@@ -153,10 +153,7 @@ class Precursors(Check):
         self.history = {s: deque(maxlen=self.trend_points) for s in SIGNALS}  # stats-step values
         names = (*SIGNALS, *self.watched)
         self.streak = {s: 0 for s in names}
-        # The current episode's first step whose weights are in the trouble (-1: none): a rewind restores a snapshot
-        # from before it. An alarm's step; for a forecast, the step after the fit's first value (its weights gave
-        # that value: the last the fit saw before the growth).
-        self.onset = {s: -1 for s in names}
+        self.onset = {s: -1 for s in names}  # its first step in trouble (an alarm; a forecast: after its fit starts)
         self.forecast = {s: -1 for s in names}  # this episode's forecast's horizon (`by_step`); -1: none given
         self.alarms = 0
         # Set by the owner at the fit's start: QK-clip acts on this model (then it owns the mitigation and the
