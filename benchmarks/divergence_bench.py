@@ -239,9 +239,7 @@ def main() -> None:
         print(f"skipped: {name} needs a CUDA GPU (--device cuda); on a CPU Lightning runs 16-mixed as bf16-mixed")
         del scenarios[name]
     twins = sorted({t for _, _, t in scenarios.values()})
-    if not (
-        ROOT / "data/stdlib-bytes/tokenizer.json"
-    ).exists():  # a fresh clone: the runs' default data, as `make data`
+    if not (ROOT / "data/stdlib-bytes/tokenizer.json").exists():  # a fresh clone: the default data, as `make data`
         subprocess.run([sys.executable, "-m", "steadylm.data.prepare"], cwd=ROOT, check=True)
     work = (args.reuse or Path(tempfile.mkdtemp(prefix="steadylm-divergence-"))).resolve()
     if "clean_data" in twins:
@@ -315,10 +313,8 @@ def _s(v) -> str:
 
 
 def report(scenarios: dict, rows: dict, folder: dict) -> None:
-    print(
-        "\n| scenario (source) | forecast (signal) | first alarm | lead on alarm | loss onset | lead on onset | default suite |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    columns = ("forecast (signal)", "first alarm", "lead on alarm", "loss onset", "lead on onset", "default suite")
+    print("\n| scenario (source) | " + " | ".join(columns) + " |\n" + "| --- " * (len(columns) + 1) + "|")
     leads, alarm_leads, hits, onsets, false_unstable, mitigated = [], [], 0, 0, 0, 0
     for name, (source, _, twin) in scenarios.items():
         r, d, t = rows[("observed", name, 1)], rows[("default suite", name, 1)], rows[("twin", twin, 1)]
