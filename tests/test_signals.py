@@ -13,7 +13,7 @@ from steadylm.errors import ConfigError
 from steadylm.result import finish_job
 from steadylm.stability import read_events
 from steadylm.stability.instability import instability
-from steadylm.stability.signals import Precursors, signal_values
+from steadylm.stability.signals import Precursors, _log_linear, signal_values
 from steadylm.train import train
 
 
@@ -199,6 +199,20 @@ def test_a_climb_levelling_off_is_not_forecast_however_well_it_fits():
     assert [v for s, x in series for v in capped.watch(s, {"residual_rms": x})] == []
     (forecast,) = [v for s, x in series for v in uncapped.watch(s, {"residual_rms": x})]
     assert forecast.detail["doubling_steps"] == pytest.approx(6.6, abs=0.2) and forecast.detail["expected_step"] < 60
+
+
+def test_a_steep_start_does_not_carry_a_fit_whose_later_half_slowed():
+    """The residual RMS of divergence_bench's embeddings N(0, 1), untied head, lr 10x, steps 0-39 (read every step): it
+    rose 10x in 6 steps, then slowed and levelled off at ~35, and the run ended `ok`, its val below its twin's. The
+    fit of steps 0-16 doubles every 3.3 steps, its later half every 5.9: not forecast. Judged on the whole fit alone,
+    it was, at step 16 (25.3 -> 100 by step 23), a forecast whose horizon passed with nothing."""
+    rise = [1.51, 1.51, 1.55, 1.67, 1.94, 2.78, 4.2, 6.16, 8.63, 11.16, 13.41, 16.18, 18.14, 17.9, 18.47, 21.81]
+    rise += [25.34, 27.42, 29.39, 31.43, 32.88, 35.03, 33.69, 33.71, 35.21, 36.09, 36.62, 34.92, 32.75, 31.69]
+    rise += [31.87, 33.28, 35.7, 35.63, 36.36, 37.45, 36.23, 33.37, 32.31, 32.3]
+    check = Precursors()
+    assert [v for s, x in enumerate(rise) for v in check.watch(s, {"residual_rms": x})] == []
+    fit, late = (_log_linear(list(enumerate(part)), 2) for part in (rise[:17], rise[8:17]))
+    assert math.log(2) / fit[0] < math.log(2) / check.min_rate < math.log(2) / late[0]
 
 
 def test_under_muon_the_residual_level_follows_the_models_size(make_cfg):

@@ -189,8 +189,8 @@ class Precursors(Check):
     def verdict(self, m, view, values: dict[str, float] | None = None) -> list[Verdict]:
         """Every step, from the values read every step (`values`: `watch`'s, alone): a `forecast` when the log-linear
         fit of the last `trend_window` values explains `min_fit` of their variance (a noisy plateau has a slope too),
-        doubles within `max_doubling` steps (a healthy climb levelling off is slower) and reaches the level within
-        `horizon` steps. After a stats step: `observe` its values. A quiet step calls no helper."""
+        doubles within `max_doubling` steps, its later half too (a climb levelling off is slower), and reaches the level
+        within `horizon` steps. After a stats step: `observe` its values. A quiet step calls no helper."""
         step, out, watching = m.step, [], values is not None
         if not watching:  # read at no host read of their own: this check's residual RMS, QK-clip's logits
             qk_norm = bool(view.model_cfg is not None and view.model_cfg.qk_norm)
@@ -223,9 +223,10 @@ class Precursors(Check):
                 continue
             if self.forecast[name] >= 0 or value > level:
                 continue
-            fit = _log_linear(self.series[name], FIT_POINTS)
-            if fit is not None and fit[0] >= self.min_rate and fit[1] >= self.min_fit:
-                out += self._forecasting(name, step, value, level, fit[0], self.series[name][0][0])
+            series = list(self.series[name])  # and its later half: a climb levelling off is slower there
+            fit, late = _log_linear(series, FIT_POINTS), _log_linear(series[len(series) // 2 :], 2)
+            if fit and late and min(fit[0], late[0]) >= self.min_rate and fit[1] >= self.min_fit:
+                out += self._forecasting(name, step, value, level, fit[0], series[0][0])
         if watching:
             return out
         h = self.holding  # a forecast's hold ends when its horizon passed with nothing (while the alarm it forecast
@@ -258,10 +259,8 @@ class Precursors(Check):
         # pinned (an alarm's rewind then finds it) and the LR scale lowered until the forecast's horizon passes: one
         # that did not come true lowers no LR for good. `action: log` never acts.
         acts = self.forecast_lr is not None and self.action == "backoff" and self.holding is None
-        if not acts or not out or any(v.action == "backoff" for v in out):
-            return out
         first = next((v for v in out if v.kind == "forecast"), None)
-        if first is None:
+        if not acts or first is None or any(v.action == "backoff" for v in out):
             return out
         d = first.detail
         self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}
