@@ -72,7 +72,7 @@ def test_the_policy_is_bounded_and_its_state_round_trips():
     resumed.load_state_dict(state)
     assert resumed.step(3, [torch.tensor([50.0, 5.0])], [attn]) is None and torch.equal(attn.qkv.weight, w)
     assert (resumed.clips, resumed.backoff.backoffs, resumed.lr_scale) == (3, 1, 0.5)
-    rewinding = QKClip(tau=10.0, backoff_after=2, rewind=True)  # a backoff names the step to rewind to
+    rewinding = QKClip(tau=10.0, backoff_after=2, rewind=True, rewind_to="onset")  # a backoff names where to rewind
     assert rewinding.step(5, [torch.tensor([20.0, 5.0])], [attn])["clips"] == 1
     assert rewinding.step(6, [torch.tensor([20.0, 5.0])], [attn])["rewind_before"] == 4  # before the onset, 5
 
@@ -110,6 +110,31 @@ def test_growth_in_the_warmup_rewinds_to_the_first_snapshot_beyond_keep(make_cfg
     recovery = stability_of(objects["trainer"]).recovery
     assert recovery.first is None  # released once the warmup was over
     assert len(recovery.good) == 1  # keep
+
+
+def test_logits_above_the_floor_from_the_start_rewind_to_the_earliest_snapshot_kept(make_cfg, tmp_path):
+    """Trained weights' logits start above growth_floor * tau (here a floor of 1e-4, under any logit): the growth
+    began before the first measurement, so a backoff after the first snapshot's hold rewinds to the earliest
+    snapshot kept, not to the newest from before the streak, which holds weights from inside the growth."""
+    train(
+        make_cfg(
+            "model.qk_norm=false",
+            "optim.lr=0.03",
+            "optim.warmup_steps=2",
+            "trainer.max_steps=60",
+            "callbacks.stability.qk_clip.backoff_after=2",
+            "callbacks.stability.qk_clip.growth_floor=1e-6",
+            "callbacks.stability.recovery.every_n_steps=5",
+            "callbacks.checkpoint.every_n_train_steps=60",
+            "callbacks.stability.signals=null",
+        )
+    )
+    events = read_events(tmp_path / "run")
+    backoff = next(e for e in events if e["kind"] == "lr_backoff")
+    rewind = next(e for e in events if e["kind"] == "rollback")
+    newest = (backoff["detail"]["onset"] - 1) // 5 * 5  # the newest snapshot from before the streak
+    assert newest >= 10 and backoff["detail"]["growth_from"] is None, [(e["step"], e["kind"]) for e in events]
+    assert rewind["detail"]["to_step"] == backoff["detail"]["rewound_to"] == newest - 5  # keep=2: the older one
 
 
 @pytest.mark.slow
@@ -219,8 +244,9 @@ def test_two_process_ddp_clips_backs_off_and_rewinds_every_rank_alike(shards_dir
 
 def test_the_rewind_goes_back_only_as_far_as_the_logits_grew():
     """`growth`: back to the last step the max logit stood at or below growth_floor * tau (here 25 with growth_floor=0.25), not to the
-    start; with no such step (above the floor from the start) to the first snapshot; `onset`: just before the
-    streak; a history survives the checkpoint."""
+    start; with no such step (above the floor from the start) to the first snapshot, else the earliest kept (no
+    snapshot is from at or before step -1), not the newest before the streak; `onset`: just before the streak; a
+    history survives the checkpoint."""
     attn = GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, context_length=4, vocab_size=16)).blocks[0].attn
     clip = QKClip(tau=100.0, backoff_after=2, growth_floor=0.25)
     for step, peak in enumerate([10.0, 12.0, 20.0, 40.0, 80.0, 120.0]):
@@ -231,7 +257,7 @@ def test_the_rewind_goes_back_only_as_far_as_the_logits_grew():
     hot = QKClip(tau=100.0, backoff_after=2, growth_floor=0.25)
     for step, peak in enumerate([50.0, 120.0, 130.0]):
         evidence = hot.step(step, [torch.tensor([peak, 1.0])], [attn])
-    assert evidence["rewind_before"] == 0 and evidence["rewind_first"] is True and evidence["growth_from"] is None
+    assert evidence["rewind_before"] == -1 and evidence["rewind_first"] is True and evidence["growth_from"] is None
     shallow = QKClip(tau=100.0, backoff_after=2, rewind_to="onset")
     for step, peak in enumerate([10.0, 40.0, 120.0, 130.0]):
         evidence = shallow.step(step, [torch.tensor([peak, 1.0])], [attn])

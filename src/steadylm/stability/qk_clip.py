@@ -208,11 +208,12 @@ class QKClip(Check):
     def rewind_target(self) -> dict:
         """Where a rewind goes (`rewind_to`): the newest good snapshot at or before `rewind_before`, else the earliest
         up to `rewind_latest` (just before the streak); `rewind_first`: the fit's first snapshot whenever it is held.
-        `growth`: back to the last step whose max logit was at most `growth_floor * tau` (`growth_from`)."""
+        `growth`: back to the last step whose max logit was at most `growth_floor * tau` (`growth_from`); none (a
+        trained model's logits start above it): the growth began at the start, so the first or earliest kept (-1)."""
         before, first, growth = self.onset - 1, self.rewind_to == "first", {}
         if self.rewind_to == "growth":
             low = [step for step, peak in self.history if step < self.onset and peak <= self.growth_floor * self.tau]
-            before, first = (low[-1], False) if low else (before, True)  # none: the growth began at the start
+            before, first = (low[-1], False) if low else (-1, True)
             growth = {"growth_from": low[-1] if low else None}
         return {"rewind_before": before, "rewind_first": first, **growth, "rewind_latest": self.onset - 1}
 
