@@ -269,7 +269,9 @@ def main() -> None:
         for f in done.values():
             f.result()
     twin_seeds = {n: [folder[("twin", t, seed)] for seed in SEEDS] for n, (_, _, t) in scenarios.items()}
-    rows = {k: judge(folder[k], twin_seeds.get(k[1]) if k[0] not in ("twin", "2x lr") else None) for k in jobs}
+    # the 2x runs are healthy and have twins: the onset rule judged on them is its own false-onset check
+    twin_seeds.update({t: [folder[("twin", t, seed)] for seed in SEEDS] for t in twins})
+    rows = {k: judge(folder[k], twin_seeds.get(k[1]) if k[0] not in ("twin", "preset") else None) for k in jobs}
     report(scenarios, rows, folder)
     if args.act:
         compare(scenarios, rows, args.act)
@@ -351,6 +353,10 @@ def report(scenarios: dict, rows: dict, folder: dict) -> None:
     print(f"mitigated by the default suite: {mitigated}/{len(scenarios)}")
     alarmed = [f"{k[0]} {k[1]} seed {k[2]}" for k, r in healthy.items() if r["alarm"] is not None]
     print(f"alarms on healthy runs: {len(alarmed)} of {len(healthy)}" + (f" ({', '.join(alarmed)})" if alarmed else ""))
+    turned = [f"{k[0]} {k[1]} at {r['onset']}" for k, r in healthy.items() if r["onset"] is not None]
+    n_twinned = sum(k[0] == "2x lr" for k in healthy)
+    print(f"loss onsets on healthy runs (the 2x runs against their twins): {len(turned)} of {n_twinned}", end="")
+    print(f" ({', '.join(turned)})" if turned else "")
     bad = [k for k, r in healthy.items() if r["status"] != "ok"]
     if bad:
         print("healthy runs not ok: " + ", ".join(f"{k} ({rows[k]['status']}, {folder[k]})" for k in bad))

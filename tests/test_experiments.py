@@ -147,3 +147,6 @@ def test_divergence_bench_judges_a_scenario_against_its_twins_from_real_runs(sha
     assert observed["forecast"] < observed["onset"] and observed["signal"] in ("residual_rms", "attn_logit")
     assert all(r["forecasts"] == 0 for k, r in rows.items() if k.startswith(("twin", "2x lr")))
     assert "recall: 1/1" in run.stdout and "false forecasts: 0 of 4 healthy runs" in run.stdout
+    turned = rows["2x lr | noqk | 1"]["onset"] is not None  # the onset rule's own check on a healthy run
+    assert f"loss onsets on healthy runs (the 2x runs against their twins): {int(turned)} of 1" in run.stdout
+    assert all(rows[f"twin | noqk | {s}"]["onset"] is None for s in (1, 2, 3))
