@@ -71,7 +71,10 @@ def with_keys(run: Resolved, keys: dict) -> Resolved:
 
 def now() -> Sample:
     """(wall, process CPU) seconds. CPU time leaves out the time this process waited for a core; a
-    neighbour sharing the core's caches still slows both, so neither is noise-free."""
+    neighbour sharing the core's caches still slows both, so neither is noise-free. On a GPU it first waits for
+    the queued work, so a stamp closes the step before it (both sides of a pair alike)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter(), time.process_time()
 
 
@@ -81,9 +84,10 @@ def since(start: Sample) -> Sample:
 
 
 def raw_step(module, opt, lr: Callable[[], float], batch, clip: float | None, *, autocast=False, forward=None) -> None:
-    """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, the LR, AdamW, zero."""
+    """One step of the plain loop nanoGPT users write: forward, loss, backward, clip, the LR, AdamW, zero (the batch on
+    the model's device, bf16 autocast on that device when `autocast`)."""
     x, y = batch
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         loss, _ = module.loss((module.net if forward is None else forward)(x), y)
     loss.backward()
@@ -346,17 +350,19 @@ def loader_tokens_per_sec(datamodule, batches: int) -> float:
 
 
 class RawLoop:
-    """The raw loop's own AdamW (the same recipe as Lightning's), its LR by its own step count, its batches."""
+    """The raw loop's own AdamW (the same recipe as Lightning's), its LR by its own step count, its batches (copied to
+    the model's device, as Lightning copies its own), bf16 autocast when `autocast`."""
 
-    def __init__(self, cfg, module, datamodule) -> None:
-        self.module, self.opt = module, module.configure_optimizers()
+    def __init__(self, cfg, module, datamodule, autocast: bool = False) -> None:
+        self.module, self.opt, self.autocast = module, module.configure_optimizers(), autocast
         steps = itertools.count()
         self.sched = lambda: module.schedule(next(steps))
         self.batches = endless(datamodule.train_dataloader())
         self.clip = cfg.trainer.gradient_clip_val  # the raw loop clips exactly as the Trainer does
 
     def __call__(self) -> None:
-        raw_step(self.module, self.opt, self.sched, next(self.batches), self.clip)
+        batch = [t.to(self.module.device, non_blocking=True) for t in next(self.batches)]
+        raw_step(self.module, self.opt, self.sched, batch, self.clip, autocast=self.autocast)
 
 
 def setup(quick: bool, overrides: list[str]):

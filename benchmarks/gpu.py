@@ -5,12 +5,19 @@ Not part of the test suite (no GPU there). Prints tokens/s, MFU against the peak
 each step makes (`torch.cuda.set_sync_debug_mode`): expected 0 on ordinary steps (the stability measurement reads
 each step's value one step late), a few on logging steps. Goal on one H200: MFU >= 45%.
 `--compare-defer` runs again with `callbacks.stability.defer=false` and prints the cost of reading at the step itself.
+`--side-by-side` measures steadylm's step against a plain PyTorch loop on the same model, data, precision and compile:
+inside one `trainer.fit` of `train.py`'s path per micro-batch (`--batches`) and loss path (`--losses`), a plain step
+(forward, full logits and cross-entropy, backward, clip, AdamW) runs after every Lightning step on the next batch, and
+the stability suite runs on a seeded random half of the Lightning steps (the other half is `callbacks=minimal`'s). Each
+stamp waits for the GPU, so a pair's two steps are timed alike. It prints tokens/s, MFU and peak memory of the plain
+loop, `callbacks=minimal` and the suite, the ratios to the plain loop with 90 % intervals (bench.py's bootstrap over
+runs of 10 steps), and chunked / plain (each fit's suite/plain ratio, so the plain loop cancels the fits' drift).
 `--to-loss` trains `model=small`'s default recipe and `experiment=fast` for --steps each and prints both throughputs
 and the steps and time each takes to the default's final val loss. `--cpu` runs the same code on the CPU at a tiny
 shape (the tests' form; its numbers mean nothing).
 
 Usage: python benchmarks/gpu.py [--steps 60] [--batch 16] [--no-compile] [--compare-defer] [--to-loss [--every 25]]
-       [--cpu] [overrides...]
+       [--side-by-side [--batches 16,32,64] [--losses chunked,plain]] [--cpu] [overrides...]
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from bench import CHUNK, RawLoop, interval, overhead_samples, paired_run
+from bench import median as median_of
+from bench import ratio as ratio_of_medians
 from time_to_loss import Clock, reach
 
 from steadylm.config import compose
@@ -147,6 +157,83 @@ def to_loss(overrides: list[str], steps: int, every: int) -> None:
         )
 
 
+def side_by_side(overrides: list[str], batches: list[int], losses: list[str], steps: int) -> dict:
+    """Per micro-batch and loss path, one paired fit (see the module docstring); prints a table, returns its rows."""
+    rows, per_step = {}, {}
+    for batch in batches:
+        for loss in losses:
+            # Two AdamWs (Lightning's and the plain loop's) update the same weights: a low LR keeps every timed step
+            # on the healthy path. Timing does not depend on the LR.
+            keys = ["optim.lr=1e-4", "optim.warmup_steps=1", "trainer.max_steps=100000"]
+            cfg = compose([*overrides, f"data.batch_size={batch}", f"optim.loss={loss}", *keys])
+            objects = build(cfg)
+            module, datamodule = objects["module"], objects["datamodule"]
+            autocast = cfg.trainer.precision.startswith("bf16")
+            raw = RawLoop(cfg, module, datamodule, autocast=autocast)
+            if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu":
+                torch.cuda.reset_peak_memory_stats()
+            paired = paired_run(objects["run"], module, datamodule, raw, steps, seed=batch)
+            t = overhead_samples([paired])
+            cuda = module.device.type == "cuda"
+            peak = peak_flops(torch.cuda.get_device_name()) if cuda else None
+            tokens = batch * cfg.model.context_length
+            fpt = module.net.flops_per_token()
+            row = {"memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+            for side in ("raw", "off", "on"):
+                tps = tokens / median_of(t[side])
+                row[side] = {"tokens_per_sec": tps, "mfu": tps * fpt / peak if peak else None}
+            for side in ("off", "on"):
+                row[f"{side}_over_raw"] = (ratio_of_medians(t[side], t["raw"]), *interval(t[side], t["raw"]))
+            rows[(batch, loss)] = row
+            lightning, plain, on = paired.samples()
+            per_step[(batch, loss)] = [a[0] / b[0] for a, b, o in zip(lightning, plain, on) if o]
+            del objects, module, datamodule, raw, paired
+            if cuda:
+                torch.cuda.empty_cache()
+    report_side_by_side(rows, per_step, batches, losses)
+    return rows
+
+
+def chunked_over_plain(chunked: list[float], plain: list[float], resamples: int = 1000) -> tuple[float, float, float]:
+    """Median suite/plain-loop ratio of the chunked fit over the plain-loss fit's, with a 90 % bootstrap interval
+    (runs of CHUNK steps resampled on each side)."""
+    import random
+
+    rng = random.Random(0)
+
+    def runs(x):
+        return [x[i : i + CHUNK] for i in range(0, len(x), CHUNK)]
+
+    def med(blocks):
+        return statistics.median(v for b in blocks for v in b)
+
+    a, b = runs(chunked), runs(plain)
+    boot = sorted(med(rng.choices(a, k=len(a))) / med(rng.choices(b, k=len(b))) for _ in range(resamples))
+    return med(a) / med(b), boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
+
+
+def report_side_by_side(rows: dict, per_step: dict, batches: list[int], losses: list[str]) -> None:
+    def pct(x):
+        return "n/a" if x is None else f"{x:.1%}"
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\nside by side on {device}: tokens/s (MFU) of the plain loop, callbacks=minimal and the suite")
+    print(f"{'batch':>5} {'loss':8} {'plain loop':>20} {'minimal':>20} {'suite':>20}  "
+          f"{'minimal/plain [90%]':>22} {'suite/plain [90%]':>22} {'peak GB':>7}")  # fmt: skip
+    for (batch, loss), r in rows.items():
+        cells = [f"{r[s]['tokens_per_sec']:>10,.0f} ({pct(r[s]['mfu']):>6})" for s in ("raw", "off", "on")]
+        ratios = [f"{v:.3f} [{lo:.3f}, {hi:.3f}]" for v, lo, hi in (r["off_over_raw"], r["on_over_raw"])]
+        mem = "n/a" if r["memory_gb"] is None else f"{r['memory_gb']:.1f}"
+        print(
+            f"{batch:>5} {loss:8} {cells[0]:>20} {cells[1]:>20} {cells[2]:>20}  {ratios[0]:>22} {ratios[1]:>22} {mem:>7}"
+        )
+    if {"chunked", "plain"} <= set(losses):
+        print("step time, suite on: chunked head and loss / plain (each over its own fit's plain loop)")
+        for batch in batches:
+            v, lo, hi = chunked_over_plain(per_step[(batch, "chunked")], per_step[(batch, "plain")])
+            print(f"  batch {batch}: {v:.3f} [{lo:.3f}, {hi:.3f}]")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
@@ -157,9 +244,14 @@ def main() -> None:
     )
     ap.add_argument("--to-loss", action="store_true", help="the default recipe against experiment=fast, to a loss")
     ap.add_argument("--every", type=int, default=25, help="--to-loss: steps between val losses")
+    ap.add_argument("--side-by-side", action="store_true", help="steadylm's step against a plain loop, paired")
+    ap.add_argument("--batches", default="16,32,64", help="--side-by-side: micro-batches")
+    ap.add_argument("--losses", default="chunked,plain", help="--side-by-side: loss paths (optim.loss)")
     ap.add_argument("--cpu", action="store_true", help="the CPU form (a small shape, fp32, eager): for the tests")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.side_by_side and args.steps < CHUNK:
+        ap.error(f"--side-by-side needs --steps >= {CHUNK} (the bootstrap resamples runs of {CHUNK} steps)")
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU visible; this benchmark needs one (--cpu: its CPU form; `make bench`: CPU ratios)")
 
@@ -188,6 +280,9 @@ def main() -> None:
     ]
     if args.to_loss:
         return to_loss(overrides, args.steps, args.every)
+    if args.side_by_side:
+        batches = [int(b) for b in args.batches.split(",")]
+        return side_by_side(overrides, batches, args.losses.split(","), args.steps)
     cfg = compose(overrides)
     objects, times, all_syncs = fit_and_time(cfg)
     net = objects["module"].net

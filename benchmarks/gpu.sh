@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# One-GPU throughput/MFU check of both reference recipes' models (experiment=gpt2_124m, llama_124m), bf16-mixed,
-# torch.compile: model=small, then the same with the stability measurement read at the step itself, for the cost of
-# that sync; then model=llama_small; then model=small's default recipe against experiment=fast, each 300 steps: their
-# tokens/s, MFU, and the steps and time each takes to the default's final val loss. Extra args go to gpu.py.
-# CPU form (tests/test_perf.py): python benchmarks/gpu.py --cpu [--to-loss].
+# One GPU, one call (a lent GPU comes for minutes): everything that needs a GPU, in the order it matters.
+#  1. steadylm's step against a plain PyTorch loop on the same model=small (bf16-mixed, compiled, context 1024), paired,
+#     at micro-batch 16, 32 and 64, chunked and plain head+loss: tokens/s, MFU, peak memory, ratios with intervals.
+#  2. model=small's default recipe against experiment=fast, 300 steps each: steps and time to the default's val loss.
+#  3. the divergence bench's fp16-overflow scenario (fp16 needs CUDA; on a CPU Lightning runs 16-mixed as bf16).
+# FULL=1 adds the older rows: the stability read at the step itself against deferred, and model=llama_small.
+# CPU form of each part (tests/test_perf.py, tests/test_gpu_bench.py): python benchmarks/gpu.py --cpu [...].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} "$PY" benchmarks/gpu.py --compare-defer "$@"
-PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} "$PY" benchmarks/gpu.py model=llama_small "$@"
-PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} "$PY" benchmarks/gpu.py --to-loss --steps 300 "$@"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+"$PY" benchmarks/gpu.py --side-by-side --steps ${STEPS:-40} "$@"
+"$PY" benchmarks/gpu.py --to-loss --steps 300 "$@"
+"$PY" benchmarks/divergence_bench.py --device cuda --steps 200 --jobs 1 --only "fp16 mixed precision, lr 30x, no QK-norm"
+if [ -n "${FULL:-}" ]; then
+  "$PY" benchmarks/gpu.py --compare-defer "$@"
+  "$PY" benchmarks/gpu.py model=llama_small "$@"
+fi
