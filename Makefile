@@ -55,6 +55,10 @@ lint: $(VENV)/.dev ## ruff: lint and format check (pre-commit runs the same)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# A lent GPU machine's image has torch, lightning and h5py but not Hydra, and no network: carry these with the call.
+gpu-wheels: ## download what benchmarks/gpu.sh needs on a GPU image without Hydra into .gpu-wheels/ (carry it)
+	python3 -m pip wheel -q -w .gpu-wheels --no-deps hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+
 doctor: $(VENV)/.installed ## preflight checks with the same overrides as train.py (ARGS="model=small ...")
 	$(PY) -m steadylm.doctor $(ARGS)
 

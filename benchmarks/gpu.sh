@@ -11,6 +11,10 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# An image with torch and lightning but without Hydra, and no network (a lent GPU): `make gpu-wheels` here first.
+if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --find-links .gpu-wheels hydra-core omegaconf
+fi
 "$PY" benchmarks/gpu.py --side-by-side --steps ${STEPS:-40} "$@"
 "$PY" benchmarks/gpu.py --to-loss --steps 300 "$@"
 "$PY" benchmarks/divergence_bench.py --device cuda --steps 200 --jobs 1 --only "fp16 mixed precision, lr 30x, no QK-norm"
