@@ -278,6 +278,7 @@ VALUE_CASES = {
         r"optim\.betas=\[0\.9, 1\.5\] is not allowed; it must be two numbers in \[0, 1\)",
     ),
     "clip_negative": (["trainer.gradient_clip_val=-1"], r"trainer\.gradient_clip_val=-1 is not allowed"),
+    "pack_unknown": (["data.pack=window"], r"data\.pack='window' is not allowed; it must be none or doc"),
     "cpu_processes_by_accident": (
         ["trainer.accelerator=auto", "trainer.devices=4"],
         r"trainer\.devices=4 asks for 4 GPUs but 0 are visible on this machine; .*"

@@ -165,3 +165,11 @@ def test_the_lr_probe_takes_its_batches_from_a_stream_in_order(corpus, tmp_path)
     assert len(batches) == 3
     for x, y in batches:
         assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])  # next-token pairs
+
+
+def test_pack_doc_masks_the_stream_at_its_tokenizers_end_of_text(corpus):
+    base = [*TINY_OVERRIDES, "data=hf_stream", "data.name=json", f"data.data_files=[{corpus}]"]
+    assert data_source(compose([*base, "data.pack=doc"])).document_separator == 256  # bytes: end-of-text 256
+    assert data_source(compose(base)).document_separator is None
+    with pytest.raises(ConfigError, match=r"^data\.pack='window' is not allowed; it must be none or doc"):
+        data_source(compose([*base, "data.pack=window"]))

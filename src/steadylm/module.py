@@ -39,12 +39,13 @@ class LMModule(L.LightningModule):
         run_config: dict | None = None,
         tokenizer: str | None = None,
         val_bytes_per_token: float | None = None,
+        doc_separator: int | None = None,
     ):
         super().__init__()
         model, optim = (
             OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c) for c in (model, optim)
         )
-        self.save_hyperparameters({"model": model, "optim": optim, "compile": compile})
+        self.save_hyperparameters({"model": model, "optim": optim, "compile": compile, "doc_separator": doc_separator})
         self.optim_cfg = optim
         self.z_loss = float(optim.get("z_loss", 0.0))
         self.loss_path, self.loss_chunk = path, chunk = optim.get("loss", "chunked"), optim.get("loss_chunk", 1024)
@@ -53,6 +54,7 @@ class LMModule(L.LightningModule):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"optim.loss_chunk={chunk!r} must be a whole number of tokens >= 1 (e.g. 1024)")
         self.net = GPT(GPTConfig(**model))
+        self.net.doc_separator = doc_separator  # data.pack=doc (the DataModule's `document_separator`)
         if compile:
             self.net.compile()  # in place: the state_dict keys stay `net.*`, no weight stored twice
         self.run_config = run_config  # saved in every checkpoint: `generate`/`doctor` need nothing else

@@ -57,6 +57,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     dm = run.datamodule
     data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
+    data["doc_separator"] = getattr(dm, "document_separator", None)  # data.pack=doc; a source without it: none
     module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
     return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": build_trainer(run)}
 

@@ -14,6 +14,7 @@ from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
+from steadylm.data.source import check_pack
 from steadylm.errors import DataError
 
 
@@ -49,8 +50,10 @@ class ShardDataModule(L.LightningDataModule):
         drop_last: bool = False,
         pin_memory: bool = False,
         align: str = "none",
+        pack: str = "none",
     ):
         super().__init__()
+        self.pack = check_pack(pack)
         self.dir = Path(dir).expanduser()
         self.batch_size, self.num_workers, self.context_length = int(batch_size), int(num_workers), int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
@@ -143,6 +146,8 @@ class ShardDataModule(L.LightningDataModule):
         return self.infos[split]
 
     vocab_size = property(lambda self: self._infos("train")[0].vocab_size)
+    # data.pack=doc: the shards' end-of-text id, where attention and positions restart (None: windows as they come)
+    document_separator = property(lambda self: self._infos("train")[0].eos_id if self.pack == "doc" else None)
     tokenizer_name = property(lambda self: self._infos("train")[0].tokenizer)
     n_train_windows = property(lambda self: self.setup(None) or len(self.train_set))
 

@@ -2,12 +2,15 @@
 
 Only the DataModule reads its config keys, so a new source is one file. `bytes_per_token` and `n_train_windows` may
 be `None`, `window_ids` `[]` and `window_location` `{}` when unknown; `setup("fit")` runs before anything else is
-built, so a bad source refuses with one line up front.
+built, so a bad source refuses with one line up front. `document_separator` is optional: a source that has it
+returns the id attention and positions restart after under `data.pack=doc`, or None (`check_pack`).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from steadylm.errors import ConfigError
 
 
 class DataSource(Protocol):
@@ -29,3 +32,10 @@ class DataSource(Protocol):
 def missing_members(datamodule) -> list[str]:
     """The `DataSource` members `datamodule`'s class lacks (looked up on the class: no property is evaluated)."""
     return [name for name in vars(DataSource) if name[0] != "_" and not hasattr(type(datamodule), name)]
+
+
+def check_pack(pack: str) -> str:
+    """`data.pack`: none (windows as they come) or doc (documents masked apart at the end-of-text id)."""
+    if pack not in ("none", "doc"):
+        raise ConfigError(f"data.pack={pack!r} is not allowed; it must be none or doc (documents masked apart)")
+    return pack

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from steadylm.compat import batches_processed
+from steadylm.data.source import check_pack
 from steadylm.data.tokenizer import get_tokenizer
 from steadylm.errors import ConfigError, DataError
 
@@ -115,8 +116,10 @@ class StreamDataModule(L.LightningDataModule):
         global_batch_tokens: int | None = None,
         num_workers: int = 0,
         align: str = "none",
+        pack: str = "none",
     ):
         super().__init__()
+        self.pack = check_pack(pack)
         if num_workers:
             raise ConfigError(f"data.num_workers={num_workers}: data=hf_stream reads in the training process; set 0")
         if align != "none":
@@ -192,6 +195,10 @@ class StreamDataModule(L.LightningDataModule):
     @property
     def n_train_windows(self) -> int | None:
         return None  # a stream does not know its length
+
+    @property
+    def document_separator(self) -> int | None:
+        return self.tokenizer.eos_id if self.pack == "doc" else None
 
     def window_ids(self, batch_idx: int) -> list[int]:
         """Window ids of this rank's batch `batch_idx`: ids count from the first train window."""

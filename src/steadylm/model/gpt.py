@@ -39,6 +39,15 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else cap * torch.tanh(logits.float() / cap)
 
 
+def documents(idx: torch.Tensor, separator: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data.pack=doc`: (the document each position is in, its position within it), each (B, T) int64. A separator
+    opens the document after it (it plays BOS, as in `data.align=doc`), so a document's first prediction sees the
+    separator alone, exactly as that document run on its own after one."""
+    opens = idx == separator
+    at = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)
+    return opens.cumsum(1), at - torch.where(opens, at, 0).cummax(1).values
+
+
 @functools.lru_cache(maxsize=16)
 def _additive(blocked, pattern: Hashable, rows: int, cols: int, start: int, device: torch.device) -> torch.Tensor:
     """`blocked` as -inf/0 for `baddbmm`, which saves a pass over the logits; built once per pattern and shape."""
@@ -72,8 +81,9 @@ class CausalSelfAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None  # the layer's largest logit (a scalar)
         self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x (B, T, C); `rope`: this length's (cos, sin), each (T, 1, D), or None (learned positions)."""
+    def forward(self, x: torch.Tensor, rope=None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C); `rope`: (cos, sin) for these positions, each (T, 1, D) or (B, T, 1, D), or None (learned
+        positions); `docs`: each position's document (B, T) when documents are packed: no query sees another's keys."""
         (B, T, C), H, KV, D = x.shape, self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -91,8 +101,10 @@ class CausalSelfAttention(nn.Module):
             self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
             self.max_logit = self.head_max_logit.amax()
         # `is_causal` is `blocked("causal")` in the kernels (no mask in memory; a test holds the two equal).
-        causal = self.pattern == "causal"
+        causal = self.pattern == "causal" and docs is None
         mask = {"is_causal": True} if causal else {"attn_mask": ~self.blocked(self.pattern, T, T, 0, x.device)}
+        if docs is not None:  # an explicit (B, 1, T, T) mask: SDPA's kernels with masks on every device
+            mask = {"attn_mask": mask["attn_mask"] & (docs[:, None, :, None] == docs[:, None, None, :])}
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=self.scale, **mask, **gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -134,8 +146,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
+    def forward(self, x: torch.Tensor, rope=None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -159,16 +171,21 @@ class GPT(nn.Module):
         self.logit_mult = mup.logit_mult(cfg)  # on the final hidden state: d_model floats, not vocab
         self.track_residual = False  # keep the residual stream's RMS after the last block (the precursor signals')
         self.residual_rms: torch.Tensor | None = None
+        self.doc_separator: int | None = None  # data.pack=doc: the id that opens each packed document (`documents`)
 
     def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size), or with `head=False` the head's input (`head_loss`)."""
         T = idx.shape[1]
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} > model.context_length={self.cfg.context_length}")
-        rope = None if self.wpe is not None else (self.rope_cos[:T], self.rope_sin[:T])
-        x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        docs, pos, rows = None, torch.arange(T, device=idx.device), slice(T)
+        if self.doc_separator is not None:  # positions restart at each document
+            docs, pos = documents(idx, self.doc_separator)
+            rows = pos
+        rope = None if self.wpe is not None else (self.rope_cos[rows], self.rope_sin[rows])
+        x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope, docs)
         if self.track_residual:
             self.residual_rms = x.detach().float().pow(2).mean().sqrt()
         x = self.ln_f(x)
