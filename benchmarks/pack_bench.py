@@ -11,7 +11,8 @@ Step time: the packed (masked) step against the unmasked one on the same model a
 a time in a seeded random order (bench.py's `paired_ratios`, 90 % bootstrap interval). `data.align=doc` costs no
 step time; its cost is the padding, shown as the share of targets that train.
 
-Usage: python benchmarks/pack_bench.py [--steps 300] [--seeds 1,2] [--short-bytes 2000] [--pairs 60] [--json FILE]
+Usage: python benchmarks/pack_bench.py [--steps 300] [--seeds 1,2] [--short-bytes 2000] [--pairs 60] [--context 128]
+       [--batch 16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def short_corpus(out: Path, limit: int) -> Path:
     return text
 
 
-def run(data: Path, work: Path, variant: list[str], seed: int, steps: int) -> dict:
+def run(data: Path, work: Path, variant: list[str], seed: int, steps: int, shape: list[str]) -> dict:
     cfg = compose(
         [
+            *shape,
             "trainer=cpu",
             "trainer.precision=32-true",
             f"data.dir={data}",
@@ -73,11 +75,10 @@ def run(data: Path, work: Path, variant: list[str], seed: int, steps: int) -> di
     return {"val_loss": metrics["val/loss"], "per_doc_val_loss": per_doc, "target_share": statistics.mean(targets)}
 
 
-def step_ratio(data: Path, work: Path, pairs: int) -> tuple[float, float, float]:
+def step_ratio(data: Path, work: Path, pairs: int, shape: list[str]) -> tuple[float, float, float]:
     """Masked / unmasked step time on one model and one stream of batches."""
-    cfg = compose(
-        ["trainer=cpu", "trainer.precision=32-true", f"data.dir={data}", f"paths.output_dir={work}", "logger=none"]
-    )
+    base = ["trainer=cpu", "trainer.precision=32-true", f"data.dir={data}", f"paths.output_dir={work}", "logger=none"]
+    cfg = compose([*shape, *base])
     objects = build(cfg)
     module, dm = objects["module"], objects["datamodule"]
     eos, opt = dm.infos["train"][0].eos_id, module.configure_optimizers()
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--short-bytes", type=int, default=2000)
     ap.add_argument("--max-bytes", type=int, default=2_000_000, help="of each corpus")
     ap.add_argument("--pairs", type=int, default=60)
+    ap.add_argument("--context", type=int, default=128, help="model.context_length (tiny's)")
+    ap.add_argument("--batch", type=int, default=16, help="data.batch_size (tiny's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -118,17 +121,18 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name}: {sum(summary['documents'].values()):,} documents, {sum(summary['tokens'].values()):,} tokens",
             file=sys.stderr,
         )
-    results = {"steps": args.steps, "corpora": {}}
+    shape = [f"model.context_length={args.context}", f"data.batch_size={args.batch}"]
+    results = {"steps": args.steps, "context": args.context, "batch": args.batch, "corpora": {}}
     for name, data in corpora.items():
         rows = {}
         for variant, keys in VARIANTS.items():
             runs = [
-                run(data, work / f"run{len(rows)}-{s}-{name.split()[0]}", keys, s, args.steps)
+                run(data, work / f"run{len(rows)}-{s}-{name.split()[0]}", keys, s, args.steps, shape)
                 for s in map(int, args.seeds.split(","))
             ]
             rows[variant] = {k: [r[k] for r in runs] for k in runs[0]}
             print(f"  {name}, {variant}: done", file=sys.stderr)
-        ratio = step_ratio(data, work / f"ratio-{name.split()[0]}", args.pairs)
+        ratio = step_ratio(data, work / f"ratio-{name.split()[0]}", args.pairs, shape)
         results["corpora"][name] = {"rows": rows, "masked_over_unmasked_step": ratio}
     report(results)
     if args.json:
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def report(results: dict) -> None:
     seeds = len(next(iter(next(iter(results["corpora"].values()))["rows"].values()))["val_loss"])
-    print(f"\nval loss after {results['steps']} steps at tiny's shape, mean of {seeds} seeds (min-max):")
+    shape = f"tiny's model at context {results['context']}, batch {results['batch']}"
+    print(f"\nval loss after {results['steps']} steps, {shape}, mean of {seeds} seeds (min-max):")
     print(f"{'corpus':16} {'variant':10} {'own val/loss':>22} {'per-document val loss':>24} {'targets trained':>16}")
     for name, c in results["corpora"].items():
         for variant, r in c["rows"].items():

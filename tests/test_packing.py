@@ -86,3 +86,28 @@ def test_training_with_pack_doc_masks_by_the_shards_end_of_text(make_cfg):
     assert objects["trainer"].global_step == 6 and torch.isfinite(torch.tensor(metrics["val/loss"]))
     _, plain = train(make_cfg("trainer.max_steps=2", "trainer.val_check_interval=2", "optim.warmup_steps=1"))
     assert plain["module"].net.doc_separator is None
+
+
+@pytest.mark.slow
+def test_pack_bench_prints_every_variant_on_both_corpora(tmp_path):
+    """benchmarks/pack_bench.py at tiny sizes: a row per corpus and variant, and a paired step ratio per corpus."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, out = Path(__file__).resolve().parents[1], tmp_path / "pack.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "pack_bench.py"), "--steps", "6", "--seeds", "1", "--pairs", "10"]
+    cmd += ["--max-bytes", "200000", "--context", "64", "--batch", "4", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    corpora = json.loads(out.read_text())["corpora"]
+    assert list(corpora) == ["short files", "embedded corpus"]
+    for c in corpora.values():
+        assert list(c["rows"]) == ["pack=none", "pack=doc", "align=doc"]
+        for row in c["rows"].values():
+            assert 0 < row["val_loss"][0] < 6 and 0 < row["per_doc_val_loss"][0] < 6
+        assert c["rows"]["align=doc"]["target_share"][0] < 1 == c["rows"]["pack=doc"]["target_share"][0]
+        value, low, high = c["masked_over_unmasked_step"]
+        assert low <= value <= high
+    assert "step time, short files: pack=doc / pack=none" in proc.stdout
