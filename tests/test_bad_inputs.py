@@ -279,6 +279,10 @@ VALUE_CASES = {
     ),
     "clip_negative": (["trainer.gradient_clip_val=-1"], r"trainer\.gradient_clip_val=-1 is not allowed"),
     "pack_unknown": (["data.pack=window"], r"data\.pack='window' is not allowed; it must be none or doc"),
+    "source_weight_negative": (
+        ["data.sources={web: {dir: /nowhere, weight: -0.5}}"],
+        r"data\.sources\.web\.weight=-0\.5 is not allowed; it must be a number >= 0",
+    ),
     "cpu_processes_by_accident": (
         ["trainer.accelerator=auto", "trainer.devices=4"],
         r"trainer\.devices=4 asks for 4 GPUs but 0 are visible on this machine; .*"

@@ -40,6 +40,7 @@ class LMModule(L.LightningModule):
         tokenizer: str | None = None,
         val_bytes_per_token: float | None = None,
         doc_separator: int | None = None,
+        val_sources: list[dict] | None = None,
     ):
         super().__init__()
         model, optim = (
@@ -60,6 +61,7 @@ class LMModule(L.LightningModule):
         self.run_config = run_config  # saved in every checkpoint: `generate`/`doctor` need nothing else
         self.tokenizer_name = tokenizer
         self.val_bytes_per_token = val_bytes_per_token  # UTF-8 bytes per val token, for val/bpb (None: not known)
+        self.val_sources = val_sources  # data.sources: [{name, weight, bytes_per_token}], one per val loader
         # The LR state, written only through `skip_step`, `scale_lr` and `continue_from`. `rewarm`: after a rewind
         # the LR warms up again from the restored step, (applied step it began, its length).
         self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
@@ -117,20 +119,36 @@ class LMModule(L.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        self._val_totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [summed CE, target count]
+        # [loader, (summed CE, target count)]: one row, or one per source's val loader
+        rows = len(self.val_sources) if self.val_sources else 1
+        self._val_totals = torch.zeros(rows, 2, dtype=torch.float64, device=self.device)
 
-    def validation_step(self, batch, batch_idx) -> None:
+    def validation_step(self, batch, batch_idx, dataloader_idx: int = 0) -> None:
         x, y = batch
-        self._val_totals += torch.stack([self.target_losses(x, y).double().sum(), (y != IGNORE_INDEX).sum().double()])
+        sums = torch.stack([self.target_losses(x, y).double().sum(), (y != IGNORE_INDEX).sum().double()])
+        self._val_totals[dataloader_idx] += sums
 
     def on_validation_epoch_end(self) -> None:
         """`val/loss`: sums across ranks, then one division, so every non-padding target weighs the same; `val/bpb`:
-        bits per UTF-8 byte of the val split, so runs with different tokenizers compare."""
-        ce_sum, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
-        loss = ce_sum / max(count, 1.0)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        if self.val_bytes_per_token:
-            self.log("val/bpb", loss / math.log(2) / self.val_bytes_per_token, sync_dist=False)
+        bits per UTF-8 byte of the val split, so runs with different tokenizers compare. With `data.sources`, the
+        same per source (`val/loss/<name>`, `val/bpb/<name>`), and `val/loss`, `val/bpb` their weighted means."""
+        totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
+        losses = [ce_sum / max(count, 1.0) for ce_sum, count in totals]
+        if not self.val_sources:
+            self.log("val/loss", losses[0], prog_bar=True, sync_dist=False)
+            if self.val_bytes_per_token:
+                self.log("val/bpb", losses[0] / math.log(2) / self.val_bytes_per_token, sync_dist=False)
+            return
+        bpb = {}
+        for source, loss in zip(self.val_sources, losses):
+            self.log(f"val/loss/{source['name']}", loss, sync_dist=False)
+            if source["bytes_per_token"]:
+                bpb[source["name"]] = loss / math.log(2) / source["bytes_per_token"]
+                self.log(f"val/bpb/{source['name']}", bpb[source["name"]], sync_dist=False)
+        weights = [s["weight"] for s in self.val_sources]
+        self.log("val/loss", sum(w * v for w, v in zip(weights, losses)), prog_bar=True, sync_dist=False)
+        if len(bpb) == len(losses):
+            self.log("val/bpb", sum(w * v for w, v in zip(weights, bpb.values())), sync_dist=False)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """The LR of this update, after every callback judged the step: `Schedule.lr_of` the applied steps (at least

@@ -37,6 +37,11 @@ def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | 
     return None
 
 
+def val_loss_by_source(metrics: dict[str, float]) -> dict[str, float]:
+    """`data.sources`: each source's `val/loss/<name>`, by name (empty for one source)."""
+    return {k[len("val/loss/") :]: v for k, v in sorted(metrics.items()) if k.startswith("val/loss/")}
+
+
 def finish_job(
     cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None, preempted: dict | None = None
 ) -> tuple[float | None, str, str | None]:
@@ -56,6 +61,7 @@ def finish_job(
             **({"step": preempted["step"], "checkpoint": preempted["checkpoint"]} if preempted else {}),
             "lr": lr,
             "val_loss": metrics.get("val/loss"),
+            **({"val_loss_by_source": by_source} if (by_source := val_loss_by_source(metrics)) else {}),
             "train_loss": metrics.get("train/loss"),
             "overrides": list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [],
             "model": {

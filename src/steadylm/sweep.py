@@ -36,15 +36,20 @@ def _fmt(value: float | None) -> str:
 
 
 def summary_table(jobs: list[dict[str, Any]]) -> str:
+    """One row a job; with `data.sources`, a column of each source's final val/loss."""
+    mixed = any(j.get("val_loss_by_source") for j in jobs)
+    extra = (" by source |", " --- |") if mixed else ("", "")
     rows = [
-        "| job | overrides | lr | final val/loss | status | reason |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| job | overrides | lr | final val/loss |{extra[0]} status | reason |",
+        f"| --- | --- | --- | --- |{extra[1]} --- | --- |",
     ]
     for j in jobs:
         overrides = " ".join(f"`{o}`" for o in j.get("overrides", []))
+        by = ", ".join(f"{n} {_fmt(v)}" for n, v in (j.get("val_loss_by_source") or {}).items())
         rows.append(
-            f"| {j['job']} | {overrides} | {_fmt(j.get('lr'))} | {_fmt(j.get('val_loss'))} | "
-            f"{j['status']} | {j.get('reason') or ''} |"
+            f"| {j['job']} | {overrides} | {_fmt(j.get('lr'))} | {_fmt(j.get('val_loss'))} |"
+            + (f" {by} |" if mixed else "")
+            + f" {j['status']} | {j.get('reason') or ''} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -58,6 +58,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     dm = run.datamodule
     data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
     data["doc_separator"] = getattr(dm, "document_separator", None)  # data.pack=doc; a source without it: none
+    data["val_sources"] = getattr(dm, "val_sources", None)  # data.sources: a val loader per source
     module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
     return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": build_trainer(run)}
 

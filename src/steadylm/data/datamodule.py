@@ -3,19 +3,50 @@ against the model config (vocabulary, tokenizer, context length) before training
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
+from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.data.source import check_pack
-from steadylm.errors import DataError
+from steadylm.errors import ConfigError, DataError
+
+log = logging.getLogger("steadylm")
+
+
+def _bytes_per_token(val: list[ShardInfo]) -> float | None:
+    n_bytes = [i.n_bytes for i in val]
+    return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
+
+
+def check_sources(sources) -> dict[str, tuple[Path, float]] | None:
+    """`data.sources` as {name: (folder, weight)}: one line for an unknown key, a missing dir, a weight that is not a
+    number >= 0, or weights that are all 0."""
+    if not sources:
+        return None
+    out = {}
+    for name, spec in dict(sources).items():
+        spec = dict(spec or {})
+        if unknown := sorted(set(spec) - {"dir", "weight"}):
+            raise ConfigError(f"data.sources.{name}.{unknown[0]} is not a source key; a source has dir and weight")
+        if spec.get("dir") is None:
+            raise ConfigError(f"data.sources.{name}.dir is not set: the folder of that source's prepared shards")
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+            raise ConfigError(f"data.sources.{name}.weight={weight!r} is not allowed; it must be a number >= 0")
+        out[str(name)] = (Path(str(spec["dir"])).expanduser(), float(weight))
+    if not sum(w for _, w in out.values()) > 0:
+        raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
+    return out
 
 
 def _same_tokenizer(recorded: str, configured) -> bool:
@@ -28,7 +59,10 @@ def _same_tokenizer(recorded: str, configured) -> bool:
 
 class ShardDataModule(L.LightningDataModule):
     """The shard `DataSource` (data/source.py), answered from the shards' attributes. `input` .. `on_bad_record`
-    are prepare's keys and `global_batch_tokens` startup's, accepted so one `data:` config says it all."""
+    are prepare's keys and `global_batch_tokens` startup's, accepted so one `data:` config says it all.
+
+    `sources` ({name: {dir, weight}}) trains several prepared folders at those token shares instead of `dir`
+    (data/mixture.py): one window id space over every source's shards, a val loader per source."""
 
     def __init__(
         self,
@@ -51,10 +85,12 @@ class ShardDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         align: str = "none",
         pack: str = "none",
+        sources: dict | None = None,
     ):
         super().__init__()
         self.pack = check_pack(pack)
         self.dir = Path(dir).expanduser()
+        self.sources = check_sources(sources)  # {name: (folder, weight)}, or None: `dir` alone
         self.batch_size, self.num_workers, self.context_length = int(batch_size), int(num_workers), int(context_length)
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.tokenizer, self.seed, self.align = tokenizer, int(seed), align
@@ -65,14 +101,19 @@ class ShardDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        hint = f"; run `make data` or `python -m steadylm.data.prepare data.dir={self.dir}`"
-        if not self.dir.is_dir():
-            raise DataError(f"{self.dir}: data.dir does not exist" + hint)
-        infos = {}
-        for split in ("train", "val"):
-            if not (files := sorted(self.dir.glob(f"{split}-*.h5"))):
-                raise DataError(f"{self.dir}: no {split} shards ({split}-*.h5) found" + hint)
-            infos[split] = [read_shard_info(p) for p in files]
+        folders = {name: d for name, (d, _) in self.sources.items()} if self.sources else {None: self.dir}
+        infos, self.shards_of = {"train": [], "val": []}, {}  # shards_of[name][split]: that source's shard infos
+        for name, folder in folders.items():
+            key = "data.dir" if name is None else f"data.sources.{name}.dir"
+            hint = f"; run `make data` or `python -m steadylm.data.prepare data.dir={folder}`"
+            if not folder.is_dir():
+                raise DataError(f"{folder}: {key} does not exist" + hint)
+            self.shards_of[name] = {}
+            for split in ("train", "val"):
+                if not (files := sorted(folder.glob(f"{split}-*.h5"))):
+                    raise DataError(f"{folder}: no {split} shards ({split}-*.h5) found" + hint)
+                self.shards_of[name][split] = [read_shard_info(p) for p in files]
+                infos[split] += self.shards_of[name][split]
         # read_shard_info refused a max_token_id >= its shard's vocab_size: vocab_size <= V covers every id
         first, V = infos["train"][0], self.model_vocab_size
         for info in infos["train"] + infos["val"]:
@@ -89,8 +130,12 @@ class ShardDataModule(L.LightningDataModule):
             if (info.vocab_size, info.eos_id, info.tokenizer) != (first.vocab_size, first.eos_id, first.tokenizer):
                 raise DataError(
                     f"{info.path}: tokenizer {info.tokenizer!r} (vocab {info.vocab_size}, eos {info.eos_id}) differs "
-                    f"from {first.path.name} ({first.tokenizer!r}, {first.vocab_size}, {first.eos_id}); "
-                    "re-run prepare so all shards share one tokenizer"
+                    f"from {first.path} ({first.tokenizer!r}, {first.vocab_size}, {first.eos_id}); "
+                    + (
+                        "prepare every source with one tokenizer"
+                        if self.sources
+                        else "re-run prepare so all shards share one tokenizer"
+                    )
                 )
         sets = {}
         for split, inf in infos.items():
@@ -106,6 +151,8 @@ class ShardDataModule(L.LightningDataModule):
                     "more data" + (" (or a larger data.val_fraction)" if split == "val" else "")
                 )
         self.infos, self.train_set, self.val_set = infos, sets["train"], sets["val"]
+        if self.sources:
+            self._mixture_sets(V)
         if self.drop_last and len(self.train_set) < self.batch_size * (world := self._world()[1]):
             raise DataError(
                 f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch ({self.batch_size}"
@@ -116,10 +163,29 @@ class ShardDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         return (0, 1) if trainer is None else (int(trainer.global_rank), int(trainer.world_size))
 
+    def _mixture_sets(self, V) -> None:
+        """The train windows' order over the sources (sizes from the joint id space), and one val set per source."""
+        ends = np.cumsum([len(self.shards_of[name]["train"]) for name in self.sources])
+        sizes = np.diff(self.train_set.starts[np.concatenate([[0], ends])])
+        for name, size in zip(self.sources, sizes.tolist()):
+            if not size:
+                shard = self.shards_of[name]["train"][0].path
+                raise DataError(f"{shard}: source {name!r} has no train window of model.context_length + 1 tokens")
+        weights = [w for _, w in self.sources.values()]
+        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle)
+        self.val_sets = {
+            name: TokenWindows([i.path for i in s["val"]], self.context_length, infos=s["val"], model_vocab_size=V)
+            for name, s in self.shards_of.items()
+        }
+
     def _loader(self, dataset: TokenWindows, train: bool) -> DataLoader:
         rank, world = self._world()
         order = {"shuffle": self.shuffle, "drop_last": self.drop_last} if train else {"shuffle": False}
-        sampler = EpochBatchSampler(len(dataset), self.batch_size, rank=rank, world_size=world, seed=self.seed, **order)
+        kw = {"rank": rank, "world_size": world, "seed": self.seed, **order}
+        if train and self.sources:
+            sampler = MixtureBatchSampler(self.order, self.batch_size, **kw)
+        else:
+            sampler = EpochBatchSampler(len(dataset), self.batch_size, **kw)
         if train:
             self._train_sampler = sampler
             if self._pending_state is not None:
@@ -135,11 +201,45 @@ class ShardDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        return self._loader(self.train_set, train=True)
+        loader = self._loader(self.train_set, train=True)
+        if self.sources and (trainer := getattr(self, "trainer", None)) is not None and trainer.is_global_zero:
+            windows = trainer.max_steps * trainer.accumulate_grad_batches * self.batch_size * trainer.world_size
+            for line in self.mixture_lines(windows):
+                log.info(line)
+        return loader
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """One loader, or with `sources` one per source (`val/loss/<name>`), in `val_sources` order."""
         self.setup("validate")
+        if self.sources:
+            return [self._loader(ds, train=False) for ds in self.val_sets.values()]
         return self._loader(self.val_set, train=False)
+
+    def mixture_lines(self, windows: int) -> list[str]:
+        """Each source's share of the tokens and the epochs of it a run of `windows` windows reads."""
+        T, lines = self.context_length, []
+        for s, name in enumerate(self.sources):
+            share, size = self.order.quota[s] / BLOCK, int(self.order.sizes[s])
+            lines.append(
+                f"data.sources.{name}: {share:.1%} of the tokens, {size:,} train windows ({size * T:,} tokens); "
+                f"this run reads {share * windows / size:.2f} epochs of it"
+            )
+        return lines
+
+    @property
+    def val_sources(self) -> list[dict] | None:
+        """[{name, weight, bytes_per_token}] of each source's val loader, in order; None for one `dir`."""
+        if not self.sources:
+            return None
+        self.setup(None)
+        return [
+            {
+                "name": name,
+                "weight": float(self.order.quota[s]) / BLOCK,
+                "bytes_per_token": _bytes_per_token(self.shards_of[name]["val"]),
+            }
+            for s, name in enumerate(self.sources)
+        ]
 
     def _infos(self, split: str) -> list[ShardInfo]:
         self.setup(None)
@@ -154,9 +254,7 @@ class ShardDataModule(L.LightningDataModule):
     @property
     def bytes_per_token(self) -> float | None:
         """UTF-8 bytes of the val shards' text per token (end-of-text ids included); None if one is format 1."""
-        val = self._infos("val")
-        n_bytes = [i.n_bytes for i in val]
-        return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
+        return _bytes_per_token(self._infos("val"))
 
     def window_location(self, window: int) -> dict:
         if window < 0:
@@ -164,7 +262,11 @@ class ShardDataModule(L.LightningDataModule):
         self.setup(None)
         s, start, targets = self.train_set.locate(window)
         path = self.train_set.paths[s]
-        return {"shard": path.name, "shard_path": str(path), "start": start, "end": start + targets + 1}
+        where = {"shard": path.name, "shard_path": str(path), "start": start, "end": start + targets + 1}
+        if self.sources:  # a source's shards are a run of the joint list, in `sources` order
+            ends = np.cumsum([len(self.shards_of[name]["train"]) for name in self.sources])
+            where = {"source": list(self.sources)[int(np.searchsorted(ends, s, side="right"))], **where}
+        return where
 
     def window_ids(self, batch_idx: int) -> list[int]:
         return [] if self._train_sampler is None else self._train_sampler.batch_windows(batch_idx)

@@ -117,9 +117,14 @@ class StreamDataModule(L.LightningDataModule):
         num_workers: int = 0,
         align: str = "none",
         pack: str = "none",
+        sources: dict | None = None,
     ):
         super().__init__()
         self.pack = check_pack(pack)
+        if sources:
+            raise ConfigError(
+                "data.sources mixes prepared shard folders; data=hf_stream streams one dataset (prepare it)"
+            )
         if num_workers:
             raise ConfigError(f"data.num_workers={num_workers}: data=hf_stream reads in the training process; set 0")
         if align != "none":

@@ -454,6 +454,9 @@ def _facts(log: RunLog) -> list[str]:
     vsteps, vloss = log.series("val/loss")
     if len(vsteps):
         facts.append(f"val/loss at {len(vsteps)} evaluations, last {vloss[-1]:.3f} at step {vsteps[-1]}")
+    by_source = {t[len("val/loss/") :]: log.series(t)[1] for t in sorted(log.scalars) if t.startswith("val/loss/")}
+    if by_source:  # data.sources: each source's own val loss beside the weighted one
+        facts.append("val/loss by source, last: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in by_source.items()))
     if log.config is not None:
         facts.append(
             f"config: optim={_optimizer(log)}, optim.lr={log.setting('optim.lr')}, "

@@ -28,9 +28,15 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
     vocabulary, naming the file, token offset and id as training does when it reaches that window (the
     DataModule row already refuses a shard vocabulary larger than model.vocab_size).
     """
+    if sources := cfg.data.get("sources"):  # data.sources: a row per source
+        return [row for name, spec in sources.items() for row in shard_rows(Path(spec.dir), deep, f" ({name})")]
     if cfg.data.get("dir") is None:
         return []  # a source without shards (e.g. data=hf_stream): its own checks run in its setup
-    folder = Path(cfg.data.dir).expanduser()
+    return shard_rows(Path(cfg.data.dir), deep)
+
+
+def shard_rows(folder: Path, deep: bool, source: str = "") -> list[Check]:
+    folder = folder.expanduser()
     paths = sorted(p for split in SPLITS for p in folder.glob(f"{split}-*.h5"))
     if not paths:
         return []  # the DataModule row names the missing folder or split and how to prepare it
@@ -39,7 +45,7 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
         try:
             infos.append(read_shard_info(path, deep=deep, progress=deep))
         except Exception as err:
-            rows.append(from_error(f"data: shard {path.name}", err))
+            rows.append(from_error(f"data: shard {path.name}{source}", err))
     if rows:
         return rows
     how = "every token rescanned" if deep else "attrs only; --deep rescans tokens"
@@ -47,7 +53,7 @@ def check_shards(cfg: DictConfig, deep: bool) -> list[Check]:
     versions = "/".join(str(v) for v in sorted({i.format_version for i in infos}))
     return [
         Check(
-            "data: shards",
+            f"data: shards{source}",
             OK,
             f"{len(infos)} shards in {folder} open, format {versions}, {n:,} tokens, vocab "
             f"{infos[0].vocab_size}, max id {max(i.max_token_id for i in infos)} ({how})",
@@ -85,6 +91,8 @@ def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, 
             )
         else:
             rows.append(Check("data: enough tokens", OK, evidence))
+        if getattr(dm, "sources", None):  # data.sources: each one's share and epochs, as training logs them
+            rows.append(Check("data: sources", OK, "; ".join(dm.mixture_lines(int(t.max_steps) * per_step))))
     return rows, (x[:4], y[:4])
 
 

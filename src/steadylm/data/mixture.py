@@ -1,0 +1,100 @@
+"""`data.sources`: several prepared sources trained together at fixed token shares, as one stream of windows.
+
+The stream is a pure function of the seed and the global position, like one source's epoch order, so any step's
+windows can be recomputed, a resume continues exactly, and every rank agrees without talking:
+
+- Which source position q draws from is a fixed table of `BLOCK` positions, repeated: source s holds its weight's
+  share of each block (largest remainder), spread evenly through it (smooth weighted round robin). Over any run of
+  positions the shares are off by at most a window or two per source, far under 1 % of a 100-step span.
+- Which window of s it draws is s's own count of draws before q: draw c is window `perm(s, e)(c mod size)` of s's
+  epoch e = c // size, a keyed Feistel order per (seed, source, epoch). A small source starts its next epoch on its
+  own while a large one is still in its first.
+
+Windows of all sources live in one id space (source s's ids start at `offsets[s]`), one `TokenWindows` over every
+source's shards, so reading, checking and the suspects' locations work as for one source.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from steadylm.data.sampler import PAD_INDEX, EpochBatchSampler, FeistelPermutation, _mix64
+
+BLOCK = 1000  # positions per repeat of the source table: a weight is rounded to 1/BLOCK (0.1 %) at most
+
+
+def quotas(weights: list[float], block: int = BLOCK) -> np.ndarray:
+    """Each source's whole share of `block` positions, summing to `block` (largest remainder)."""
+    w = np.asarray(weights, dtype=np.float64) / float(sum(weights))
+    exact = w * block
+    out = np.floor(exact).astype(np.int64)
+    out[np.argsort(-(exact - out), kind="stable")[: block - int(out.sum())]] += 1
+    return out
+
+
+def block_table(quota: np.ndarray) -> np.ndarray:
+    """The source of each position of a block, spread evenly (smooth weighted round robin, as nginx balances)."""
+    current, table = np.zeros(len(quota), dtype=np.int64), np.empty(int(quota.sum()), dtype=np.int64)
+    for r in range(len(table)):
+        current += quota
+        table[r] = s = int(np.argmax(current))
+        current[s] -= len(table)
+    return table
+
+
+class MixtureOrder:
+    """Global stream position -> window id (in the sources' joint id space)."""
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int, shuffle: bool = True):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.quota = quotas(weights)
+        self.table = block_table(self.quota)
+        self.before = np.zeros((len(sizes), BLOCK + 1), dtype=np.int64)  # [s, r]: s's positions in table[:r]
+        for s in range(len(sizes)):
+            self.before[s, 1:] = np.cumsum(self.table == s)
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        self._perms: dict[tuple[int, int], FeistelPermutation] = {}
+
+    def sources(self, positions: np.ndarray) -> np.ndarray:
+        return self.table[np.asarray(positions, dtype=np.int64) % BLOCK]
+
+    def __call__(self, positions) -> np.ndarray:
+        q = np.asarray(positions, dtype=np.int64)
+        block, r = np.divmod(q, BLOCK)
+        s = self.table[r]
+        draw = block * self.quota[s] + self.before[s, r]  # s's draws before q
+        epoch, i = np.divmod(draw, self.sizes[s])
+        local = i.copy()
+        if self.shuffle:
+            for key in {(int(a), int(b)) for a, b in zip(s, epoch)}:
+                pick = (s == key[0]) & (epoch == key[1])
+                local[pick] = self._perm(*key)(i[pick])
+        return self.offsets[s] + local
+
+    def _perm(self, source: int, epoch: int) -> FeistelPermutation:
+        if (source, epoch) not in self._perms:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            key = _mix64(_mix64(self.seed) ^ _mix64(source + 1)) ^ epoch
+            self._perms[(source, epoch)] = FeistelPermutation(int(self.sizes[source]), key)
+        return self._perms[(source, epoch)]
+
+
+class MixtureBatchSampler(EpochBatchSampler):
+    """`EpochBatchSampler` whose epoch is a stretch of the mixture's stream: as many positions as the sources have
+    windows, rounded up to whole global batches, so no position is padding; epoch e covers stream positions
+    [e·n, (e + 1)·n). Batching, ranks, resume and `batch_windows` are the base class's."""
+
+    def __init__(self, order: MixtureOrder, batch_size: int, *, world_size: int = 1, **kwargs):
+        G = int(batch_size) * int(world_size)
+        n = -(-int(order.sizes.sum()) // G) * G
+        super().__init__(n, batch_size, world_size=world_size, **kwargs)
+        self.order = order
+
+    def global_windows(self, positions) -> np.ndarray:
+        pos = np.asarray(positions, dtype=np.int64)
+        out = np.full(pos.shape, PAD_INDEX, dtype=np.int64)
+        real = pos < self.n_windows
+        out[real] = self.order(self.epoch * self.n_windows + pos[real])
+        return out

@@ -1,0 +1,158 @@
+"""`data.sources`: several prepared folders trained at fixed token shares, a val loss per source, exact resume."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from steadylm.data.mixture import MixtureBatchSampler, MixtureOrder
+from steadylm.data.prepare import prepare
+from steadylm.errors import ConfigError, DataError
+from steadylm.train import train
+from tests.test_resume import RESUME, K, step_losses
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory) -> dict[str, Path]:
+    """`big`: the embedded corpus's first 300 KB; `small`: its first 60 KB (small enough to run out first)."""
+    root = tmp_path_factory.mktemp("sources")
+    for name, size in (("big", 300_000), ("small", 60_000)):
+        prepare(input=None, out_dir=root / name, max_bytes=size, val_fraction=0.05, progress=False)
+    return {"big": root / "big", "small": root / "small"}
+
+
+def sources(paths: dict[str, Path], big: float = 0.7, small: float = 0.3) -> str:
+    return f"data.sources={{big: {{dir: {paths['big']}, weight: {big}}}, small: {{dir: {paths['small']}, weight: {small}}}}}"
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (0.5, 0.3, 0.2), (0.95, 0.05)])
+def test_every_100_steps_hold_the_weights_within_1_percent(weights):
+    """Window shares over every run of 100 steps of 16 windows; windows are T + 1 tokens each, so token shares too."""
+    sizes = [40_000, 700, 9_000][: len(weights)]
+    ids = MixtureOrder(sizes, list(weights), seed=5)(np.arange(200 * 1600))
+    source = np.searchsorted(np.cumsum(sizes), ids, side="right")
+    for s, w in enumerate(weights):
+        share = np.convolve(source == s, np.ones(1600), "valid") / 1600
+        assert abs(share.min() - w) <= 0.01 * w and abs(share.max() - w) <= 0.01 * w, (s, share.min(), share.max())
+
+
+def test_a_source_that_runs_out_starts_its_next_epoch_alone():
+    """The small source's draws: each epoch every window once, a new order each epoch; the big one still in its first."""
+    order = MixtureOrder([5_000, 300], [0.5, 0.5], seed=1)
+    ids = order(np.arange(3_000))
+    small = ids[ids >= 5_000] - 5_000
+    assert len(small) == 1_500
+    epochs = [small[i : i + 300] for i in range(0, 1_500, 300)]
+    assert all(sorted(e.tolist()) == list(range(300)) for e in epochs)
+    assert not np.array_equal(epochs[0], epochs[1])
+    big = ids[ids < 5_000]
+    assert len(set(big.tolist())) == len(big) == 1_500  # no big window twice yet
+
+
+def test_the_same_windows_on_one_rank_or_two():
+    """A step's global batch is a function of the seed and the step: 1 rank x 16 = 2 ranks x 8, window for window."""
+    order = MixtureOrder([5_000, 300], [0.6, 0.4], seed=2)
+    one = MixtureBatchSampler(order, 16, world_size=1, rank=0)
+    two = [MixtureBatchSampler(MixtureOrder([5_000, 300], [0.6, 0.4], seed=2), 8, world_size=2, rank=r) for r in (0, 1)]
+    for step in (0, 1, 7, 300, len(one) - 1):
+        assert sorted(one.batch_windows(step)) == sorted(two[0].batch_windows(step) + two[1].batch_windows(step))
+
+
+def test_a_mixture_trains_and_reports_a_val_loss_per_source(make_cfg, two_sources, caplog):
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        metrics, objects = train(
+            make_cfg(sources(two_sources), "trainer.max_steps=20", "trainer.val_check_interval=20")
+        )
+    big, small = metrics["val/loss/big"], metrics["val/loss/small"]
+    assert metrics["val/loss"] == pytest.approx(0.7 * big + 0.3 * small, rel=1e-6)
+    assert "val/bpb/big" in metrics and metrics["val/bpb"] == pytest.approx(
+        0.7 * metrics["val/bpb/big"] + 0.3 * metrics["val/bpb/small"], rel=1e-6
+    )
+    dm = objects["datamodule"]
+    trained = [w for step in range(20) for w in dm._train_sampler.batch_windows(step)]
+    names = [dm.window_location(w)["source"] for w in trained]
+    assert abs(names.count("big") / len(names) - 0.7) <= 0.01  # 320 windows: 224 and 96
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.sources.")]
+    assert len(lines) == 2 and "data.sources.big: 70.0% of the tokens" in lines[0], lines
+    assert "data.sources.small: 30.0% of the tokens" in lines[1] and "epochs of it" in lines[1]
+    where = dm.window_location(trained[0])
+    assert where["source"] in ("big", "small") and where["shard"].startswith("train-") and where["end"] > where["start"]
+
+
+def test_result_summary_and_diagnose_show_each_source(make_cfg, two_sources, tmp_path):
+    import json
+
+    from steadylm.diagnose import analyse, load_run
+    from steadylm.result import RESULT_FILE, finish_job
+    from steadylm.sweep import summary_table
+
+    cfg = make_cfg(sources(two_sources), "trainer.max_steps=10", "trainer.val_check_interval=10")
+    metrics, _ = train(cfg)
+    finish_job(cfg, metrics)
+    result = json.loads((tmp_path / "run" / RESULT_FILE).read_text())
+    assert result["val_loss_by_source"] == {"big": metrics["val/loss/big"], "small": metrics["val/loss/small"]}
+    table = summary_table([{"job": "0", **result}])
+    assert "| by source |" in table and f"big {metrics['val/loss/big']:.4g}, small" in table
+    assert "by source" not in summary_table([{"job": "0", "status": "ok", "val_loss": 1.0}])
+    facts = analyse(load_run(tmp_path / "run")).facts
+    assert any(f.startswith("val/loss by source, last: big ") for f in facts), facts
+
+
+def test_a_mixture_resumes_bitwise(make_cfg, two_sources, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    mix = sources(two_sources)
+    train(make_cfg(*RESUME, mix, f"trainer.max_steps={2 * K}", out=full))
+    train(make_cfg(*RESUME, mix, f"trainer.max_steps={K}", out=split))
+    train(make_cfg(*RESUME, mix, f"trainer.max_steps={2 * K}", "resume=auto", out=split))
+    expected, got = step_losses(full), step_losses(split)
+    assert len(expected) == 2 * K and got == expected
+
+
+@pytest.mark.parametrize(
+    "spec, error, message",
+    [
+        (
+            "{a: {dir: /nowhere, weight: -1}}",
+            ConfigError,
+            r"^data\.sources\.a\.weight=-1 is not allowed; it must be a number >= 0$",
+        ),
+        ("{a: {dir: /nowhere, weight: 0}}", ConfigError, r"^data\.sources: every weight is 0"),
+        ("{a: {dir: /nowhere, wieght: 1}}", ConfigError, r"^data\.sources\.a\.wieght is not a source key"),
+        ("{a: {weight: 1}}", ConfigError, r"^data\.sources\.a\.dir is not set"),
+        ("{a: {dir: /nowhere, weight: 1}}", DataError, r"^/nowhere: data\.sources\.a\.dir does not exist"),
+    ],
+)
+def test_a_bad_source_is_one_line(make_cfg, spec, error, message, tmp_path):
+    with pytest.raises(error, match=message):
+        train(make_cfg(f"data.sources={spec}"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sources_with_different_tokenizers_are_refused(make_cfg, two_sources, tmp_path):
+    other = tmp_path / "bpe"
+    prepare(input=None, out_dir=other, tokenizer="bpe", max_bytes=60_000, val_fraction=0.05, progress=False)
+    spec = f"data.sources={{big: {{dir: {two_sources['big']}, weight: 1}}, code: {{dir: {other}, weight: 1}}}}"
+    with pytest.raises(DataError, match=r"differs from .*; prepare every source with one tokenizer"):
+        train(make_cfg(spec, "data.tokenizer=null"))
+
+
+def test_doctor_shows_each_source(make_cfg, two_sources):
+    from steadylm.doctor.data_checks import data_checks
+
+    rows, batch = data_checks(make_cfg(sources(two_sources)), deep=False)
+    names = [r.name for r in rows]
+    assert "data: shards (big)" in names and "data: shards (small)" in names and batch is not None
+    row = next(r for r in rows if r.name == "data: sources")
+    assert "data.sources.big: 70.0% of the tokens" in row.evidence and "data.sources.small: 30.0%" in row.evidence
+
+
+def test_a_stream_cannot_be_a_source(make_cfg):
+    from steadylm.config import compose
+    from steadylm.derived import data_source
+    from tests.conftest import TINY_OVERRIDES
+
+    with pytest.raises(ConfigError, match=r"^data\.sources mixes prepared shard folders; data=hf_stream streams one"):
+        data_source(compose([*TINY_OVERRIDES, "data=hf_stream", "data.name=json", "data.sources={a: {dir: x}}"]))
