@@ -12,6 +12,7 @@ overhead ratios interleave at the finest grain there is, the step, inside one `t
   Python calls per step        cProfile's count of function calls on ordinary steps: raw loop,
                                `callbacks=minimal`, full suite (dispatch included); noise-free
   loader / training tokens/s   the real DataModule over real shards vs what training consumes
+  data.sources read cost       a mixture's loader against one source's, interleaved blocks, per batch, in step units
   bf16 / fp32 (CPU autocast)   and compile / eager: interleaved blocks of raw steps
 
 A busy neighbour on a shared machine slows everything for seconds at a time; step-by-step pairs see the
@@ -349,6 +350,36 @@ def loader_tokens_per_sec(datamodule, batches: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def mixture_read_share(datamodule, step_s: float, batches: int, rounds: int = 4) -> tuple[float, float, float]:
+    """What reading `data.sources` adds to a step: (mixture's loader time - one source's) per batch / the training
+    step, from interleaved blocks of each loader; the mixture is the same shards as two sources at 0.7 / 0.3."""
+    from steadylm.data.datamodule import ShardDataModule
+
+    keys = {"batch_size": datamodule.batch_size, "context_length": datamodule.context_length, "seed": 1}
+    two = {"a": {"dir": datamodule.dir, "weight": 0.7}, "b": {"dir": datamodule.dir, "weight": 0.3}}
+    mixed = ShardDataModule(dir=datamodule.dir, sources=two, **keys)
+
+    def reader(dm):
+        it = endless(dm.train_dataloader())
+        next(it)
+
+        def block() -> list[Sample]:
+            samples = []
+            for _ in range(batches):
+                start = now()
+                next(it)
+                samples.append(since(start))
+            return samples
+
+        return block
+
+    t = interleave(rounds, {"one": reader(ShardDataModule(dir=datamodule.dir, **keys)), "mixture": reader(mixed)})
+    extra = (median(t["mixture"]) - median(t["one"])) / step_s
+    low, high = interval(t["mixture"], t["one"])  # the loaders' own ratio: its spread, in step units below
+    spread = median(t["one"]) / step_s
+    return extra, (low - 1) * spread, (high - 1) * spread
+
+
 class RawLoop:
     """The raw loop's own AdamW (the same recipe as Lightning's), its LR by its own step count, its batches (copied to
     the model's device, as Lightning copies its own), bf16 autocast when `autocast`."""
@@ -453,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
         "suite_hook_share_of_step": suite_hook_share(run, module, datamodule, 3 * args.steps),
         "python_calls_per_step": python_calls(run, module, datamodule, raw, 5 if args.quick else 20),
         "loader_over_training_tokens_per_sec": loader_tokens_per_sec(datamodule, 20 if args.quick else 200) / train_tps,
+        "mixture_read_share_of_step": mixture_read_share(datamodule, median(t["on"]), 10 if args.quick else 100),
         "bf16_over_fp32_cpu": ratio(k["bf16"], k["fp32"]),
         "compiled_over_eager": ratio(k["compiled"], k["fp32"]) if "compiled" in k else None,
         "flops_per_token": fpt,
@@ -486,6 +518,10 @@ def report(r: dict) -> None:
     )
     print(
         f"{'tokens/s: data loader / training':40} {loader:7.1f}  {'':15}  >= 50    {'met' if loader >= 50 else 'missed'}"
+    )
+    share, low, high = r["mixture_read_share_of_step"]
+    print(
+        f"{'data.sources read cost / step':40} {share:7.3f}  [{low:.3f}, {high:.3f}]  <= 0.02  {verdict(low, high, 0.02)}"
     )
     print(
         f"{'step time: bf16 autocast / fp32 (CPU)':40} {r['bf16_over_fp32_cpu']:7.3f}  {'':15}  < 1 where the CPU has bf16 units"

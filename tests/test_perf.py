@@ -70,6 +70,7 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
         "suite on / suite off",
         "suite hook time",
         "data loader / training",
+        "data.sources read cost / step",
         "bf16 autocast",
         "FLOPs/token",
         "Python calls per ordinary step",
@@ -86,6 +87,8 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
         assert results[key] > 0
     for low, high in results["intervals"].values():
         assert 0 < low <= high
+    share, low, high = results["mixture_read_share_of_step"]
+    assert low <= high and -1 < share < 10  # a difference of two medians in step units: noisy at quick sizes
     assert results["steps_timed"] >= 10  # paired Lightning/raw steps after the warm-up
     assert results["flops_per_token"] > 6 * results["params"]
     calls = results["python_calls_per_step"]  # counts, not times: each layer adds Python on top of the last
