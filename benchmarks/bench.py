@@ -521,7 +521,7 @@ def report(r: dict) -> None:
     )
     share, low, high = r["mixture_read_share_of_step"]
     print(
-        f"{'data.sources read cost / step':40} {share:7.3f}  [{low:.3f}, {high:.3f}]  <= 0.02  {verdict(low, high, 0.02)}"
+        f"{'data.sources read cost / step':40} {share:7.4f}  [{low:.4f}, {high:.4f}]  <= 0.02  {verdict(low, high, 0.02)}"
     )
     print(
         f"{'step time: bf16 autocast / fp32 (CPU)':40} {r['bf16_over_fp32_cpu']:7.3f}  {'':15}  < 1 where the CPU has bf16 units"

@@ -39,7 +39,7 @@ def split_sweep(overrides: list[str]) -> list[list[str]]:
     jobs = [[]]
     for o in overrides:
         key, _, value = o.partition("=")
-        values = value.split(",") if "," in value and not value.startswith(("[", "'", '"')) else [value]
+        values = value.split(",") if "," in value and not value.startswith(("[", "{", "'", '"')) else [value]
         jobs = [job + [f"{key}={v}"] for job in jobs for v in values]
     return jobs
 
