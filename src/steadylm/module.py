@@ -62,6 +62,7 @@ class LMModule(L.LightningModule):
         # the LR warms up again from the restored step, (applied step it began, its length).
         self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
         self.pre_clip_grad_norm: torch.Tensor | None = None
+        self.log_z: torch.Tensor | None = None  # the last training micro-batch's mean log Z (`head_loss`)
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
 
@@ -83,14 +84,21 @@ class LMModule(L.LightningModule):
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss(self(x), targets)` by the configured path (`optim.loss`): chunked, the logits of one chunk of
-        `optim.loss_chunk` tokens alive at a time, or plain. Same value and gradients; z is detached when chunked."""
+        `optim.loss_chunk` tokens alive at a time, or plain. Same value and gradients; z is detached when chunked.
+        Keeps the mean log Z of the micro-batch in `log_z` (a device tensor, never read here: the stats check sends
+        it on its steps), which the chunked loss has for free and the plain path pays one log-sum-exp for."""
         if self.loss_path == "plain":
-            return self.loss(self(x), targets)
+            logits = self(x)
+            valid = targets != IGNORE_INDEX
+            lse = torch.logsumexp(logits.detach().float(), dim=-1)
+            self.log_z = (lse * valid).sum() / valid.sum().clamp(min=1)
+            return self.loss(logits, targets)
         hidden = self.net(x, head=False)
         check_targets(hidden, targets)
         cap = self.net.cfg.logit_softcap
-        loss, _, z = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap)
-        return loss, z
+        out = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap)
+        self.log_z = out.log_z
+        return out.loss, out.z
 
     def target_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-target cross-entropy (fp32, 0 at padding), shaped like `targets`, without gradients (`optim.loss=plain`:
