@@ -90,6 +90,8 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
     assert results["flops_per_token"] > 6 * results["params"]
     calls = results["python_calls_per_step"]  # counts, not times: each layer adds Python on top of the last
     assert 0 < calls["raw"] < calls["minimal"] < calls["suite"]
+    assert 0 < calls["steadylm_files"] < calls["steadylm_functions"]  # reported, not bounded: a fork may add a check
+    assert "steadylm functions an ordinary step calls: " in proc.stdout
 
 
 def test_gpu_script_imports_and_refuses_without_a_gpu():

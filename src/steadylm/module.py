@@ -177,17 +177,10 @@ class LMModule(L.LightningModule):
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
-        kept for this step's clipping, so the gradients are walked once (loops: no comprehension call a step)."""
-        params: list = []
-        for opt in self.trainer.optimizers:
-            for group in opt.param_groups:
-                params += group["params"]
-        with_grad, grads = [], []
-        for p in params or self.parameters():
-            if p.grad is not None:
-                with_grad.append(p)
-                grads.append(p.grad)
-        norms = torch.stack(foreach_norm(grads)).float() if grads else None
+        kept for this step's clipping, so the gradients are walked once."""
+        params = [p for opt in self.trainer.optimizers for group in opt.param_groups for p in group["params"]]
+        with_grad = [p for p in params or self.parameters() if p.grad is not None]
+        norms = torch.stack(foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
         self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
         return norms, with_grad
 
@@ -216,9 +209,7 @@ class LMModule(L.LightningModule):
         norm, self.pre_clip_grad_norm = self.pre_clip_grad_norm, None
         if not gradient_clip_val:
             return
-        params = []
-        for group in optimizer.param_groups:  # torch's clipping leaves out the parameters without a gradient
-            params += group["params"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # torch skips those without a grad
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
