@@ -63,7 +63,7 @@ class QKClip(Check):
 
     def __init__(
         self, every_n_steps=1, tau=100.0, min_factor=0.1, max_clips=1000, backoff_after=5, lr_backoff=0.1,
-        max_backoffs=2, rewind=True, rewarm_steps=0, rewind_to="growth", growth_floor=0.05,
+        max_backoffs=2, rewind=True, rewarm_steps=100, rewind_to="growth", growth_floor=0.05,
     ) -> None:  # fmt: skip
         where = "callbacks.stability.qk_clip"
         if every_n_steps < 1:

@@ -41,8 +41,9 @@ def stats_metrics(values: dict) -> dict[str, float]:
 class GradParamStats(Check):
     name = "stats"
 
-    def __init__(self, every_n_steps=10, update_ratio_alarm=1.0, attn_logit_alarm=100.0) -> None:
-        self.every_n_steps = max(1, int(every_n_steps))
+    def __init__(self, every_n_steps=None, update_ratio_alarm=1.0, attn_logit_alarm=100.0) -> None:
+        self.configured = every_n_steps  # None: on the logging steps (`applies`), where the metrics are written
+        self.every_n_steps = max(1, int(every_n_steps or 1))
         self.update_ratio_alarm, self.attn_logit_alarm = float(update_ratio_alarm), float(attn_logit_alarm)
         self.armed_step = -1
         self._hooks: list = []
@@ -50,6 +51,10 @@ class GradParamStats(Check):
         self._owner: torch.Tensor | None = None  # block index of each parameter (n_blocks for the rest)
         self._owner_key: tuple = ()
         self._held: dict | None = None  # the stats step's device values, waiting for its update
+
+    def applies(self, trainer) -> bool:
+        self.every_n_steps = max(1, int(self.configured or trainer.log_every_n_steps))
+        return True
 
     def _sleep_after(self, step: int) -> None:
         """Asleep (`Check.next_step`) until the first stats step after `step`: a quiet step costs nothing."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from types import MappingProxyType
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
@@ -38,6 +39,7 @@ CHECKS = {
     "signals": "steadylm.stability.signals:Precursors",
 }
 BUILT_IN = (*CHECKS, "recovery", "measure")
+DEFAULTS = MappingProxyType({})  # a part not named: built with its own defaults (null removes it)
 
 
 def _part(name: str, settings, cls=None):
@@ -78,15 +80,16 @@ def _checks_from_config(nodes) -> list:
 
 class Stability(L.Callback):
     """`callbacks.stability`: each part is tunable (`callbacks.stability.spike.sigma=5`) or removable
-    (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
+    (`callbacks.stability.spike=null`); a part not named is built with its defaults, so `Stability()` is the suite
+    `train.py` runs; with `recovery=None` a rollback reads the checkpoints on disk."""
 
-    def __init__(self, recovery=None, checks=None, defer: bool = True, **parts):
+    def __init__(self, recovery=DEFAULTS, checks=None, defer: bool = True, **parts):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
         if unknown := sorted(set(parts) - set(CHECKS)):
             raise ConfigError(f"callbacks.stability.{unknown[0]} is not a part; see conf/callbacks/default.yaml")
         for name in CHECKS:  # self.guard, self.spike, ...: None when removed
-            setattr(self, name, _part(name, parts.get(name)))
+            setattr(self, name, _part(name, parts.get(name, DEFAULTS)))
         self.recovery = _part("recovery", recovery if recovery is not None else {"every_n_steps": 0}, Recovery)
         # The built-in checks first, then `callbacks.stability.checks` in config order.
         self.checks = [getattr(self, n) for n in CHECKS if getattr(self, n) is not None] + _checks_from_config(checks)
