@@ -63,6 +63,8 @@ class LMModule(L.LightningModule):
         self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
         self.pre_clip_grad_norm: torch.Tensor | None = None
         self.log_z: torch.Tensor | None = None  # the last training micro-batch's mean log Z (`head_loss`)
+        self.token_losses: torch.Tensor | None = None  # its per-position CE, while a check asks (`keep_token_losses`)
+        self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
 
@@ -89,16 +91,22 @@ class LMModule(L.LightningModule):
         it on its steps), which the chunked loss has for free and the plain path pays one log-sum-exp for."""
         if self.loss_path == "plain":
             logits = self(x)
-            valid = targets != IGNORE_INDEX
-            lse = torch.logsumexp(logits.detach().float(), dim=-1)
-            self.log_z = (lse * valid).sum() / valid.sum().clamp(min=1)
+            valid, flat = targets != IGNORE_INDEX, logits.detach().float()
+            self.log_z = (torch.logsumexp(flat, dim=-1) * valid).sum() / valid.sum().clamp(min=1)
+            if self._keep_token_losses:
+                ce = F.cross_entropy(flat.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+                self.token_losses = ce.view(targets.shape)
             return self.loss(logits, targets)
         hidden = self.net(x, head=False)
         check_targets(hidden, targets)
-        cap = self.net.cfg.logit_softcap
-        out = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap)
-        self.log_z = out.log_z
+        cap, keep = self.net.cfg.logit_softcap, self._keep_token_losses
+        out = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap, keep)
+        self.log_z, self.token_losses = out.log_z, out.token_losses
         return out.loss, out.z
+
+    def keep_token_losses(self, on: bool) -> None:
+        """Keep each training position's CE in `token_losses` (a check asks for it; one float a token)."""
+        self._keep_token_losses = bool(on)
 
     def target_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-target cross-entropy (fp32, 0 at padding), shaped like `targets`, without gradients (`optim.loss=plain`:

@@ -129,6 +129,7 @@ class StepMeasure:
         self.allow_defer = defer
         self.deferred: bool | None = None  # decided at the first step
         self.losses: list[torch.Tensor] = []
+        self.token_losses: list[torch.Tensor] = []  # per micro-batch, when a check asks (`Check.wants_token_losses`)
         self.batches: list = []  # this step's micro-batches (references; for the forensic re-run)
         self.batch_idx: list[int] = []
         self.taken = True  # the next micro-batch starts a new step
