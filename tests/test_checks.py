@@ -232,3 +232,11 @@ def test_a_rollback_gives_a_check_back_what_it_had_seen_of_the_restored_weights(
     assert [e["detail"]["to_step"] for e in rollback] == [8]
     kept = check.restored_from["history"]
     assert len(kept) == 8 and check.history[: len(kept)] == kept  # steps 0-7, then on from the restored weights
+
+
+def test_a_check_diagnosed_away_from_its_code_is_described_by_its_events():
+    from steadylm.stability.instability import described
+
+    events = [{"step": 7, "kind": "mine", "action": "log", "detail": {"value": 3.0}}]
+    (found,) = described(events, {"mine": "nowhere_pkg.Mine"})
+    assert (found["onset"], found["cause"]) == (7, "mine") and "1 mine event(s) from step 7" in found["summary"]

@@ -35,14 +35,20 @@ def config_checks(config: Mapping | None) -> dict[str, str]:
 
 
 def _owner(target: str) -> Any:
+    """The check's class; None where it cannot be imported (a run diagnosed away from its code): its events are
+    then described by their detail alone."""
     module, _, name = target.replace(":", ".").rpartition(".")
-    return getattr(import_module(module), name)
+    try:
+        return getattr(import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 def interpreters(kinds: set, checks: Mapping[str, str] | None = None) -> list[tuple[tuple[str, ...], Any]]:
     """(event kinds, the module or class that interprets them) for the kinds in `kinds`: built-ins first."""
     out = [(t, import_module(m)) for m, t in EXPLAINERS if kinds.intersection(t)]
-    return out + [((name,), _owner(target)) for name, target in (checks or {}).items() if name in kinds]
+    mine = [((name,), _owner(target)) for name, target in (checks or {}).items() if name in kinds]
+    return out + [(kinds, owner) for kinds, owner in mine if owner is not None]
 
 
 def instability(run_dir: str | Path, lr: float | None = None, checks: Mapping[str, str] | None = None) -> str | None:
