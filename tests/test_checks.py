@@ -215,8 +215,10 @@ def test_a_forkers_check_sees_the_per_position_loss_ends_the_run_unstable_and_is
     _, status, reason = finish_job(cfg, {"train/loss": 3.0, "val/loss": 3.0})
     line = TailLoss.explain(events, None, None)
     assert status == "unstable" and reason == line
-    found = [f for f in analyse(load_run(tmp_path / "run")).findings if f.cause == "tail_loss"]
+    diagnosis = analyse(load_run(tmp_path / "run"))
+    found = [f for f in diagnosis.findings if f.cause == "tail_loss"]
     assert [(f.onset, f.summary) for f in found] == [(24, line.split("; fix: ")[0])]
+    assert f"unstable: {line}" in diagnosis.facts  # the line result.json gives, read from the same place
 
 
 def test_a_check_that_does_not_ask_costs_the_loss_nothing(make_cfg):
