@@ -10,7 +10,8 @@ overhead ratios interleave at the finest grain there is, the step, inside one `t
                                the other half the step is `callbacks=minimal`'s, plus Lightning's
                                dispatch to the suite's hooks (their gates return at once)
   Python calls per step        cProfile's count of function calls on ordinary steps: raw loop,
-                               `callbacks=minimal`, full suite (dispatch included); noise-free
+                               `callbacks=minimal`, full suite (dispatch included); noise-free; and
+                               how many steadylm functions an ordinary step calls
   loader / training tokens/s   the real DataModule over real shards vs what training consumes
   data.sources read cost       a mixture's loader against one source's, interleaved blocks, per batch, in step units
   bf16 / fp32 (CPU autocast)   and compile / eager: interleaved blocks of raw steps
@@ -295,23 +296,30 @@ def suite_hook_share(run: Resolved, module, datamodule, steps: int) -> float:
     return in_suite / sum(d["run_training_batch"])
 
 
-def calls_per_step(run: Callable[[int], None], steps: int) -> float:
-    """Python function calls per step: cProfile's count over 2n steps minus over n, so setup cancels out.
+SRC = str(Path(__file__).resolve().parents[1] / "src" / "steadylm")
+
+
+def calls_per_step(run: Callable[[int], None], steps: int) -> tuple[float, set[tuple[str, str]]]:
+    """Python function calls per step: cProfile's count over 2n steps minus over n, so setup cancels out; and the
+    steadylm functions (file, name) called more often in 2n steps than in n: those of an ordinary step.
 
     A count, not a time: the same on every run, where this machine's noise hides hundreds of calls. It shows
     where a fixed per-step overhead comes from (Lightning's loop, its hook dispatch, the suite's bodies).
     """
 
-    def count(n: int) -> int:
+    def count(n: int) -> tuple[int, dict]:
         profiler = cProfile.Profile()
         profiler.enable()
         try:
             run(n)
         finally:
             profiler.disable()
-        return pstats.Stats(profiler).total_calls
+        stats = pstats.Stats(profiler)
+        ours = {(f[len(SRC) + 1 :], name): v[1] for (f, _, name), v in stats.stats.items() if f.startswith(SRC)}
+        return stats.total_calls, ours
 
-    return (count(2 * steps) - count(steps)) / steps
+    (once, few), (twice, more) = count(steps), count(2 * steps)
+    return (twice - once) / steps, {f for f, n in more.items() if n > few.get(f, 0)}
 
 
 def python_calls(run: Resolved, module, datamodule, raw: Callable[[], None], steps: int) -> dict[str, float]:
@@ -333,10 +341,13 @@ def python_calls(run: Resolved, module, datamodule, raw: Callable[[], None], ste
             for _ in range(n):
                 raw()
 
+    suite_calls, functions = calls_per_step(fit(True), steps)
     return {
-        "raw": calls_per_step(raw_steps, steps),
-        "minimal": calls_per_step(fit(False), steps),
-        "suite": calls_per_step(fit(True), steps),
+        "raw": calls_per_step(raw_steps, steps)[0],
+        "minimal": calls_per_step(fit(False), steps)[0],
+        "suite": suite_calls,
+        "steadylm_functions": len(functions),
+        "steadylm_files": len({f for f, _ in functions}),
     }
 
 
@@ -537,7 +548,8 @@ def report(r: dict) -> None:
     c = r["python_calls_per_step"]
     print(
         f"Python calls per ordinary step: raw loop {c['raw']:,.0f}, Lightning with callbacks=minimal "
-        f"{c['minimal']:,.0f}, with the suite {c['suite']:,.0f}"
+        f"{c['minimal']:,.0f}, with the suite {c['suite']:,.0f}; steadylm functions an ordinary step calls: "
+        f"{c['steadylm_functions']} in {c['steadylm_files']} files"
     )
     extra = c["suite"] - c["raw"]
     if extra > 0 and r["overhead_ms_per_step"] > 0:

@@ -222,10 +222,11 @@ class Truth(L.Callback):
                 for i, b in enumerate(net.blocks)
             ]
             with torch.no_grad():
-                net(self.batch[0])
+                lse = net(self.batch[0]).float().logsumexp(-1)
             for h in hooks:
                 h.remove()
             self.rms = rms
+            self.log_z = float(lse[self.batch[1] != -100].mean())  # over the targets the loss counts
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == STEP + 1:

@@ -14,7 +14,7 @@ from steadylm.stability import read_events
 from steadylm.stability.check import Check
 from steadylm.stability.signals import Precursors
 from steadylm.stability.verdict import OK, Verdict
-from tests.helpers import FAST, fit, stability_of
+from tests.helpers import FAST, faults, fit, stability_of
 
 
 class EmbeddingGradSpike(Check):
@@ -141,3 +141,104 @@ def test_a_watched_signal_is_forecast_from_its_values_and_a_bad_entry_is_one_lin
         Precursors(watch={"embed": {"value": "norm", "level": 1.0}})
     with pytest.raises(ConfigError, match=r"signals\.watch\.residual_rms must be"):
         Precursors(watch={"residual_rms": {"value": "a.b", "level": 1.0}})
+
+
+class TailLoss(Check):
+    """A forker's check: the mean loss on the last `positions` of each window above `factor` times its running median
+    (what a data pipeline that cuts documents badly, or a broken long-range attention, shows first)."""
+
+    wants_token_losses = True  # the loss keeps each position's CE for this check's steps
+
+    def __init__(self, positions: int = 8, factor: float = 1.5, window: int = 32, warmup: int = 4) -> None:
+        self.positions, self.factor, self.window, self.warmup = int(positions), float(factor), int(window), int(warmup)
+        self.history: list[float] = []
+        self.restored_from: dict | None = None
+
+    def measure(self, view):
+        tails = torch.stack([t[:, -self.positions :].mean() for t in view.token_losses])
+        return {"tail": ("mean", tails.mean())}
+
+    def verdict(self, m, view):
+        tail = m.values[self.name]["tail"]
+        if m.nonfinite:
+            return OK
+        recent = self.history[-self.window :]
+        median = statistics.median(recent) if len(recent) >= self.warmup else None
+        self.history.append(tail)
+        if median is None or tail <= self.factor * median:
+            return OK
+        return Verdict("log", self.name, {"tail": tail, "median": median, "factor": self.factor}, onset=m.step)
+
+    # what it has seen of the weights: copied with each snapshot, given back by a rollback
+    def window_state(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_window_state(self, state: dict) -> None:
+        self.restored_from = state
+        self.history = list(state["history"])
+
+    def state_dict(self) -> dict:
+        return self.window_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = list(state["history"])
+
+    @staticmethod
+    def explain(events, lr, cut):
+        """The run's `unstable` line from this check's events (any: the tail of a window should never jump)."""
+        if not events:
+            return None
+        d = events[0]["detail"]
+        return (
+            f"the loss on the last positions of a window rose above {d['factor']:g}x its running median on "
+            f"{len(events)} step(s) from step {events[0]['step']} ({d['tail']:.3g} against {d['median']:.3g}); "
+            "fix: read the windows of those steps (python -m steadylm.diagnose.window) for documents cut badly"
+        )
+
+
+TAIL = "+callbacks.stability.checks.tail_loss={_target_: tests.test_checks.TailLoss, factor: 2, window: 8}"
+
+
+def test_a_forkers_check_sees_the_per_position_loss_ends_the_run_unstable_and_is_diagnosed(make_cfg, tmp_path):
+    from steadylm.diagnose.findings import analyse
+    from steadylm.diagnose.runlog import load_run
+    from steadylm.result import finish_job
+
+    labels = faults({"kind": "corrupt_labels", "step": 24})  # one batch of random labels: every position's loss jumps
+    cfg = make_cfg(*FAST, "trainer.max_steps=30", "optim.lr=1e-2", TAIL, labels)
+    objs = fit(cfg)
+    check = next(c for c in stability_of(objs["trainer"]).checks if c.name == "tail_loss")
+    assert objs["module"].token_losses.shape == (4, 32)  # kept for the check: one CE a position
+    events = [e for e in read_events(tmp_path / "run") if e["kind"] == "tail_loss"]
+    assert [e["step"] for e in events] == [24]  # the scrambled labels' step, its tail far above its median
+    assert events[0]["detail"]["tail"] > 2 * events[0]["detail"]["median"] and len(check.history) == 30
+    _, status, reason = finish_job(cfg, {"train/loss": 3.0, "val/loss": 3.0})
+    line = TailLoss.explain(events, None, None)
+    assert status == "unstable" and reason == line
+    diagnosis = analyse(load_run(tmp_path / "run"))
+    found = [f for f in diagnosis.findings if f.cause == "tail_loss"]
+    assert [(f.onset, f.summary) for f in found] == [(24, line.split("; fix: ")[0])]
+    assert f"unstable: {line}" in diagnosis.facts  # the line result.json gives, read from the same place
+
+
+def test_a_check_that_does_not_ask_costs_the_loss_nothing(make_cfg):
+    objs = fit(make_cfg(*FAST, "trainer.max_steps=6"))
+    assert objs["module"].token_losses is None
+
+
+def test_a_rollback_gives_a_check_back_what_it_had_seen_of_the_restored_weights(make_cfg, tmp_path):
+    nan = [{"kind": "nan_loss", "step": s} for s in (9, 10, 11)]  # three in a row: the guard rolls back to step 8
+    objs = fit(make_cfg(*FAST, "trainer.max_steps=16", TAIL, faults(*nan)))
+    check = next(c for c in stability_of(objs["trainer"]).checks if c.name == "tail_loss")
+    rollback = [e for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
+    assert [e["detail"]["to_step"] for e in rollback] == [8]
+    kept = check.restored_from["history"]
+    assert len(kept) == 8 and check.history[: len(kept)] == kept  # steps 0-7, then on from the restored weights
+
+
+def test_a_check_diagnosed_away_from_its_code_is_described_by_its_events():
+    from steadylm.stability.instability import described
+
+    events = [{"step": 7, "kind": "mine", "action": "log", "detail": {"value": 3.0}}]
+    (found,) = described(events, {"mine": "nowhere_pkg.Mine"})
+    assert (found["onset"], found["cause"]) == (7, "mine") and "1 mine event(s) from step 7" in found["summary"]

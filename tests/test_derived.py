@@ -92,7 +92,9 @@ def test_a_data_module_without_the_source_members_is_refused_naming_them():
     cfg = compose(["trainer.max_steps=50"])
     with open_dict(cfg):
         cfg.data = OmegaConf.create({"_target_": f"{__name__}.Bare", "batch_size": 8, "num_workers": 0})
-    with pytest.raises(ConfigError, match=r"Bare lacks vocab_size, tokenizer_name, bytes_per_token, .*: a data source"):
+    with pytest.raises(
+        ConfigError, match=r"Bare lacks batch_size, vocab_size, tokenizer_name, bytes_per_token, .*: a data source"
+    ):
         fill_derived(cfg)
 
 

@@ -149,8 +149,8 @@ def test_fsdp_memory_is_sharded_over_the_real_world_size(eight_gpus, tmp_path):
     n = 1_000_000_000
     fsdp = compose(["trainer=fsdp", "trainer.num_nodes=2", "model=small", f"paths.output_dir={tmp_path}"])
     ddp = compose(["trainer=ddp", "trainer.num_nodes=2", "model=small", f"paths.output_dir={tmp_path}"])
-    sharded = plan(fsdp, "bf16-mixed", devices_of(fsdp), n_params=n)
-    whole = plan(ddp, "bf16-mixed", devices_of(ddp), n_params=n)
+    sharded = plan(fsdp, "bf16-mixed", devices_of(fsdp), fsdp.data.batch_size, n_params=n)
+    whole = plan(ddp, "bf16-mixed", devices_of(ddp), ddp.data.batch_size, n_params=n)
     assert sharded.parts["weights+grads+adamw"] == n * ADAMW_BYTES_PER_PARAM // 16
     assert whole.parts["weights+grads+adamw"] == n * ADAMW_BYTES_PER_PARAM
     assert sharded.processes == whole.processes == 8  # per machine; each has its own GPU
@@ -161,6 +161,6 @@ def test_auto_is_one_answer_for_memory_and_doctor(eight_gpus, make_cfg):
     """`devices=auto` on 8 GPUs: the memory plan and doctor's epoch count both see 8 processes."""
     cfg = make_cfg("trainer.accelerator=auto", "trainer.devices=auto")
     assert devices_of(cfg) == Devices("cuda", 8, 1)
-    assert plan(cfg, "32-true", devices_of(cfg)).processes == 8
+    assert plan(cfg, "32-true", devices_of(cfg), cfg.data.batch_size).processes == 8
     rows, _ = check_datamodule(cfg)
     assert "(8 rank(s))" in rows[1].evidence

@@ -31,7 +31,7 @@ What is checked, and the convention that decides what counts as what:
   reserved ids; not every error Mermaid could raise, and it is stricter than Mermaid in places (no `;` in an
   unquoted label, every node labelled).
 - **Mistakes shown on purpose** (`MISTAKES`, e.g. `model=huge`) and file names (`model.safetensors`) are not keys.
-- **Sizes and tone**: README ≤ 150 lines, each docs/ page ≤ 250, decisions ≤ 150; no run history.
+- **Sizes and tone**: README ≤ 180 lines, each docs/ page ≤ 350; no run history.
 """
 
 from __future__ import annotations
@@ -466,9 +466,8 @@ def test_the_checks_reject_what_does_not_exist():
 
 def test_sizes_and_no_run_history():
     lines = {rel(p): len(p.read_text().splitlines()) for p in PAGES}
-    assert lines.pop("README.md") <= 150
-    assert max(lines.values()) <= 250, lines
-    assert lines["docs/decisions.md"] <= 150
+    assert lines.pop("README.md") <= 180  # alarms with headroom, not targets for the prose
+    assert max(lines.values()) <= 350, lines
     history = re.compile(
         r"session \d|this session|kept for the history|this machine|(before|after) the change|DESIGN\.md", re.I
     )

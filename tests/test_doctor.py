@@ -209,17 +209,20 @@ def test_memory_estimate_counts_adamw_states_per_param(tmp_path):
     cfg = compose(
         ["model=small", "trainer=cpu", "trainer.precision=32-true", "data.batch_size=8", f"paths.output_dir={tmp_path}"]
     )
-    parts = plan(cfg, "32-true", Devices("cpu", 1, 1), n_params=124_000_000).parts
+    parts = plan(cfg, "32-true", Devices("cpu", 1, 1), cfg.data.batch_size, n_params=124_000_000).parts
     assert parts["weights+grads+adamw"] == 16 * 124_000_000  # fp32 weight, grad, exp_avg, exp_avg_sq
     # the default chunked loss: one chunk's logits (matmul dtype) + fp32 log-softmax + grad, the head's fp32 grad
     assert parts["logits"] == 1024 * 50304 * (4 + 8) + 50304 * 768 * 4
     assert parts["activations"] == 8 * 1024 * 12 * 34 * 768 * 2
-    bf16 = plan(cfg, "bf16-mixed", Devices("cpu", 1, 1), n_params=124_000_000).parts
+    bf16 = plan(cfg, "bf16-mixed", Devices("cpu", 1, 1), cfg.data.batch_size, n_params=124_000_000).parts
     assert (
         bf16["activations"] == parts["activations"] // 2 and bf16["logits"] == 1024 * 50304 * (2 + 8) + 50304 * 768 * 4
     )
     cfg.optim.loss = "plain"  # every token's logits at once
-    assert plan(cfg, "32-true", Devices("cpu", 1, 1), n_params=124_000_000).parts["logits"] == 8 * 1024 * 50304 * 12
+    assert (
+        plan(cfg, "32-true", Devices("cpu", 1, 1), cfg.data.batch_size, n_params=124_000_000).parts["logits"]
+        == 8 * 1024 * 50304 * 12
+    )
     assert count_params(cfg.model) == sum(
         p.numel() for p in LMModule(model=cfg.model, optim=cfg.optim).net.parameters()
     )

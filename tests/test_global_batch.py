@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from steadylm import derived
 from steadylm.config import compose
-from steadylm.derived import accumulation
 from steadylm.errors import ConfigError
+
+
+def accumulation(cfg, world: int) -> int:
+    """At the shard DataModule's batch size (what `resolve` asks the DataModule for)."""
+    return derived.accumulation(cfg, world, cfg.data.batch_size)
 
 
 @pytest.mark.parametrize("world,accum", [(1, 32), (2, 16), (8, 4), (32, 1)])

@@ -77,8 +77,8 @@ def test_per_target_losses_val_sum_and_suspects_follow_the_plain_path(model):
 def test_no_grad_and_all_padding():
     h, w = torch.randn(6, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
     with torch.no_grad():
-        loss, ce, z = chunked_head_loss(h, w, torch.full((6,), -100), z_coeff=1e-4, chunk=4)
-    assert (loss.item(), ce.item(), z.item()) == (0.0, 0.0, 0.0)
+        loss, ce, z, log_z, _ = chunked_head_loss(h, w, torch.full((6,), -100), z_coeff=1e-4, chunk=4)
+    assert (loss.item(), ce.item(), z.item(), log_z.item()) == (0.0, 0.0, 0.0, 0.0)
     assert not loss.requires_grad
 
 
@@ -97,3 +97,20 @@ def test_suspects_on_a_snapshot_use_its_weights_not_the_live_ones():
     losses = lambda module, weights=None: [v for *_, v in sample_losses(module, [(x, y)], weights)]  # noqa: E731
     assert losses(live, snapshot) == pytest.approx(losses(other), abs=1e-6)
     assert losses(live, snapshot) != pytest.approx(losses(live), abs=1e-3)
+
+
+@pytest.mark.parametrize("cap", [None, 3.0], ids=["uncapped", "cap"])
+def test_the_chunked_loss_gives_log_z_and_per_target_losses_of_the_plain_logits(cap):
+    """log Z (the stats' signal) and each target's CE (what a check may ask for) come out of the same chunks."""
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 7, 8), torch.randn(20, 8)
+    y = torch.randint(0, 20, (2, 7))
+    y[1, 4:] = -100
+    out = chunked_head_loss(h, w, y, chunk=3, cap=cap, token_losses=True)
+    logits = h @ w.t()
+    logits = logits if cap is None else cap * torch.tanh(logits / cap)
+    valid = y != -100
+    assert out.log_z.item() == pytest.approx(logits.logsumexp(-1)[valid].mean().item(), rel=1e-5)
+    plain = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="none").view(y.shape)
+    torch.testing.assert_close(out.token_losses, plain, atol=1e-5, rtol=0)
+    assert chunked_head_loss(h, w, y, chunk=3, cap=cap).token_losses is None  # not asked: not kept

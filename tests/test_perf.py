@@ -10,7 +10,7 @@ import pytest
 
 from steadylm.devices import resolve_precision
 from steadylm.progress import peak_flops
-from steadylm.train import build, train
+from steadylm.train import train
 from tests.helpers import scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +93,8 @@ def test_benchmark_quick_mode_prints_every_ratio(tmp_path):
     assert results["flops_per_token"] > 6 * results["params"]
     calls = results["python_calls_per_step"]  # counts, not times: each layer adds Python on top of the last
     assert 0 < calls["raw"] < calls["minimal"] < calls["suite"]
+    assert 0 < calls["steadylm_files"] < calls["steadylm_functions"]  # reported, not bounded: a fork may add a check
+    assert "steadylm functions an ordinary step calls: " in proc.stdout
 
 
 def test_gpu_script_imports_and_refuses_without_a_gpu():
@@ -106,13 +108,13 @@ def test_gpu_script_imports_and_refuses_without_a_gpu():
 
 
 def test_gpu_script_times_a_fit_and_counts_per_step(make_cfg, monkeypatch):
-    """Its fit path on the CPU (no syncs to count there): one time per step after the settling steps."""
+    """Its fit path on the CPU: one time per step after the settling steps (its CUDA sync count has nothing to count
+    here; tests/test_host_reads.py guards the host reads instead)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu
 
-    _, times, syncs = gpu.fit_and_time(make_cfg("trainer.max_steps=14", "trainer.limit_val_batches=0"))
+    _, times, _ = gpu.fit_and_time(make_cfg("trainer.max_steps=14", "trainer.limit_val_batches=0"))
     assert len(times) == 14 - 1 - gpu.SETTLE and all(t > 0 for t in times)
-    assert syncs == [0] * 14
 
 
 def test_benchmark_refuses_too_few_rounds_or_steps():
@@ -125,59 +127,6 @@ def test_benchmark_refuses_too_few_rounds_or_steps():
             cwd=ROOT,
         )
         assert proc.returncode == 2 and "--rounds must be >= 1 and --steps >= 10" in proc.stderr, proc.stderr[-2000:]
-
-
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
-# Where steadylm may read a tensor on an ordinary step: host-side values only (on a GPU none of these waits).
-HOST_SIDE = {
-    ("sampler.py", "__iter__"),  # the epoch permutation, a CPU tensor
-    ("measure.py", "__init__"),
-    ("measure.py", "read"),  # the measurement's copy, read a step after it was sent
-    ("qk_clip.py", "verdict"),  # QK-clip's copy of the per-head logits, read a step after it was sent
-    ("qk_clip.py", "after_update"),  # only when the logits live on the CPU (`head_max.device.type == "cpu"`): no wait
-}
-
-
-def test_no_steadylm_code_reads_a_tensor_on_the_host_on_ordinary_steps(make_cfg, monkeypatch):
-    """On a GPU each such read would make the CPU wait for the device; this finds them on the CPU."""
-    import lightning as L
-    import torch
-
-    sites: list[tuple[int, str, str]] = []
-    step = [-1]
-
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            code = sys._getframe(1).f_code
-            if step[0] >= 0 and "steadylm" in code.co_filename:
-                sites.append((step[0], Path(code.co_filename).name, code.co_name))
-            return original(self, *args, **kwargs)
-
-        return read
-
-    class Clock(L.Callback):
-        def on_train_batch_start(self, trainer, *args):
-            step[0] = trainer.global_step
-
-    objs = build(
-        make_cfg(
-            "trainer.max_steps=12",
-            "trainer.log_every_n_steps=4",
-            "callbacks.checkpoint.every_n_train_steps=4",
-            "trainer.limit_val_batches=0",
-            "optim.warmup_steps=2",
-        )
-    )
-    objs["trainer"].callbacks.insert(0, Clock())
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    objs["trainer"].fit(objs["module"], datamodule=objs["datamodule"])
-    monkeypatch.undo()
-    ordinary = [(s, f, fn) for s, f, fn in sites if (s + 1) % 4]  # logging and checkpoint steps end at 3, 7, 11
-    assert {(f, fn) for _, f, fn in ordinary} <= HOST_SIDE, ordinary
-    assert {(f, fn) for s, f, fn in sites if (s + 1) % 4 == 0} - HOST_SIDE  # the check sees reads where they happen
 
 
 @pytest.mark.slow

@@ -3,9 +3,12 @@ DataModule built once and reused, and a config no later pass can change."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
-from omegaconf import OmegaConf
+import torch
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ReadonlyConfigError
+from torch.utils.data import DataLoader, TensorDataset
 
 from steadylm.config import compose, plain_config, set_key
 from steadylm.data.datamodule import ShardDataModule
@@ -88,4 +91,63 @@ def test_precision_and_devices_are_resolved_beside_the_config_which_keeps_auto(n
 def test_a_set_vocabulary_checks_the_config_before_the_data_is_read(null_cfg, tmp_path):
     cfg = null_cfg("model.vocab_size=320", f"data.dir={tmp_path / 'nowhere'}", "optim.lr=-1")
     with pytest.raises(ConfigError, match=r"^optim\.lr=-1 is not allowed; it must be a learning rate > 0$"):
+        resolve(cfg)
+
+
+class Minimal(L.LightningDataModule):
+    """A forker's data source with the members of data/source.py and no other key: random windows of ids."""
+
+    vocab_size, tokenizer_name, bytes_per_token, n_train_windows = 64, "bytes", None, None
+
+    def __init__(self, context: int = 64, batch_size: int = 4, global_batch_tokens: int | None = None) -> None:
+        super().__init__()
+        self.context, self.batch_size = context, batch_size
+
+    def _loader(self, n: int):
+        ids = torch.randint(0, self.vocab_size, (n, self.context + 1), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=self.batch_size)
+
+    def train_dataloader(self):
+        return self._loader(256)
+
+    def val_dataloader(self):
+        return self._loader(8)
+
+    def window_ids(self, batch_idx: int) -> list[int]:
+        return []
+
+    def window_location(self, window: int) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+    def setup(self, stage: str | None = None) -> None: ...
+
+
+def test_a_data_config_of_only_a_target_trains_and_the_batch_size_comes_from_the_source(null_cfg):
+    """Startup asks the DataModule (its `batch_size` for the memory plan and `data.global_batch_tokens`), never the
+    shard DataModule's keys: a data config of one `_target_` trains."""
+    cfg = null_cfg("trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=4")
+    with open_dict(cfg):
+        cfg.data = OmegaConf.create({"_target_": f"{__name__}.Minimal", "global_batch_tokens": 4 * 64 * 3})
+    objs = fit(cfg)
+    assert objs["trainer"].global_step == 4 and cfg.trainer.accumulate_grad_batches == 3  # 768 / (4 x 64)
+    assert cfg.model.vocab_size == 64 and "val/loss" in objs["trainer"].callback_metrics
+    assert set(cfg.data) == {"_target_", "global_batch_tokens", "tokenizer"}  # the tokenizer filled from the source
+
+
+def test_a_data_source_without_a_batch_size_is_one_line_naming_it(null_cfg):
+    class NoBatch(Minimal):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.batch_size
+
+    cfg = null_cfg("trainer.max_steps=4")
+    with open_dict(cfg):
+        cfg.data = OmegaConf.create({"_target_": f"{__name__}.NoBatchSize"})
+    globals()["NoBatchSize"] = NoBatch
+    with pytest.raises(ConfigError, match=r"^data._target_=tests.test_resolve.NoBatchSize lacks batch_size: a data"):
         resolve(cfg)

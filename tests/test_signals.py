@@ -15,6 +15,7 @@ from steadylm.stability import read_events
 from steadylm.stability.instability import instability
 from steadylm.stability.signals import Precursors, _log_linear, signal_values
 from steadylm.train import train
+from tests.helpers import scalars
 
 
 def growing(start: float, doubling: float, steps=range(0, 200, 10)) -> list[tuple[int, float]]:
@@ -317,3 +318,23 @@ def test_a_forecast_from_the_first_step_pins_the_initial_weights(make_cfg, tmp_p
     (hold, *_) = [e for e in events if e["kind"] == "forecast_hold"]
     (rewind,) = [e for e in events if e["kind"] == "rollback"]
     assert hold["detail"]["pinned_before"] == 0 and rewind["detail"]["to_step"] == 0 < hold["step"] < rewind["step"]
+
+
+def test_log_z_from_the_default_loss_fires_its_precursor_in_a_real_fit(make_cfg, tmp_path):
+    """The chunked loss (the default) hands the stats its log Z: logged every stats step, judged, backed off from.
+    The byte vocabulary starts at log Z ~ ln 257 = 5.55; a level of 5 sits under it, so every stats step alarms."""
+    cfg = make_cfg("model.qk_norm=true", "callbacks.stability.signals.log_z=5.0")
+    assert cfg.optim.loss == "chunked"
+    train(cfg)
+    logged = scalars(tmp_path / "run")["stability/log_z"]
+    events = read_events(tmp_path / "run")
+    alarms = [e for e in events if e["kind"] == "precursor"]
+    assert [e["step"] for e in alarms[:3]] == [4, 9, 14]  # the stats steps (log_every_n_steps=5)
+    assert all(e["detail"]["signal"] == "log_z" and e["detail"]["threshold"] == 5.0 for e in alarms)
+    assert [e["detail"]["value"] for e in alarms[:3]] == pytest.approx(logged[:3], rel=1e-6)
+    assert 5.0 < logged[0] < 6.0
+    (backoff,) = [e for e in events if e["kind"] == "lr_backoff"][:1]
+    assert backoff["step"] == 14 and backoff["detail"]["cause"] == "log_z"
+    finish_job(cfg, {"train/loss": 3.0, "val/loss": 3.0})
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "unstable" and "|log Z| drifted past 5" in result["reason"]

@@ -24,4 +24,6 @@ def test_logged_stats_equal_a_brute_force_computation(make_cfg, tmp_path):
         assert at(f"stability/act_rms/block_{i}") == pytest.approx(truth.rms[i], rel=1e-5)
     total = norm(delta.values()) / norm(truth.before.values())
     assert at("stability/update_ratio") == pytest.approx(total, rel=1e-4) and total > 0
+    # log Z from the default (chunked) loss, which never calls the output head as a module
+    assert at("stability/log_z") == pytest.approx(truth.log_z, rel=1e-5)
     assert at("optim/grad_norm") == pytest.approx(norm(truth.grads.values()), rel=1e-5)

@@ -39,12 +39,13 @@ def val_loss(objs) -> float:
     return objs["trainer"].callback_metrics["val/loss"].item()
 
 
-def test_each_fault_injected_once_into_a_default_run_ends_within_5_percent_of_the_clean_run(make_cfg, tmp_path):
+def test_each_fault_injected_once_into_a_default_run_ends_within_1_percent_of_the_clean_run(make_cfg, tmp_path):
+    """Measured +0.16 % (lr_spike), -0.06 % (inf_grad), -0.03 % (corrupt_labels): the README's figures."""
     clean = val_loss(fit(make_cfg(*LONG, out=tmp_path / "clean")))
     for name, spec in FAULTS.items():
         out = tmp_path / name
         objs = fit(make_cfg(*LONG, faults(spec), out=out))
-        assert val_loss(objs) == pytest.approx(clean, rel=0.05), name
+        assert val_loss(objs) == pytest.approx(clean, rel=0.01), name
         events = [(e["step"], e["kind"], e["action"]) for e in read_events(out)]
         detail = {e["kind"]: e["detail"] for e in read_events(out)}
         assert divergence({"val/loss": val_loss(objs)}, out, None) is None, name

@@ -39,7 +39,7 @@ def readers(cfg: GPTConfig, monkeypatch, tmp_path) -> dict:
     for name, read in (
         ("export", lambda: hf_family(cfg)),
         ("flops", lambda: GPT(cfg).flops_per_token()),
-        ("memory", lambda: memory.plan(run, "32-true", Devices("cpu", 1, 1)).per_process),
+        ("memory", lambda: memory.plan(run, "32-true", Devices("cpu", 1, 1), run.data.batch_size).per_process),
     ):
         try:
             answers[name] = read()

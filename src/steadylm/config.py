@@ -65,11 +65,14 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     fused, name = o.get("fused", "auto"), o.get("name", "adamw")
     warmup_ok = is_int(o.warmup_steps) and 0 <= o.warmup_steps < number(o.total_steps)
     warmup = f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"
-    rules = [
-        ("data.batch_size", d.batch_size, _whole(d.batch_size, 1), "a whole number > 0"),
-        ("data.num_workers", d.num_workers, _whole(d.num_workers, 0), "a whole number >= 0"),
+    data = [  # the shard DataModule's keys, where the data config has them (a custom source checks its own)
+        ("data.batch_size", d.get("batch_size"), _whole(d.get("batch_size"), 1), "a whole number > 0"),
+        ("data.num_workers", d.get("num_workers"), _whole(d.get("num_workers"), 0), "a whole number >= 0"),
         ("data.val_fraction", val_fraction, 0 < number(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
         ("data.align", align, align in ("none", "doc"), "none (a window every T tokens) or doc (per document)"),
+    ]
+    rules = [
+        *(rule for rule in data if rule[0][len("data.") :] in d),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("trainer.max_steps", t.max_steps, _whole(t.max_steps, 1), "a whole number of optimizer steps > 0"),
         ("trainer.accumulate_grad_batches", accumulate, _whole(accumulate, 1), "a whole number >= 1"),

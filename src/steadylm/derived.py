@@ -84,12 +84,13 @@ def val_interval(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps) * int(accumulate or 1)}
 
 
-def accumulation(cfg: DictConfig, world_size: int) -> int:
-    """global_batch_tokens / (world_size × batch × context), or the config's accumulation when that is null."""
+def accumulation(cfg: DictConfig, world_size: int, batch_size: int) -> int:
+    """global_batch_tokens / (world_size × batch × context), or the config's accumulation when that is null;
+    `batch_size`: the DataModule's (`DataSource.batch_size`)."""
     total, current = cfg.data.get("global_batch_tokens"), cfg.trainer.get("accumulate_grad_batches", 1)
     if total is None:
         return current
-    B, T = int(cfg.data.batch_size), int(cfg.model.context_length)
+    B, T = int(batch_size), int(cfg.model.context_length)
     micro = world_size * B * T
     shown = f"devices×batch×context = {world_size}×{B}×{T} = {micro:,}"
     if type(total) is not int or total <= 0:
@@ -101,7 +102,7 @@ def accumulation(cfg: DictConfig, world_size: int) -> int:
         use = f"{lo:,} or {hi:,}" if lo else f"{hi:,}"
         raise ConfigError(
             f"data.global_batch_tokens={total} is not a multiple of {shown}; use {use} tokens, "
-            "or a data.batch_size that divides it"
+            "or a batch size (data.batch_size) that divides it"
         )
     accum = total // micro
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []  # [] for a config by hand

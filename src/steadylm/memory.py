@@ -66,13 +66,14 @@ def ram_available() -> int | None:
     return None
 
 
-def plan(cfg: DictConfig, precision: str, devices: Devices, n_params: int | None = None) -> MemoryPlan:
+def plan(cfg: DictConfig, precision: str, devices: Devices, batch_size: int, n_params: int | None = None) -> MemoryPlan:
+    """The estimate for `batch_size` sequences a micro-batch (the DataModule's: `DataSource.batch_size`)."""
     m = GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     require_understood(m, "memory")  # a switch this estimate does not count is refused, not under-counted
     n_params = count_params(cfg.model) if n_params is None else n_params
     shards = devices.world_size if "fsdp" in str(cfg.trainer.get("strategy", "")).lower() else 1
     elem = 4 if precision.startswith("32") else 8 if precision.startswith("64") else 2  # activation width
-    tokens, vocab, optim = int(cfg.data.batch_size) * m.context_length, int(m.vocab_size), cfg.get("optim") or {}
+    tokens, vocab, optim = int(batch_size) * m.context_length, int(m.vocab_size), cfg.get("optim") or {}
     # the logits, their fp32 log-softmax and its gradient: every token's (plain), or a chunk's + the head's grad
     chunked = optim.get("loss", "chunked") != "plain"
     logit_tokens = min(tokens, int(optim.get("loss_chunk", 1024))) if chunked else tokens

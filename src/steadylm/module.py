@@ -66,6 +66,9 @@ class LMModule(L.LightningModule):
         # the LR warms up again from the restored step, (applied step it began, its length).
         self.skipped_steps, self.lr_scale, self.rewarm = 0, 1.0, (0, 0)
         self.pre_clip_grad_norm: torch.Tensor | None = None
+        self.log_z: torch.Tensor | None = None  # the last training micro-batch's mean log Z (`head_loss`)
+        self.token_losses: torch.Tensor | None = None  # its per-position CE, while a check asks (`keep_token_losses`)
+        self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
 
@@ -87,14 +90,27 @@ class LMModule(L.LightningModule):
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss(self(x), targets)` by the configured path (`optim.loss`): chunked, the logits of one chunk of
-        `optim.loss_chunk` tokens alive at a time, or plain. Same value and gradients; z is detached when chunked."""
+        `optim.loss_chunk` tokens alive at a time, or plain. Same value and gradients; z is detached when chunked.
+        Keeps the mean log Z of the micro-batch in `log_z` (a device tensor, never read here: the stats check sends
+        it on its steps), which the chunked loss has for free and the plain path pays one log-sum-exp for."""
         if self.loss_path == "plain":
-            return self.loss(self(x), targets)
+            logits = self(x)
+            valid, flat = targets != IGNORE_INDEX, logits.detach().float()
+            self.log_z = (torch.logsumexp(flat, dim=-1) * valid).sum() / valid.sum().clamp(min=1)
+            if self._keep_token_losses:
+                ce = F.cross_entropy(flat.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+                self.token_losses = ce.view(targets.shape)
+            return self.loss(logits, targets)
         hidden = self.net(x, head=False)
         check_targets(hidden, targets)
-        cap = self.net.cfg.logit_softcap
-        loss, _, z = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap)
-        return loss, z
+        cap, keep = self.net.cfg.logit_softcap, self._keep_token_losses
+        out = chunked_head_loss(hidden, self.net.lm_head.weight, targets, self.z_loss, self.loss_chunk, cap, keep)
+        self.log_z, self.token_losses = out.log_z, out.token_losses
+        return out.loss, out.z
+
+    def keep_token_losses(self, on: bool) -> None:
+        """Keep each training position's CE in `token_losses` (a check asks for it; one float a token)."""
+        self._keep_token_losses = bool(on)
 
     def target_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-target cross-entropy (fp32, 0 at padding), shaped like `targets`, without gradients (`optim.loss=plain`:
@@ -189,17 +205,10 @@ class LMModule(L.LightningModule):
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
-        kept for this step's clipping, so the gradients are walked once (loops: no comprehension call a step)."""
-        params: list = []
-        for opt in self.trainer.optimizers:
-            for group in opt.param_groups:
-                params += group["params"]
-        with_grad, grads = [], []
-        for p in params or self.parameters():
-            if p.grad is not None:
-                with_grad.append(p)
-                grads.append(p.grad)
-        norms = torch.stack(foreach_norm(grads)).float() if grads else None
+        kept for this step's clipping, so the gradients are walked once."""
+        params = [p for opt in self.trainer.optimizers for group in opt.param_groups for p in group["params"]]
+        with_grad = [p for p in params or self.parameters() if p.grad is not None]
+        norms = torch.stack(foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
         self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
         return norms, with_grad
 
@@ -228,9 +237,7 @@ class LMModule(L.LightningModule):
         norm, self.pre_clip_grad_norm = self.pre_clip_grad_norm, None
         if not gradient_clip_val:
             return
-        params = []
-        for group in optimizer.param_groups:  # torch's clipping leaves out the parameters without a gradient
-            params += group["params"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # torch skips those without a grad
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return

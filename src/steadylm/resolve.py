@@ -41,7 +41,7 @@ def fill_derived(cfg: DictConfig) -> Any | None:
     return dm
 
 
-def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> MemoryPlan:
+def check_environment(cfg: DictConfig, devices: Devices, precision: str, batch_size: int) -> MemoryPlan:
     """Refuse what Lightning would run quietly otherwise (`auto` devices without a GPU: CPU processes; fp16 off CUDA:
     bf16), a run that does not fit, an output folder that cannot be written; the memory plan that fits."""
     n, accelerator, fp = devices.per_node, cfg.trainer.accelerator, str(cfg.trainer.precision)
@@ -55,7 +55,7 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> Memo
             f"trainer.precision={fp} (fp16 with a loss scaler) needs a CUDA GPU and none is in use here "
             f"(trainer.accelerator={accelerator}); use trainer.precision=bf16-mixed or 32-true"
         )
-    if not (memory := plan(cfg, precision, devices)).fits:
+    if not (memory := plan(cfg, precision, devices, batch_size)).fits:
         raise ConfigError(
             f"this run does not fit: {memory.describe()}; lower data.batch_size (and raise "
             "trainer.accumulate_grad_batches to keep the batch), lower model.context_length, use fewer "
@@ -74,14 +74,15 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str) -> Memo
 
 
 def resolve(cfg: DictConfig) -> Resolved:
-    """Fill, check and freeze `cfg` in place; the DataModule is built once (first when the vocabulary needs it)."""
+    """Fill, check and freeze `cfg` in place; the DataModule is built once (first when the vocabulary needs it), and
+    asked for the batch size (never the shard DataModule's `data.*` keys, which a custom source may not have)."""
     dm = fill_derived(cfg)
     validate_config(cfg)
+    datamodule = dm if dm is not None else data_source(cfg)
     devices = devices_of(cfg)
-    accumulate = accumulation(cfg, devices.world_size)
+    accumulate = accumulation(cfg, devices.world_size, datamodule.batch_size)
     fill(cfg, {KEY: accumulate, **val_interval(cfg, accumulate)})
     precision = resolve_precision(cfg.trainer.precision, devices.accelerator)
-    memory = check_environment(cfg, devices, precision)
-    datamodule = dm if dm is not None else data_source(cfg)
+    memory = check_environment(cfg, devices, precision, datamodule.batch_size)
     OmegaConf.set_readonly(cfg, True)
     return Resolved(cfg, datamodule, devices, precision, memory)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from steadylm.distributed import is_rank_zero_process
 from steadylm.stability.events import stop_event
-from steadylm.stability.instability import instability
+from steadylm.stability.instability import config_checks, instability
 
 RESULT_FILE = "result.json"
 # What a sweep's best LR means beyond its own shape: the parametrisation and muP's base shape.
@@ -52,7 +52,7 @@ def finish_job(
     status = "diverged" if reason else "ok"
     if preempted:
         status, reason = "preempted", f"{preempted['signal']} at step {preempted['step']}"
-    elif not reason and (reason := instability(run_dir, lr)):
+    elif not reason and (reason := instability(run_dir, lr, config_checks(cfg))):
         status = "unstable"
     if is_rank_zero_process():
         result = {

@@ -19,6 +19,7 @@ from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.data.source import check_pack
 from steadylm.errors import ConfigError, DataError
+from steadylm.model.config import GPTConfig
 
 log = logging.getLogger("steadylm")
 
@@ -67,11 +68,11 @@ class ShardDataModule(L.LightningDataModule):
     def __init__(
         self,
         dir,
-        batch_size: int = 8,
+        batch_size: int = 16,
         num_workers: int = 0,
-        context_length: int = 256,
+        context_length: int = GPTConfig.context_length,  # the default model's: a window is one of its sequences
         model_vocab_size: int | None = None,
-        tokenizer: str | None = "bytes",
+        tokenizer: str | None = None,  # None: the one the shards record
         input=None,
         val_fraction: float = 0.01,
         text_field: str = "text",
@@ -79,7 +80,7 @@ class ShardDataModule(L.LightningDataModule):
         num_proc: int | None = None,
         on_bad_record: str = "error",
         global_batch_tokens: int | None = None,
-        seed: int = 0,
+        seed: int = 1337,  # train.yaml's `seed`, which a run passes
         shuffle: bool = True,
         drop_last: bool = False,
         pin_memory: bool = False,

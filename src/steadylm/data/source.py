@@ -14,6 +14,8 @@ from steadylm.errors import ConfigError
 
 
 class DataSource(Protocol):
+    batch_size: int  # sequences per micro-batch on each rank (the memory plan, `data.global_batch_tokens`)
+
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -30,8 +32,10 @@ class DataSource(Protocol):
 
 
 def missing_members(datamodule) -> list[str]:
-    """The `DataSource` members `datamodule`'s class lacks (looked up on the class: no property is evaluated)."""
-    return [name for name in vars(DataSource) if name[0] != "_" and not hasattr(type(datamodule), name)]
+    """The `DataSource` members `datamodule` lacks (methods and properties looked up on the class: none is evaluated;
+    attributes on the instance too)."""
+    methods = [name for name in vars(DataSource) if name[0] != "_" and not hasattr(type(datamodule), name)]
+    return [n for n in DataSource.__annotations__ if not hasattr(datamodule, n)] + methods
 
 
 def check_pack(pack: str) -> str:

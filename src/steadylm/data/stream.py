@@ -23,6 +23,7 @@ from steadylm.compat import batches_processed
 from steadylm.data.source import check_pack
 from steadylm.data.tokenizer import get_tokenizer
 from steadylm.errors import ConfigError, DataError
+from steadylm.model.config import GPTConfig
 
 
 def open_stream(name: str, config: str | None, split: str, data_files=None, where: str | None = None) -> Any:
@@ -110,8 +111,8 @@ class StreamDataModule(L.LightningDataModule):
         data_files=None,
         tokenizer: str | None = "bytes",
         val_windows: int = 64,
-        batch_size: int = 8,
-        context_length: int = 256,
+        batch_size: int = 16,
+        context_length: int = GPTConfig.context_length,
         model_vocab_size: int | None = None,
         global_batch_tokens: int | None = None,
         num_workers: int = 0,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from steadylm.diagnose.runlog import RunLog
-from steadylm.stability.instability import cut_short
+from steadylm.stability.instability import config_checks, cut_short, described, instability
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 LOOKBACK = 50  # steps of grad-norm history compared at the onset
@@ -420,6 +420,7 @@ def analyse(log: RunLog) -> Diagnosis:
     precursor = _precursor(log, events)
     acted = precursor if precursor is not None and precursor.rank == 0 else None
     found = (_nonfinite(events), _fp16(events), _spike(log, events), _lone_update(log, events), acted)
+    found += tuple(Finding(**f) for f in described(events, config_checks(log.config)))  # the run's own checks
     firsthand = sorted((f for f in found if f), key=lambda f: f.onset)
     symptom = [precursor] if precursor is not None and precursor.rank == 2 else []
     alarms = sorted(_alarms(events) + symptom, key=lambda f: f.onset)
@@ -443,7 +444,9 @@ def _optimizer(log: RunLog) -> str:
 
 
 def _facts(log: RunLog) -> list[str]:
-    facts = []
+    lr = log.setting("optim.lr")
+    unstable = instability(log.run_dir, float(lr) if lr is not None else None, config_checks(log.config))
+    facts = [f"unstable: {unstable}"] if unstable else []  # the line result.json's `reason` gives, from one place
     steps, loss = log.series("train/loss")
     if len(steps):
         finite = loss[np.isfinite(loss)]

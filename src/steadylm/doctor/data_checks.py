@@ -77,7 +77,7 @@ def check_datamodule(cfg: DictConfig) -> tuple[list[Check], tuple[torch.Tensor, 
     if n_windows:  # a stream does not know its length
         t = cfg.trainer
         ranks = devices_of(cfg).world_size
-        per_step = int(cfg.data.batch_size) * int(t.get("accumulate_grad_batches", 1)) * ranks
+        per_step = int(dm.batch_size) * int(t.get("accumulate_grad_batches", 1)) * ranks
         epochs = int(t.max_steps) * per_step / n_windows
         evidence = f"{t.max_steps} steps x {per_step} windows ({ranks} rank(s)) = {epochs:.2f} epochs of {n_windows:,}"
         if epochs > 20:

@@ -165,10 +165,10 @@ def check_activations(net: torch.nn.Module, x: torch.Tensor) -> list[Check]:
     return [Check(name, OK, f"block RMS [{shown}]")]
 
 
-def check_memory(cfg: DictConfig, n_params: int) -> list[Check]:
-    """The same estimate and verdict `train.py` refuses a run on (`steadylm.memory`)."""
-    p = plan(cfg, precision_of(cfg), devices_of(cfg), n_params)
-    evidence = f"{n_params / 1e6:.2f}M params; {p.describe()} at data.batch_size={cfg.data.batch_size}"
+def check_memory(cfg: DictConfig, n_params: int, batch_size: int) -> list[Check]:
+    """The same estimate and verdict `train.py` refuses a run on (`steadylm.memory`), at the data's batch size."""
+    p = plan(cfg, precision_of(cfg), devices_of(cfg), batch_size, n_params)
+    evidence = f"{n_params / 1e6:.2f}M params; {p.describe()} at a batch of {batch_size}"
     if not p.fits:
         return [
             Check(
@@ -184,6 +184,7 @@ def check_memory(cfg: DictConfig, n_params: int) -> list[Check]:
 def model_checks(cfg: DictConfig, batch: tuple[torch.Tensor, torch.Tensor] | None) -> list[Check]:
     torch.manual_seed(int(cfg.seed))
     module = LMModule(model=cfg.model, optim=cfg.optim)
+    sequences = len(batch[0]) if batch is not None else cfg.data.get("batch_size", 2)  # the data's micro-batch
     if batch is None:  # the data rows already failed; a random batch still tests the model
         V, T = int(cfg.model.vocab_size), int(cfg.model.context_length)
         ids = torch.randint(0, V, (2, T + 1))
@@ -202,6 +203,6 @@ def model_checks(cfg: DictConfig, batch: tuple[torch.Tensor, torch.Tensor] | Non
     rows += guarded("model: initial loss", lambda: check_init_loss(module, x, y))
     rows += guarded("model: finite forward/backward", lambda: check_backward(module, x, y))
     rows += guarded("model: activation RMS", lambda: check_activations(net, x))
-    rows += guarded("model: size and memory", lambda: check_memory(cfg, net.num_params(non_embedding=False)))
+    rows += guarded("model: size and memory", lambda: check_memory(cfg, net.num_params(non_embedding=False), sequences))
     rows += guarded("model: coordinate check", lambda: check_coords(cfg, batch))
     return rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Hashable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -211,14 +212,15 @@ class _HeadLoss(torch.autograd.Function):
     """Mean over non-ignored targets of CE + z_coeff * (log Z)^2 (logits capped by `cap`), CE and z riding along."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, z_coeff: float, chunk: int, dtype: torch.dtype, cap: float | None):
+    def forward(ctx, hidden, weight, targets, z_coeff: float, chunk: int, dtype: torch.dtype, cap, keep: bool):
         with torch.autocast(hidden.device.type, enabled=False):
             w, need = weight.to(dtype), ctx.needs_input_grad
             grad_h = torch.empty_like(hidden) if need[0] else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need[1] else None
             # 1/count before the gradients are rounded to the matmul dtype, where the plain path applies it too.
             inv = 1.0 / (targets != IGNORE_INDEX).sum().clamp(min=1).float()  # all padding: 0, not NaN
-            ce_sum, z_sum = torch.zeros(2, dtype=torch.float32, device=hidden.device)
+            ce_sum, z_sum, lz_sum = torch.zeros(3, dtype=torch.float32, device=hidden.device)
+            losses = torch.empty(hidden.shape[0] if keep else 0, dtype=torch.float32, device=hidden.device)
             for s in range(0, hidden.shape[0], chunk):
                 h, t = hidden[s : s + chunk].to(dtype), targets[s : s + chunk]
                 # One fused log-softmax; log Z read back at the target's column (logit - log-prob).
@@ -229,8 +231,13 @@ class _HeadLoss(torch.autograd.Function):
                 col, valid = t.clamp(min=0)[:, None], t != IGNORE_INDEX
                 picked = logp.gather(1, col).squeeze(1)
                 lse = logits.gather(1, col).squeeze(1) - picked
-                ce_sum += torch.where(valid, -picked, 0.0).sum()  # as cross_entropy: an ignored row is 0, even if inf
-                z_sum += torch.where(valid, lse.square(), 0.0).sum()
+                nll = torch.where(valid, -picked, 0.0)  # as cross_entropy: an ignored row is 0, even if inf
+                ce_sum += nll.sum()
+                lse = torch.where(valid, lse, 0.0)
+                z_sum += lse.square().sum()
+                lz_sum += lse.sum()
+                if keep:
+                    losses[s : s + chunk] = nll
                 if grad_h is None and grad_w is None:
                     continue
                 # d/dlogits of CE + z (log Z)^2 = softmax * (1 + 2 z log Z) - onehot(target), on valid rows only.
@@ -243,28 +250,40 @@ class _HeadLoss(torch.autograd.Function):
                 if grad_w is not None:
                     grad_w += (g.t() @ h).float()
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
-        ce, z = ce_sum * inv, z_coeff * z_sum * inv
-        ctx.mark_non_differentiable(ce, z)
-        return ce + z, ce, z
+        ce, z, log_z = ce_sum * inv, z_coeff * z_sum * inv, lz_sum * inv
+        ctx.mark_non_differentiable(ce, z, log_z, losses)
+        return ce + z, ce, z, log_z, losses
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_z):
-        grad_h, grad_w = ctx.saved_tensors  # (no comprehension: a call fewer a step)
+    def backward(ctx, grad_loss, *_no_grad):
+        grad_h, grad_w = ctx.saved_tensors
         grad_h = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
         grad_w = grad_w * grad_loss.to(grad_w.dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+class HeadLoss(NamedTuple):
+    """`chunked_head_loss`'s outputs: only `loss` carries a gradient."""
+
+    loss: torch.Tensor  # CE + z-loss, a mean over non-ignored targets (0 when all are ignored)
+    ce: torch.Tensor
+    z: torch.Tensor  # the z-loss term
+    log_z: torch.Tensor  # the mean log Z (log-sum-exp of the logits) over non-ignored targets: a free by-product
+    token_losses: torch.Tensor | None  # per-target CE shaped like `targets` (0 at ignored ones), when asked for
 
 
 def chunked_head_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_coeff: float = 0.0, chunk: int = 1024, cap=None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE + z-loss, CE, z-loss), each a mean over non-ignored targets (0 when all are ignored); only the first
-    carries a gradient. `hidden` (..., d) is the input of the head `weight` (vocab, d); `targets` (...) int64."""
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_coeff: float = 0.0, chunk: int = 1024, cap=None,
+    token_losses: bool = False,
+) -> HeadLoss:  # fmt: skip
+    """CE + z-loss of the head `weight` (vocab, d) on its input `hidden` (..., d) against `targets` (...) int64, by
+    chunks; `token_losses` also keeps each target's CE (one float a token, for a check that asks for it)."""
     h, dev = hidden.reshape(-1, hidden.shape[-1]), hidden.device.type
     if not torch.is_grad_enabled():  # no_grad (validation): skip the gradients the forward would otherwise compute
         h, weight = h.detach(), weight.detach()
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype  # the matmul's
-    return _HeadLoss.apply(h, weight, targets.reshape(-1), float(z_coeff), int(chunk), dtype, cap)
+    out = _HeadLoss.apply(h, weight, targets.reshape(-1), float(z_coeff), int(chunk), dtype, cap, bool(token_losses))
+    return HeadLoss(*out[:4], out[4].view(targets.shape) if token_losses else None)
 
 
 @torch.no_grad()

@@ -7,14 +7,17 @@ its `Backoff` granted, `context["policy"]`: that `Backoff`), `skip` (only with `
 before `onset`, or `stop`; its `metrics` go to the loggers at step `onset`. `state_dict()` of plain types rides in
 every checkpoint under its name. Optional hooks, called only where a check defines them: `arm(view)` before the
 step's first forward, `after_update(view, reduced)` once the update is in the weights (`reduced[name][key]`: a
-"max" value still on the device), `restored()` after a restore, `restart()` after any LR backoff; before
-`next_step` the owner calls none of them. Add one in config: `callbacks.stability.checks.<name>: {_target_:
-my.module.MyCheck, ...}`.
+"max" value still on the device), `restored()` after a restore, `restart()` after any LR backoff;
+`window_state()`/`load_window_state(state)`: what the check has seen of the weights, copied with every snapshot and
+given back when a rollback restores it; before `next_step` the owner calls none of them. Its events are read back by
+`explain(events, lr, cut) -> str | None` (a staticmethod; the run's `unstable` line: cause and fix, or None) and
+`describe(events) -> list[dict]` (diagnose's findings: onset, cause, summary, fix), both optional
+(`stability.instability`). Add one in config: `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from steadylm.stability.verdict import OK, Verdict
@@ -32,6 +35,9 @@ class StepView:
     model_cfg: Any  # the model's `GPTConfig` (None for a model without one)
     trainer: Any
     module: Any
+    batches: list = field(default_factory=list)  # the step's micro-batches so far, (x, y) each, on the device
+    token_losses: list = field(default_factory=list)  # each micro-batch's per-position CE (B, T), detached; kept
+    # only while a judged check sets `wants_token_losses` (else empty: a step nobody asks pays nothing)
 
 
 class Check:
@@ -41,6 +47,7 @@ class Check:
     # It may skip the step under way: every step is then read at once (a late skip finds the update applied).
     acts_before_update: bool = False
     next_step: int | float = 0  # asleep before this step (see the module doc)
+    wants_token_losses: bool = False  # the loss keeps each position's CE for `view.token_losses`
 
     def applies(self, trainer) -> bool:
         """Judged in this fit at all (e.g. the loss-scale check only under fp16). Asked once, at the fit's start."""

@@ -129,6 +129,7 @@ class StepMeasure:
         self.allow_defer = defer
         self.deferred: bool | None = None  # decided at the first step
         self.losses: list[torch.Tensor] = []
+        self.token_losses: list[torch.Tensor] = []  # per micro-batch, when a check asks (`Check.wants_token_losses`)
         self.batches: list = []  # this step's micro-batches (references; for the forensic re-run)
         self.batch_idx: list[int] = []
         self.taken = True  # the next micro-batch starts a new step
@@ -154,10 +155,7 @@ class StepMeasure:
         world = trainer.world_size
         # FSDP: each rank holds a slice, the global norm is the root of the summed squares; DDP: sum / world.
         sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
-        values = {}
-        for c in checks:  # a loop, not a comprehension: one call fewer a step
-            values[c.name] = c.measure(view)
-        packed = Packed(loss, norm, values, sharded)
+        packed = Packed(loss, norm, {c.name: c.measure(view) for c in checks}, sharded)
         if world > 1 and torch.distributed.is_initialized():
             packed.all_reduce()
         if self.deferred:  # the optimizers skip the whole update on the device while the flag is 1: no host read

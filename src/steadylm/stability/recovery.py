@@ -12,6 +12,7 @@ one that never got back to the best before that restore was cut short (`unrecove
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import statistics
@@ -137,8 +138,9 @@ class Recovery:
         self.best = math.inf  # best median of `final_window` finite losses since the last restore
         self.restored: dict | None = None  # the last restore: step, to_step, the best it threw away
 
-    def maybe_snapshot(self, trainer, pl_module, spike=None) -> None:
-        """At the start of a step, every `every_n_steps`: copy the state, and the spike detector's window."""
+    def maybe_snapshot(self, trainer, pl_module, checks=()) -> None:
+        """At the start of a step, every `every_n_steps`: copy the state, and the `window_state` of each check that
+        keeps one (what it has seen of the weights, e.g. the spike detector's window), so a rollback restores it."""
         step = trainer.global_step
         taken = (self.candidate, *self.good)  # the accumulated micro-batches of one step: taken at the first
         if not self.every_n_steps or step % self.every_n_steps or any(s and s.step == step for s in taken):
@@ -152,7 +154,7 @@ class Recovery:
         if store is not None and store.kind != self.where:
             store.close()  # the snapshots moved to host memory: a file is not reused
             store = None
-        detectors = {"spike": spike.window_state()} if spike is not None else {}
+        detectors = {c.name: copy.deepcopy(c.window_state()) for c in checks if hasattr(c, "window_state")}
         now = time.perf_counter()
         self._interval, self._taken_at = (now - self._taken_at if self._taken_at else None), now
         try:

@@ -259,8 +259,8 @@ class Precursors(Check):
         # pinned (an alarm's rewind then finds it) and the LR scale lowered until the forecast's horizon passes: one
         # that did not come true lowers no LR for good. `action: log` never acts.
         acts = self.forecast_lr is not None and self.action == "backoff" and self.holding is None
-        first = next((v for v in out if v.kind == "forecast"), None) if acts and out else None
-        if first is None or any(v.action == "backoff" for v in out):
+        first = next((v for v in out if v.kind == "forecast"), None)
+        if not acts or first is None or any(v.action == "backoff" for v in out):
             return out
         d = first.detail
         self.holding = {"until": d["by_step"], "factor": self.forecast_lr, "signal": d["signal"]}

@@ -23,7 +23,7 @@ def stats_metrics(values: dict) -> dict[str, float]:
     """The logged metrics of a stats step from its reduced values (`OWN` or `UPDATE`, whichever `values` holds)."""
     metrics = {}
     if "grad" in values:
-        if not math.isnan(values["log_z"][0]):  # NaN: no output head was measured
+        if not math.isnan(values["log_z"][0]):  # NaN: the module keeps no log Z (`LMModule.head_loss`)
             metrics["stability/log_z"] = values["log_z"][0]
         for i, (grad, logit, act) in enumerate(zip(values["grad"], values["logit"], values["act"])):
             metrics[f"stability/grad_norm/block_{i}"] = grad
@@ -41,16 +41,20 @@ def stats_metrics(values: dict) -> dict[str, float]:
 class GradParamStats(Check):
     name = "stats"
 
-    def __init__(self, every_n_steps=10, update_ratio_alarm=1.0, attn_logit_alarm=100.0) -> None:
-        self.every_n_steps = max(1, int(every_n_steps))
+    def __init__(self, every_n_steps=None, update_ratio_alarm=1.0, attn_logit_alarm=100.0) -> None:
+        self.configured = every_n_steps  # None: on the logging steps (`applies`), where the metrics are written
+        self.every_n_steps = max(1, int(every_n_steps or 1))
         self.update_ratio_alarm, self.attn_logit_alarm = float(update_ratio_alarm), float(attn_logit_alarm)
         self.armed_step = -1
         self._hooks: list = []
         self._act: dict[int, torch.Tensor] = {}
-        self._log_z: torch.Tensor | None = None
         self._owner: torch.Tensor | None = None  # block index of each parameter (n_blocks for the rest)
         self._owner_key: tuple = ()
         self._held: dict | None = None  # the stats step's device values, waiting for its update
+
+    def applies(self, trainer) -> bool:
+        self.every_n_steps = max(1, int(self.configured or trainer.log_every_n_steps))
+        return True
 
     def _sleep_after(self, step: int) -> None:
         """Asleep (`Check.next_step`) until the first stats step after `step`: a quiet step costs nothing."""
@@ -67,12 +71,6 @@ class GradParamStats(Check):
         for i, block in enumerate(getattr(net, "blocks", [])):
             block.attn.track_max_logit = True
             self._hooks.append(block.register_forward_hook(partial(self._rms_hook, i)))
-        head = getattr(net, "lm_head", None)
-        if head is not None:
-            self._hooks.append(head.register_forward_hook(self._log_z_hook))
-
-    def _log_z_hook(self, module, args, out) -> None:
-        self._log_z = out.detach().float().logsumexp(-1).mean()
 
     def _rms_hook(self, i: int, module, args, out) -> None:
         self._act[i] = out.detach().float().pow(2).mean().sqrt()
@@ -117,10 +115,11 @@ class GradParamStats(Check):
         logits = [b.attn.max_logit if b.attn.max_logit is not None else zero for b in blocks]
         for b in blocks:
             b.attn.track_max_logit, b.attn.max_logit = False, None
-        log_z = self._log_z if self._log_z is not None else torch.tensor(float("nan"))
+        log_z = getattr(pl_module, "log_z", None)  # the loss's own by-product (`LMModule.head_loss`)
+        log_z = log_z.detach() if log_z is not None else torch.tensor(float("nan"))
         acts = [self._act.get(i, zero).float() for i in range(len(blocks))]
         self._held = {"params": params, "before": copy_tensors([p.detach() for p in params]), "n": len(blocks)}
-        self._act, self._log_z = {}, None
+        self._act = {}
         return {
             "grad": ("mean", self._per_block(norms, len(blocks))),
             "log_z": ("mean", log_z.to(zero.device).float().view(1)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from types import MappingProxyType
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
@@ -38,6 +39,7 @@ CHECKS = {
     "signals": "steadylm.stability.signals:Precursors",
 }
 BUILT_IN = (*CHECKS, "recovery", "measure")
+DEFAULTS = MappingProxyType({})  # a part not named: built with its own defaults (null removes it)
 
 
 def _part(name: str, settings, cls=None):
@@ -78,15 +80,16 @@ def _checks_from_config(nodes) -> list:
 
 class Stability(L.Callback):
     """`callbacks.stability`: each part is tunable (`callbacks.stability.spike.sigma=5`) or removable
-    (`callbacks.stability.spike=null`); without `recovery` a rollback reads the checkpoints on disk."""
+    (`callbacks.stability.spike=null`); a part not named is built with its defaults, so `Stability()` is the suite
+    `train.py` runs; with `recovery=None` a rollback reads the checkpoints on disk."""
 
-    def __init__(self, recovery=None, checks=None, defer: bool = True, **parts):
+    def __init__(self, recovery=DEFAULTS, checks=None, defer: bool = True, **parts):
         if not isinstance(defer, bool):
             raise ConfigError(f"callbacks.stability.defer={defer!r} must be true or false")
         if unknown := sorted(set(parts) - set(CHECKS)):
             raise ConfigError(f"callbacks.stability.{unknown[0]} is not a part; see conf/callbacks/default.yaml")
         for name in CHECKS:  # self.guard, self.spike, ...: None when removed
-            setattr(self, name, _part(name, parts.get(name)))
+            setattr(self, name, _part(name, parts.get(name, DEFAULTS)))
         self.recovery = _part("recovery", recovery if recovery is not None else {"every_n_steps": 0}, Recovery)
         # The built-in checks first, then `callbacks.stability.checks` in config order.
         self.checks = [getattr(self, n) for n in CHECKS if getattr(self, n) is not None] + _checks_from_config(checks)
@@ -103,6 +106,7 @@ class Stability(L.Callback):
         self._save_every: tuple[int, ...] = ()  # the ModelCheckpoints' `every_n_train_steps` (`setup`)
         self._awake: list = []  # the checks this step asks (`Check.next_step`)
         self._scaler = None  # the fp16 GradScaler (`setup`)
+        self._token_losses = False  # a judged check reads `view.token_losses` (`setup`)
 
     state_key = STABILITY_STATE_KEY  # a constant, not Lightning's property (read around every hook call)
 
@@ -111,6 +115,9 @@ class Stability(L.Callback):
         self._scaler = loss_scaler(trainer)
         self._judged = [c for c in self.checks if c.applies(trainer)]
         self._hooked = {hook: [c for c in self._judged if hasattr(c, hook)] for hook in self._hooked}
+        self._token_losses = any(getattr(c, "wants_token_losses", False) for c in self._judged)
+        if hasattr(pl_module, "keep_token_losses"):
+            pl_module.keep_token_losses(self._token_losses)
         if self.signals is not None:  # where QK-clip acts it owns the mitigation; the signals read the stats
             self.signals.qk_clip_acts = self.qk_clip in self._judged
             self.signals.every_n_steps = self.stats.every_n_steps if self.stats in self._judged else None
@@ -125,12 +132,15 @@ class Stability(L.Callback):
     def _view(self, trainer, pl_module) -> StepView:
         scale = self._scaler.get_scale() if self._scaler is not None else None
         cfg = getattr(getattr(pl_module, "net", None), "cfg", None)
-        return StepView(trainer.global_step, trainer.world_size, scale, cfg, trainer, pl_module)
+        ms = self.measure
+        return StepView(
+            trainer.global_step, trainer.world_size, scale, cfg, trainer, pl_module, ms.batches, ms.token_losses
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         ms, step = self.measure, trainer.global_step
         if ms.taken:  # the step's first micro-batch
-            ms.batches, ms.batch_idx, ms.losses, ms.taken = [], [], [], False
+            ms.batches, ms.batch_idx, ms.losses, ms.token_losses, ms.taken = [], [], [], [], False
             self._view_now = view = self._view(trainer, pl_module)
             # The checks asleep until a later step (`Check.next_step`) cost this step nothing.
             self._awake = [c for c in self._judged if getattr(c, "next_step", 0) <= step]
@@ -143,10 +153,12 @@ class Stability(L.Callback):
         ms.batch_idx.append(batch_idx)
         every = self.recovery.every_n_steps
         if every and step % every == 0:
-            self.recovery.maybe_snapshot(trainer, pl_module, self.spike)
+            self.recovery.maybe_snapshot(trainer, pl_module, self.checks)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.measure.losses.append(loss)
+        if self._token_losses:
+            self.measure.token_losses.append(pl_module.token_losses)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """One optimizer step's checks, in order: after backward, before clipping, the LR and the update."""
@@ -293,8 +305,9 @@ class Stability(L.Callback):
             c.restored()  # never acts on the restored ones
         pl_module.continue_from(restored.pop("applied"), trainer.global_step + self.in_step, rewarm_steps)
         windows = restored.pop("detectors")
-        if self.spike is not None and "spike" in windows:
-            self.spike.load_window_state(windows["spike"])
+        for c in self.checks:  # what each check had seen of the restored weights (`window_state`)
+            if c.name in windows:
+                c.load_window_state(windows[c.name])
 
     def settle(self, trainer, pl_module, optimizer=None) -> None:
         """Act on the measurement still in flight (deferred); `optimizer` None (training over): no rollback."""
