@@ -77,11 +77,19 @@ def from_run_length(cfg: DictConfig) -> dict[str, Any]:
     return {"optim.warmup_steps": warmup_steps(max_steps)}
 
 
-def val_interval(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
-    """A null `trainer.val_check_interval`, in micro-batches (what Lightning counts) at `accumulate` a step."""
+def val_interval(cfg: DictConfig) -> dict[str, Any]:
+    """A null `trainer.val_check_interval`, in optimizer steps (`val_check_batches` turns it into Lightning's)."""
     if cfg.trainer.get("val_check_interval") is not None:
         return {}
-    return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps) * int(accumulate or 1)}
+    return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps)}
+
+
+def val_check_batches(trainer: DictConfig) -> dict[str, Any]:
+    """The Trainer's `val_check_interval`: a whole number counts optimizer steps in the config and micro-batches in
+    Lightning, so it is multiplied by the accumulation (validation at the same steps on any number of devices); a
+    fraction of an epoch passes as it is."""
+    every = trainer.get("val_check_interval")
+    return {"val_check_interval": every * int(trainer.accumulate_grad_batches)} if type(every) is int else {}
 
 
 def accumulation(cfg: DictConfig, world_size: int) -> int:

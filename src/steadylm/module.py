@@ -236,6 +236,11 @@ class LMModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # The first restore hook: the data source turns the checkpoint's batch counts into this machine's shape
+        # before Lightning restores the data position and its loops from them (data/datamodule.py).
+        trainer = attached_trainer(self)
+        if (align := getattr(getattr(trainer, "datamodule", None), "align_resume", None)) is not None:
+            align(checkpoint)
         meta = checkpoint.get("steadylm", {})
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.lr_scale = float(meta.get("lr_scale", 1.0))

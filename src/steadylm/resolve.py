@@ -79,7 +79,7 @@ def resolve(cfg: DictConfig) -> Resolved:
     validate_config(cfg)
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size)
-    fill(cfg, {KEY: accumulate, **val_interval(cfg, accumulate)})
+    fill(cfg, {KEY: accumulate, **val_interval(cfg)})
     precision = resolve_precision(cfg.trainer.precision, devices.accelerator)
     memory = check_environment(cfg, devices, precision)
     datamodule = dm if dm is not None else data_source(cfg)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
+from steadylm.derived import val_check_batches
 from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
@@ -68,6 +69,7 @@ def build_trainer(run: Resolved) -> L.Trainer:
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
     loggers = instantiate_named(cfg.get("logger"), "logger") or False
     resolved = {"accelerator": run.devices.accelerator, "precision": run.precision}  # what memory was checked for
+    resolved |= val_check_batches(cfg.trainer)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
     use_fsdp_clipping(trainer)
     refuse_multirun_multiprocess(trainer)
