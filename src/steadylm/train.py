@@ -22,13 +22,13 @@ from omegaconf import DictConfig
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.derived import val_check_batches
-from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
+from steadylm.distributed import in_multirun, is_rank_zero_process, job_processes, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
-from steadylm.result import finish_job
+from steadylm.result import finish_job, finished_job
 from steadylm.stability.events import start_events
 
 log = logging.getLogger("steadylm")
@@ -72,7 +72,6 @@ def build_trainer(run: Resolved) -> L.Trainer:
     resolved |= val_check_batches(cfg.trainer)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
     use_fsdp_clipping(trainer)
-    refuse_multirun_multiprocess(trainer)
     return trainer
 
 
@@ -86,7 +85,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
-    with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
+    # A signal stopped every rank: the record is on the Preemption callback.
+    with job_processes(trainer), suppress(Preempted, SIGTERMException):
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects
 
@@ -98,6 +98,9 @@ _task_started = [False]
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
     run = cfg.paths.output_dir
+    if in_multirun() and (done := finished_job(cfg)):  # `-m ... resume=auto` again: a finished job stays as it is
+        print(f"resume=auto: {run} finished ({done[1]}), skipped")
+        return done[0]
     with copy_console(Path(run) / "train.log") if is_rank_zero_process() else nullcontext():
         try:
             metrics, objects = train(cfg)
