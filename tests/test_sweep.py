@@ -132,3 +132,25 @@ def test_optuna_search_optimises_val_loss(shards_dir, tmp_path):
     assert "optim.lr" in best and "best_value" in best
     values = [json.loads((sweep / str(i) / "result.json").read_text())["val_loss"] for i in range(2)]
     assert f"best_value: {min(values)}" in best  # the sweeper minimised what train() returned
+
+
+@pytest.mark.slow
+def test_optuna_search_runs_each_trial_on_two_processes(shards_dir, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional extra: pip install -e '.[sweep]'")
+    proc = run_cli(
+        "hparams_search=lr_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.n_startup_trials=1",
+        "trainer=ddp_sim",
+        f"data.dir={shards_dir}",
+        "+callbacks.probe._target_=test_distributed.RankProbe",
+        *CLI_TINY,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    for trial in ("0", "1"):  # each trial's extra process ran that trial (the config asks for MULTIRUN itself)
+        assert sorted(p.name for p in (sweep / trial).glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+    values = [json.loads((sweep / str(i) / "result.json").read_text())["val_loss"] for i in range(2)]
+    assert f"best_value: {min(values)}" in (sweep / "optimization_results.yaml").read_text()
+    assert f"sweep summary: {sweep / 'summary.md'} (2 jobs" in proc.stdout
