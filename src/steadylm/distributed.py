@@ -63,7 +63,10 @@ def job_processes(trainer: L.Trainer) -> Iterator[None]:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class FSDPClipping(L.Callback):
