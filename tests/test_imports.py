@@ -154,7 +154,7 @@ def test_no_lazy_import_hides_a_cycle():
 # callbacks, the in-training eval callback among them), and with the suite cut to guard, spike and rollback:
 # the cut path's bar is 4,500; the whole path's is 6,000 (nanochat, SFT, RL and its inference engine included, is
 # 6,006), held here at today's figure so it does not grow unnoticed.
-TRAINING_PATH_LINES = 5541
+TRAINING_PATH_LINES = 5425
 CUT_SUITE_LINES = 4500
 CUT = [f"callbacks.stability.{name}=null" for name in ("stats", "loss_scale", "qk_clip", "init_loss", "signals")]
 TOOLS = (

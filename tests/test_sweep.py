@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from steadylm.config import compose, sweep_dir
-from steadylm.result import divergence, finished_job
+from steadylm.multirun import finished_job
+from steadylm.result import divergence
 from steadylm.stability.instability import instability
 from steadylm.stability.qk_clip import MATERIAL_CLIPS, PERSISTENT_ALARMS
 from steadylm.sweep import summarize_sweep

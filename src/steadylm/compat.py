@@ -79,26 +79,7 @@ def relaunches_script(strategy: Any) -> bool:
     return isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
 
 
-# Where a Lightning checkpoint keeps the fit loop's micro-batch counters (`_BatchProgress.state_dict()`).
-_BATCH_PROGRESS = ("loops", "fit_loop", "epoch_loop.batch_progress")
-
-
-def checkpoint_batches(checkpoint: dict) -> tuple[int, int] | None:
-    """(this epoch's, all epochs') micro-batches processed, as a checkpoint records them; None if it has none."""
-    node: Any = checkpoint
-    for key in _BATCH_PROGRESS:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return int(node["current"]["processed"]), int(node["total"]["processed"])
-
-
-def move_checkpoint_batches(checkpoint: dict, current: int, total: int) -> None:
-    """Set the counters `checkpoint_batches` reads (each tracker field shifted alike, so Lightning's restart rules
-    see the same batch half-finished or not), before Lightning restores its loops from the checkpoint."""
-    node = checkpoint
-    for key in _BATCH_PROGRESS:
-        node = node[key]
-    for part, value in (("current", current), ("total", total)):
-        shift = value - int(node[part]["processed"])
-        node[part] = {k: (v + shift if isinstance(v, int) else v) for k, v in node[part].items()}
+def checkpoint_batches(checkpoint: dict) -> dict | None:
+    """The fit loop's micro-batch counters in a checkpoint (`_BatchProgress.state_dict()`: `current`, `total`), None if
+    absent; a resume on another machine size rewrites them before Lightning restores its loops (data/position.py)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")

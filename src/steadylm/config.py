@@ -26,8 +26,7 @@ OmegaConf.register_new_resolver("if_null", lambda value, default: default if val
 
 
 def sweep_dir(base: str, stamp: str, resume: Any) -> str:
-    """`hydra.sweep.dir`: `<base>/<stamp>`, or under `resume=auto` the newest sweep folder in `base`, so the same `-m`
-    command continues its sweep (each job from its own checkpoint; finished jobs are skipped, train.py)."""
+    """`hydra.sweep.dir`: a new `<base>/<stamp>`; under `resume=auto` the newest in `base` (the same `-m` goes on)."""
     if resume == "auto" and (found := sorted(p for p in Path(base).glob("*") if p.is_dir())):
         return str(found[-1])
     return f"{base}/{stamp}"

@@ -85,9 +85,7 @@ def val_interval(cfg: DictConfig) -> dict[str, Any]:
 
 
 def val_check_batches(trainer: DictConfig) -> dict[str, Any]:
-    """The Trainer's `val_check_interval`: a whole number counts optimizer steps in the config and micro-batches in
-    Lightning, so it is multiplied by the accumulation (validation at the same steps on any number of devices); a
-    fraction of an epoch passes as it is."""
+    """Steps in the config, micro-batches in Lightning: the same validation steps at any accumulation (a float as is)."""
     every = trainer.get("val_check_interval")
     return {"val_check_interval": every * int(trainer.accumulate_grad_batches)} if type(every) is int else {}
 

@@ -236,8 +236,7 @@ class LMModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # The first restore hook: the data source turns the checkpoint's batch counts into this machine's shape
-        # before Lightning restores the data position and its loops from them (data/datamodule.py).
+        # The first restore hook: the data recounts the checkpoint's batch counts for this machine (data/position.py).
         trainer = attached_trainer(self)
         if (align := getattr(getattr(trainer, "datamodule", None), "align_resume", None)) is not None:
             align(checkpoint)

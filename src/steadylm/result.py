@@ -68,17 +68,3 @@ def finish_job(
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")  # NaN tokens json.loads reads back
     metric = cfg.get("optimized_metric")
     return (None if not metric else float("nan") if status == "diverged" else metrics.get(metric)), status, reason
-
-
-def finished_job(cfg: DictConfig) -> tuple[float | None, str] | None:
-    """A sweep job that `resume=auto` finds already finished (`result.json` other than preempted): the metric it
-    handed the sweeper and its status, so the job is skipped, not retrained; None when it has to run."""
-    path = Path(cfg.paths.output_dir) / RESULT_FILE
-    if cfg.get("resume") != "auto" or not path.is_file():
-        return None
-    result = json.loads(path.read_text())
-    if result.get("status") == "preempted":
-        return None
-    metric = cfg.get("optimized_metric")
-    value = None if not metric else float("nan") if result["status"] == "diverged" else result.get("val_loss")
-    return value, result["status"]

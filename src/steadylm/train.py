@@ -22,13 +22,13 @@ from omegaconf import DictConfig
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.derived import val_check_batches
-from steadylm.distributed import in_multirun, is_rank_zero_process, job_processes, use_fsdp_clipping
+from steadylm.distributed import in_multirun, is_rank_zero_process, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
-from steadylm.result import finish_job, finished_job
+from steadylm.result import finish_job
 from steadylm.stability.events import start_events
 
 log = logging.getLogger("steadylm")
@@ -85,8 +85,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
-    # A signal stopped every rank: the record is on the Preemption callback.
-    with job_processes(trainer), suppress(Preempted, SIGTERMException):
+    processes = nullcontext()
+    if in_multirun():  # a sweep job: its own extra processes (multirun.py, loaded only then)
+        from steadylm.multirun import job_processes
+
+        processes = job_processes(trainer)
+    with processes, suppress(Preempted, SIGTERMException):  # a signal stopped every rank: see the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects
 
@@ -98,9 +102,12 @@ _task_started = [False]
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
     run = cfg.paths.output_dir
-    if in_multirun() and (done := finished_job(cfg)):  # `-m ... resume=auto` again: a finished job stays as it is
-        print(f"resume=auto: {run} finished ({done[1]}), skipped")
-        return done[0]
+    if in_multirun():
+        from steadylm.multirun import finished_job
+
+        if done := finished_job(cfg):  # `-m ... resume=auto` again: a finished job stays as it is
+            print(f"resume=auto: {run} finished ({done[1]}), skipped")
+            return done[0]
     with copy_console(Path(run) / "train.log") if is_rank_zero_process() else nullcontext():
         try:
             metrics, objects = train(cfg)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
-from steadylm.data.sampler import EpochBatchSampler, align_resume
+from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.errors import DataError
 
@@ -116,8 +116,7 @@ class ShardDataModule(L.LightningDataModule):
     def _sampler(self, dataset: TokenWindows, train: bool) -> EpochBatchSampler:
         """Train: whole optimizer steps of the Trainer's accumulation, so step k's windows follow from the seed."""
         rank, world = self._world()
-        trainer = getattr(self, "trainer", None)
-        accumulate = int(trainer.accumulate_grad_batches) if train and trainer is not None else 1
+        accumulate = int(self.trainer.accumulate_grad_batches) if train and self.trainer is not None else 1
         order = {"shuffle": self.shuffle, "drop_last": self.drop_last, "step_batches": accumulate}
         order = order if train else {"shuffle": False}
         return EpochBatchSampler(len(dataset), self.batch_size, rank=rank, world_size=world, seed=self.seed, **order)
@@ -177,12 +176,14 @@ class ShardDataModule(L.LightningDataModule):
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:
             done = {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}
-            return {"train_sampler": done | self._train_sampler.shape()}
+            return {"train_sampler": {**done, **self._train_sampler.shape()}}
         return {"train_sampler": self._train_sampler.state_dict()}
 
     def align_resume(self, checkpoint: dict) -> None:
-        """The checkpoint's batch counts in this run's shape (sampler.align_resume), before Lightning loads them."""
+        """The checkpoint's batch counts in this run's shape (data/position.py), before Lightning loads them."""
         if state := (checkpoint.get(type(self).__qualname__) or {}).get("train_sampler"):
+            from steadylm.data.position import align_resume  # loaded only by a resume
+
             self.setup("fit")
             sampler = self._sampler(self.train_set, train=True)
             align_resume(checkpoint, state, sampler.global_batch, sampler.step_batches)

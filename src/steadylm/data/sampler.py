@@ -1,26 +1,17 @@
 """Every window once per epoch across ranks, in static-shape batches (the last padded with -1, so no rank waits
 alone in a collective), resumable mid-epoch. The order is a keyed Feistel bijection of (seed, epoch): O(1) memory,
-and any batch's windows can be recomputed (`batch_windows`).
-
-The order is counted in global window positions, never in batches: optimizer step k of an epoch trains on positions
-[k·N, (k+1)·N), N = batch × ranks × accumulation windows, and rank r takes every W-th window of each micro-batch. So a
-run whose N is fixed (`data.global_batch_tokens`) trains on the same windows at step k on 1 rank or 64, and a
-checkpoint resumes on another number of ranks at the next unread window (`resume_batch`). An epoch is padded (or,
-with `drop_last`, cut) to whole optimizer steps, so no step straddles two epochs on any machine.
+and any batch's windows can be recomputed (`batch_windows`). Optimizer step k takes positions [k·N, (k+1)·N) of an
+epoch padded (or cut, `drop_last`) to whole steps of N windows, each rank every W-th: with N fixed (`data.global_batch_
+tokens`) step k's windows are the same on 1 rank or 64, and a resume on another number continues (data/position.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import operator
 
 import numpy as np
 from torch.utils.data import Sampler
-
-from steadylm.compat import checkpoint_batches, move_checkpoint_batches
-
-log = logging.getLogger("steadylm")
 
 PAD_INDEX = -1
 _M64 = (1 << 64) - 1
@@ -155,45 +146,10 @@ class EpochBatchSampler(Sampler[list[int]]):
         return {"epoch": self.epoch, "batches_done": self.batches_done, **self.shape()}
 
     def resume_batch(self, state: dict) -> tuple[int, str | None]:
+        from steadylm.data.position import resume_batch  # loaded only by a resume
+
         return resume_batch(state, self.global_batch, self.step_batches)
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.batches_done = self.start_batch = self.resume_batch(state)[0]
-
-
-def resume_batch(state: dict, global_batch: int, step_batches: int) -> tuple[int, str | None]:
-    """The micro-batch of `state`'s epoch a run of this shape (windows per micro-batch, micro-batches per step)
-    continues at, and a line when the order cannot be kept. `state` (`batches_done`, and the `global_batch` and
-    `step_batches` it was counted in) may come from another number of ranks, batch or accumulation: its count is
-    turned into a window position first. The same windows per step: that position exactly, as a checkpoint lies on
-    a step boundary. Other: the next whole step of this run from it, said in one line."""
-    G, A = int(state.get("global_batch", global_batch)), int(state.get("step_batches", step_batches))
-    position, step_windows = int(state["batches_done"]) * G, global_batch * step_batches
-    if G * A == step_windows:
-        return position // global_batch, None
-    start = -(-position // step_windows) * step_batches
-    skipped = start * global_batch - position
-    line = (
-        f"the checkpoint's steps took {G * A} windows ({G} a micro-batch x {A}) and this run's take {step_windows} "
-        f"({global_batch} x {step_batches}), so step k no longer trains on the checkpointed run's windows; continuing "
-        f"at window {position} of epoch {int(state.get('epoch', 0))}"
-        + (f", skipping {skipped} to start a whole step" if skipped else "")
-        + ", nothing repeated (set data.global_batch_tokens to keep the order on any number of devices)"
-    )
-    return start, line
-
-
-def align_resume(checkpoint: dict, state: dict, global_batch: int, step_batches: int) -> None:
-    """Before Lightning restores `checkpoint`: turn its batch counts (the data source's `state`, written in place,
-    and the fit loop's) into this run's shape, so no window is read twice or skipped and accumulation and
-    validation fall on whole steps on any number of ranks; a resume that cannot keep the order says so."""
-    if (counted := checkpoint_batches(checkpoint)) is None:
-        return
-    start, line = resume_batch(state, global_batch, step_batches)
-    if line:
-        log.warning("resume: %s", line)
-    current, total = counted
-    earlier = (total - current) // int(state.get("step_batches", step_batches))  # steps of earlier epochs
-    move_checkpoint_batches(checkpoint, start, earlier * step_batches + start)
-    state.update(batches_done=start, global_batch=global_batch, step_batches=step_batches)

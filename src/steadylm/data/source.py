@@ -4,7 +4,7 @@ Only the DataModule reads its config keys, so a new source is one file. `bytes_p
 be `None`, `window_ids` `[]` and `window_location` `{}` when unknown; `setup("fit")` runs before anything else is
 built, so a bad source refuses with one line up front. A source whose position is counted in batches may add
 `align_resume(checkpoint)`, which the module calls first on a resume to recount it for this run's number of ranks
-and accumulation (data/sampler.py).
+and accumulation (data/position.py).
 """
 
 from __future__ import annotations

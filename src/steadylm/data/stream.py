@@ -20,7 +20,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from steadylm.compat import batches_processed
-from steadylm.data.sampler import align_resume, resume_batch
 from steadylm.data.tokenizer import get_tokenizer
 from steadylm.errors import ConfigError, DataError
 
@@ -217,12 +216,16 @@ class StreamDataModule(L.LightningDataModule):
         return {"batches_done": self.batches_done, **self._shape()}
 
     def align_resume(self, checkpoint: dict) -> None:
-        """The checkpoint's batch counts in this run's shape (sampler.align_resume), before Lightning loads them."""
+        """The checkpoint's batch counts in this run's shape (data/position.py), before Lightning loads them."""
         if (state := checkpoint.get(type(self).__qualname__)) and "batches_done" in state:
+            from steadylm.data.position import align_resume  # loaded only by a resume
+
             shape = self._shape()
             align_resume(checkpoint, state, shape["global_batch"], shape["step_batches"])
 
     def load_state_dict(self, state_dict: dict) -> None:
+        from steadylm.data.position import resume_batch  # loaded only by a resume
+
         shape = self._shape()
         state = {"batches_done": 0, **state_dict}
         self.batches_done = resume_batch(state, shape["global_batch"], shape["step_batches"])[0]
