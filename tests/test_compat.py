@@ -93,6 +93,24 @@ def test_trainer_internals_during_a_fit(make_cfg):
     assert [s[1] for s in seen] == [0, 1, 2, 3] and all(s[3] for s in seen)
 
 
+def test_checkpoint_batch_counters_read_and_move(make_cfg, tmp_path):
+    """A real checkpoint's fit-loop counters: found where Lightning wrote them, rewritten, restored by Lightning."""
+    objects = build(
+        make_cfg("trainer.max_steps=3", "optim.warmup_steps=1", "trainer.limit_val_batches=0", "callbacks=minimal")
+    )
+    objects["trainer"].fit(objects["module"], datamodule=objects["datamodule"])
+    objects["trainer"].save_checkpoint(tmp_path / "a.ckpt")
+    ckpt = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    counters = compat.checkpoint_batches(ckpt)
+    assert (counters["current"]["processed"], counters["total"]["processed"]) == (3, 3)
+    counters["current"]["processed"], counters["total"]["processed"] = 6, 10
+    trainer = L.Trainer(accelerator="cpu", logger=False)
+    trainer.fit_loop.load_state_dict(ckpt["loops"]["fit_loop"])
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    assert (progress.current.processed, progress.total.processed) == (6, 10)
+    assert compat.checkpoint_batches({"loops": {}}) is None
+
+
 def own_private_names() -> set[str]:
     """`_names` steadylm defines itself (methods, functions, attributes it assigns): using them is not borrowing."""
     names = set()

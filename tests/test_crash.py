@@ -72,7 +72,8 @@ def test_exception_in_training_saves_a_checkpoint_resume_auto_uses(make_cfg, tmp
 
     _, objects = train(make_cfg(*EVERY4, "resume=auto"))
     assert objects["trainer"].global_step == 8
-    assert objects["datamodule"].state_dict()["train_sampler"] == {"epoch": 0, "batches_done": 8}
+    shape = {"global_batch": 8, "step_batches": 1}
+    assert objects["datamodule"].state_dict()["train_sampler"] == {"epoch": 0, "batches_done": 8, **shape}
 
 
 def _cli(*args: str) -> list[str]:

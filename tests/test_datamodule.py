@@ -73,7 +73,7 @@ def test_resume_mid_epoch_yields_remaining_batches():
     it = iter(s)
     first = [next(it) for _ in range(3)]
     state = s.state_dict()
-    assert state == {"epoch": 0, "batches_done": 3}
+    assert state == {"epoch": 0, "batches_done": 3, "global_batch": 6, "step_batches": 1}  # the count and its shape
     r = EpochBatchSampler(40, 3, seed=1, rank=1, world_size=2)
     r.load_state_dict(state)
     r.set_epoch(0)  # Lightning calls this at the start of the resumed epoch: must not reset
@@ -169,7 +169,7 @@ def test_datamodule_state_resume(data_dir):
     it = iter(dm.train_dataloader())
     seen = [next(it)[0] for _ in range(2)]
     state = dm.state_dict()
-    assert state == {"train_sampler": {"epoch": 0, "batches_done": 2}}
+    assert state == {"train_sampler": {"epoch": 0, "batches_done": 2, "global_batch": 4, "step_batches": 1}}
     dm2 = ShardDataModule(data_dir, batch_size=4, context_length=32)
     dm2.load_state_dict(state)  # Lightning restores before building loaders
     rest = list(dm2.train_dataloader())
@@ -270,8 +270,9 @@ def test_lightning_fit_sets_epoch_and_keeps_sampler(data_dir):
     )
     trainer.fit(model, datamodule=dm)
     # What a checkpoint saved after batch i records: i + 1 batches consumed (not the prefetched count).
-    assert Snap.states[(0, 2)] == {"epoch": 0, "batches_done": 3}
-    assert Snap.states[(1, 0)] == {"epoch": 1, "batches_done": 1}
+    shape = {"global_batch": 8, "step_batches": 1}
+    assert Snap.states[(0, 2)] == {"epoch": 0, "batches_done": 3, **shape}
+    assert Snap.states[(1, 0)] == {"epoch": 1, "batches_done": 1, **shape}
     per_epoch = [torch.cat([x for e, x in model.seen if e == k]) for k in (0, 1)]
     assert len(per_epoch[0]) == len(per_epoch[1]) == -(-dm.n_train_windows // 8) * 8
     assert not torch.equal(per_epoch[0], per_epoch[1])  # set_epoch reached our batch sampler

@@ -33,7 +33,7 @@ def test_null_keys_come_from_the_shards_and_the_run_length(shards_dir):
     assert cfg.model.vocab_size is None and cfg.data.tokenizer is None  # the defaults
     assert from_data(cfg, data_source(cfg)) == {"data.tokenizer": "bytes", "model.vocab_size": 320}
     assert from_run_length(cfg) == {"optim.warmup_steps": 5}
-    assert val_interval(cfg, accumulate=2) == {"trainer.val_check_interval": 20}  # every 10 steps = 20 micro-batches
+    assert val_interval(cfg) == {"trainer.val_check_interval": 10}  # optimizer steps, whatever the accumulation
     assert cfg.model.vocab_size is None and cfg.optim.warmup_steps is None  # nothing above wrote the config
 
 
@@ -41,7 +41,7 @@ def test_a_set_key_is_kept():
     assert from_data(compose(["model.vocab_size=384"]), None) == {}  # set by hand: the data is not asked
     assert from_run_length(compose(["optim.warmup_steps=3"])) == {}
     assert from_run_length(compose(["trainer.max_steps=0"])) == {}  # a bad length: validate_config names it
-    assert val_interval(compose(["trainer.val_check_interval=7"]), 2) == {}
+    assert val_interval(compose(["trainer.val_check_interval=7"])) == {}
 
 
 def test_the_default_data_dir_stays_where_it_was_read(shards_dir, tmp_path):

@@ -1,5 +1,6 @@
-"""Hydra + multi-process strategies: presets, one run dir and one writer, the multirun + DDP refusal."""
+"""Hydra + multi-process strategies: presets, one run dir and one writer, a multirun whose jobs run on 2 processes."""
 
+import json
 import os
 from pathlib import Path
 
@@ -8,7 +9,6 @@ import pytest
 import torch
 
 from steadylm.distributed import FSDPClipping
-from steadylm.errors import ConfigError
 from steadylm.progress import ProgressLines
 from steadylm.train import build, train
 from tests.helpers import CLI_TINY, run_cli
@@ -34,15 +34,6 @@ def test_devices_nodes_precision_pass_straight_through(make_cfg):
     t = make_cfg("trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8", "trainer.precision=bf16-mixed").trainer
     assert (t.num_nodes, t.devices, t.precision) == (2, 8, "bf16-mixed")
     assert t.strategy._target_ == "lightning.pytorch.strategies.FSDPStrategy"
-
-
-def test_multirun_with_a_relaunching_strategy_is_refused_before_training(make_cfg, tmp_path):
-    cfg = make_cfg("trainer=ddp_sim", "hydra.mode=MULTIRUN")
-    with pytest.raises(
-        ConfigError, match=r"multirun \(-m\) cannot start trainer.devices=2 processes.*hydra/launcher=slurm"
-    ):
-        train(cfg)
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing started, nothing written
 
 
 def test_progress_is_plain_lines_not_a_bar(make_cfg):
@@ -82,8 +73,29 @@ def test_two_process_ddp_shares_rank0_run_dir_and_writes_once(shards_dir, tmp_pa
 
 
 @pytest.mark.slow
-def test_multirun_with_ddp_exits_2_with_one_message(shards_dir, tmp_path):
-    proc = run_cli("-m", "trainer=ddp_sim", "optim.lr=1e-3,3e-3", f"data.dir={shards_dir}", *CLI_TINY, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "error: Hydra multirun (-m) cannot start trainer.devices=2 processes itself" in proc.stderr
-    assert "Traceback" not in proc.stderr and "MEMBER: 2/2" not in proc.stderr
+def test_a_multirun_runs_each_job_on_two_processes_of_its_own(shards_dir, tmp_path):
+    """`-m` with trainer=ddp_sim: each job's extra process runs that job (its overrides, its folder, no `.hydra` or log
+    of its own), jobs one after another; the diverging job is recorded and the sweep goes on to its summary."""
+    proc = run_cli(
+        "-m",
+        "trainer=ddp_sim",
+        "optim.lr=1e-3,1e6",
+        "optim.min_lr=0",
+        "trainer.gradient_clip_val=null",
+        f"data.dir={shards_dir}",
+        "+callbacks.probe._target_=test_distributed.RankProbe",
+        *CLI_TINY,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "logs" / "train").iterdir()] == ["multiruns"]  # no child made a run of its own
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    assert f"sweep summary: {sweep / 'summary.md'} (2 jobs, 0 unstable, 1 diverged)" in proc.stdout
+    for job, lr, status in (("0", 1e-3, "ok"), ("1", 1e6, "diverged")):
+        run = sweep / job
+        assert sorted(p.name for p in run.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+        assert len(list(run.rglob(".hydra"))) == 1 and len(list(run.rglob("*.log"))) == 1  # rank 0's alone
+        assert len(list(run.rglob("events.out.tfevents.*"))) == 1
+        result = json.loads((run / "result.json").read_text())
+        assert (result["lr"], result["status"]) == (lr, status)
+    assert "| 1 | `trainer=ddp_sim` `optim.lr=1000000.0`" in (sweep / "summary.md").read_text()

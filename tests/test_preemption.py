@@ -120,7 +120,7 @@ def test_signal_stops_at_the_next_step_boundary_with_a_checkpoint(make_cfg, tmp_
         f"callbacks={callbacks}",
         f"trainer.accumulate_grad_batches={accumulate}",
         "trainer.max_steps=20",
-        f"trainer.val_check_interval={5 * accumulate}",  # in batches: validation due at step 5
+        "trainer.val_check_interval=5",  # optimizer steps: validation due at step 5
         drill(4, name),
     )
     previous = signal.getsignal(signal.SIGTERM)
@@ -319,3 +319,31 @@ def test_a_signal_in_a_multirun_ends_the_sweep_with_its_summary(shards_dir, tmp_
     assert "| preempted | SIGTERM at step 3 |" in row
     assert "(1 jobs, 0 unstable, 0 diverged, 1 preempted)" in proc.stdout  # the summary callback's own line
     assert f"hydra.run.dir={sweep / '0'} resume=auto" in proc.stderr  # that job alone, without -m
+
+
+@pytest.mark.slow
+def test_a_signal_in_a_two_process_sweep_job_then_resume_auto_finishes_the_sweep(shards_dir, tmp_path):
+    """`-m` on 2 processes a job: a signal to rank 0 stops job 0 on both ranks at one step (preempted.ckpt, exit 75,
+    the summary so far); the same command with resume=auto continues job 0 from it and runs job 1; once more, both
+    are finished and skipped (the drill that sends the signal is left out of the commands that resume)."""
+    args = ["-m", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *CLI_TINY]
+    proc = run_cli(*args, drill(2), cwd=tmp_path, timeout=240)
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr[-2000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    assert (sweep / "0" / "checkpoints" / "preempted.ckpt").is_file() and not (sweep / "1").exists()
+    assert "(1 jobs, 0 unstable, 0 diverged, 1 preempted)" in proc.stdout
+    assert safe_load(sweep / "0" / "checkpoints" / "preempted.ckpt")["global_step"] == 4  # ranks agree a poll late
+
+    proc = run_cli(*args, "resume=auto", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "logs" / "train" / "multiruns").iterdir()] == [sweep.name]  # the same sweep
+    assert f"resume=auto: continuing from {sweep / '0' / 'checkpoints' / 'preempted.ckpt'}" in proc.stdout
+    results = [json.loads((sweep / job / "result.json").read_text()) for job in ("0", "1")]
+    assert [(r["status"], r["lr"]) for r in results] == [("ok", 1e-3), ("ok", 2e-3)]
+    assert safe_load(sweep / "0" / "checkpoints" / "last.ckpt")["global_step"] == 6
+    assert f"sweep summary: {sweep / 'summary.md'} (2 jobs, 0 unstable, 0 diverged)" in proc.stdout
+
+    proc = run_cli(*args, "resume=auto", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(f"resume=auto: {sweep / job} finished (ok), skipped" in proc.stdout for job in ("0", "1"))
+    assert "Initializing distributed" not in proc.stderr  # nothing was trained again

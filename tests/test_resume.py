@@ -55,7 +55,8 @@ def test_k_plus_resume_plus_k_equals_2k_bitwise(make_cfg, tmp_path):
     ckpt = split / "checkpoints" / "last.ckpt"
     state = safe_load(ckpt)
     assert state["global_step"] == K
-    assert state["ShardDataModule"] == {"train_sampler": {"epoch": 0, "batches_done": K}}
+    shape = {"global_batch": 8, "step_batches": 1}  # what the count means: windows per micro-batch and per step
+    assert state["ShardDataModule"] == {"train_sampler": {"epoch": 0, "batches_done": K, **shape}}
     assert (
         "RNGState" in state["callbacks"] and "steadylm.stability" in state["callbacks"] and "optimizer_states" in state
     )

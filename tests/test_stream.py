@@ -80,16 +80,19 @@ def test_window_ids_follow_the_stream_and_its_resume_skip(corpus):
     assert dm.window_location(4) == {}
 
 
+SHAPE = {"global_batch": 8, "step_batches": 1}  # what a count means: windows per micro-batch, micro-batches a step
+
+
 def test_k_plus_resume_plus_k_equals_2k_bitwise(corpus, tmp_path):
     common = ["model.dropout=0.1", f"optim.total_steps={2 * K}", "trainer.val_check_interval=3"]
     common += ["trainer.limit_val_batches=1", "callbacks.checkpoint.every_n_train_steps=3"]
     full, split = tmp_path / "full", tmp_path / "split"
     train(stream_cfg(corpus, full, *common, f"trainer.max_steps={2 * K}"))
     train(stream_cfg(corpus, split, *common, f"trainer.max_steps={K}"))
-    assert safe_load(split / "checkpoints" / "last.ckpt")["StreamDataModule"] == {"batches_done": K}
+    assert safe_load(split / "checkpoints" / "last.ckpt")["StreamDataModule"] == {"batches_done": K, **SHAPE}
     train(stream_cfg(corpus, split, *common, f"trainer.max_steps={2 * K}", "resume=auto"))
     a, b = safe_load(full / "checkpoints" / "last.ckpt"), safe_load(split / "checkpoints" / "last.ckpt")
-    assert b["global_step"] == 2 * K and b["StreamDataModule"] == {"batches_done": 2 * K}
+    assert b["global_step"] == 2 * K and b["StreamDataModule"] == {"batches_done": 2 * K, **SHAPE}
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
 
 

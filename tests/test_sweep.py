@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from steadylm.config import compose, sweep_dir
+from steadylm.multirun import finished_job
 from steadylm.result import divergence
 from steadylm.stability.instability import instability
 from steadylm.stability.qk_clip import MATERIAL_CLIPS, PERSISTENT_ALARMS
@@ -132,3 +134,56 @@ def test_optuna_search_optimises_val_loss(shards_dir, tmp_path):
     assert "optim.lr" in best and "best_value" in best
     values = [json.loads((sweep / str(i) / "result.json").read_text())["val_loss"] for i in range(2)]
     assert f"best_value: {min(values)}" in best  # the sweeper minimised what train() returned
+
+
+@pytest.mark.slow
+def test_optuna_search_runs_each_trial_on_two_processes(shards_dir, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional extra: pip install -e '.[sweep]'")
+    proc = run_cli(
+        "hparams_search=lr_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.n_startup_trials=1",
+        "trainer=ddp_sim",
+        f"data.dir={shards_dir}",
+        "+callbacks.probe._target_=test_distributed.RankProbe",
+        *CLI_TINY,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    for trial in ("0", "1"):  # each trial's extra process ran that trial (the config asks for MULTIRUN itself)
+        assert sorted(p.name for p in (sweep / trial).glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+    values = [json.loads((sweep / str(i) / "result.json").read_text())["val_loss"] for i in range(2)]
+    assert f"best_value: {min(values)}" in (sweep / "optimization_results.yaml").read_text()
+    assert f"sweep summary: {sweep / 'summary.md'} (2 jobs" in proc.stdout
+
+
+def test_resume_auto_continues_the_newest_sweep_folder(tmp_path):
+    base = tmp_path / "multiruns"
+    assert sweep_dir(str(base), "2026-12-07_10-00-00", "auto") == f"{base}/2026-12-07_10-00-00"  # none yet: new
+    for name in ("2026-12-06_09-00-00", "2026-12-07_08-00-00"):
+        (base / name).mkdir(parents=True)
+    assert sweep_dir(str(base), "2026-12-07_10-00-00", "auto") == str(base / "2026-12-07_08-00-00")
+    assert sweep_dir(str(base), "2026-12-07_10-00-00", None) == f"{base}/2026-12-07_10-00-00"  # no resume: new
+    cfg = compose(["resume=auto", f"paths.log_dir={tmp_path}", "task_name=x"])
+    assert (
+        cfg.hydra.sweep.dir == str(tmp_path / "x" / "multiruns" / "2026-12-07_08-00-00")
+        or not (tmp_path / "x").exists()
+    )
+
+
+@pytest.mark.parametrize(
+    "status,expected", [("ok", (2.5, "ok")), ("diverged", "nan"), ("preempted", None), (None, None)]
+)
+def test_resume_auto_skips_a_finished_job_with_the_number_it_gave(tmp_path, status, expected):
+    run = tmp_path / "0"
+    run.mkdir()
+    if status:
+        (run / "result.json").write_text(json.dumps({"status": status, "val_loss": 2.5}))
+    cfg = compose([f"paths.output_dir={run}", "resume=auto"])
+    done = finished_job(cfg)
+    if expected == "nan":
+        assert math.isnan(done[0]) and done[1] == "diverged"  # a sweeper records the trial as failed again
+    else:
+        assert done == expected
+    assert finished_job(compose([f"paths.output_dir={run}"])) is None  # without resume=auto every job runs

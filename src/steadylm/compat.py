@@ -77,3 +77,9 @@ def set_loss_scale(scaler: torch.amp.GradScaler, value: float) -> None:
 def relaunches_script(strategy: Any) -> bool:
     """The strategy starts its extra processes by re-running the command line (Lightning's DDP launcher)."""
     return isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
+
+
+def checkpoint_batches(checkpoint: dict) -> dict | None:
+    """The fit loop's micro-batch counters in a checkpoint (`_BatchProgress.state_dict()`: `current`, `total`), None if
+    absent; a resume on another machine size rewrites them before Lightning restores its loops (data/position.py)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")

@@ -24,6 +24,16 @@ OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
 # `${if_null:${data.tokenizer},bytes}`: a null key's stand-in inside another value (the default data.dir).
 OmegaConf.register_new_resolver("if_null", lambda value, default: default if value is None else value, replace=True)
 
+
+def sweep_dir(base: str, stamp: str, resume: Any) -> str:
+    """`hydra.sweep.dir`: a new `<base>/<stamp>`; under `resume=auto` the newest in `base` (the same `-m` goes on)."""
+    if resume == "auto" and (found := sorted(p for p in Path(base).glob("*") if p.is_dir())):
+        return str(found[-1])
+    return f"{base}/{stamp}"
+
+
+OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
+
 # In the package, so an installed copy composes the same configs (the repo's `conf/` links here); or STEADYLM_CONF.
 CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent / "conf"))
 PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")

@@ -77,11 +77,17 @@ def from_run_length(cfg: DictConfig) -> dict[str, Any]:
     return {"optim.warmup_steps": warmup_steps(max_steps)}
 
 
-def val_interval(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
-    """A null `trainer.val_check_interval`, in micro-batches (what Lightning counts) at `accumulate` a step."""
+def val_interval(cfg: DictConfig) -> dict[str, Any]:
+    """A null `trainer.val_check_interval`, in optimizer steps (`val_check_batches` turns it into Lightning's)."""
     if cfg.trainer.get("val_check_interval") is not None:
         return {}
-    return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps) * int(accumulate or 1)}
+    return {"trainer.val_check_interval": val_every_steps(cfg.trainer.max_steps)}
+
+
+def val_check_batches(trainer: DictConfig) -> dict[str, Any]:
+    """Steps in the config, micro-batches in Lightning: the same validation steps at any accumulation (a float as is)."""
+    every = trainer.get("val_check_interval")
+    return {"val_check_interval": every * int(trainer.accumulate_grad_batches)} if type(every) is int else {}
 
 
 def accumulation(cfg: DictConfig, world_size: int, batch_size: int) -> int:

@@ -1,6 +1,6 @@
 """Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep. Lightning's
-DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir`; this adds FSDP's own clipping and
-refuses a multirun whose children would each re-run the sweep. Launching stays with Lightning, torchrun, submitit."""
+DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir` (under `-m`, the job's: multirun.py);
+this adds FSDP's own clipping. Launching stays with Lightning, torchrun, submitit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import FSDPStrategy
 
-from steadylm.compat import relaunches_script
-from steadylm.errors import ConfigError
+# Set for the extra processes of one job of a multirun (its folder): they fail, diverge and stop as a sweep job does.
+SWEEP_JOB_ENV = "STEADYLM_SWEEP_JOB"
 
 
 def is_rank_zero_process() -> bool:
@@ -21,20 +21,9 @@ def is_rank_zero_process() -> bool:
 
 
 def in_multirun() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def refuse_multirun_multiprocess(trainer: L.Trainer) -> None:
-    """Refuse `-m` with a strategy whose launcher re-runs the script (the children would re-run the sweep)."""
-    strategy = trainer.strategy
-    relaunches = relaunches_script(strategy) and not strategy.cluster_environment.creates_processes_externally
-    if in_multirun() and relaunches and trainer.num_devices > 1:
-        raise ConfigError(
-            f"Hydra multirun (-m) cannot start trainer.devices={trainer.num_devices} processes itself "
-            f"({type(strategy).__name__}): Lightning re-runs train.py for each extra process, which would re-run "
-            "the whole sweep; sweep with hydra/launcher=slurm (submitit starts every job's processes), or run each "
-            "job without -m (e.g. `torchrun --nproc_per_node=N train.py hydra.run.dir=... <overrides>`)."
-        )
+    """A job of a Hydra multirun, or an extra process of one (which Hydra itself runs as a single run)."""
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    return multirun or bool(os.environ.get(SWEEP_JOB_ENV))
 
 
 class FSDPClipping(L.Callback):

@@ -263,6 +263,10 @@ class LMModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # The first restore hook: the data recounts the checkpoint's batch counts for this machine (data/position.py).
+        trainer = attached_trainer(self)
+        if (align := getattr(getattr(trainer, "datamodule", None), "align_resume", None)) is not None:
+            align(checkpoint)
         meta = checkpoint.get("steadylm", {})
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.lr_scale = float(meta.get("lr_scale", 1.0))

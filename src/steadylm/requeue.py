@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from steadylm.distributed import in_multirun, is_rank_zero_process
+from steadylm.distributed import SWEEP_JOB_ENV, in_multirun, is_rank_zero_process
 from steadylm.preemption import Preemption
 
 log = logging.getLogger("steadylm")
@@ -72,4 +72,6 @@ def finish_preempted(cfg, preemption: Preemption) -> None:
             handler(preemption.submitit, None)
         except Exception as err:
             log.error("submitit did not requeue the job: %s", err)
-    sys.exit(PREEMPTED_EXIT)
+    # An extra process of a sweep job leaves the exit code to its rank 0: Lightning's launcher ends rank 0 at once
+    # when a child exits non-zero, before the sweep summary is written.
+    sys.exit(0 if os.environ.get(SWEEP_JOB_ENV) else PREEMPTED_EXIT)

@@ -81,7 +81,7 @@ def resolve(cfg: DictConfig) -> Resolved:
     datamodule = dm if dm is not None else data_source(cfg)
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size, datamodule.batch_size)
-    fill(cfg, {KEY: accumulate, **val_interval(cfg, accumulate)})
+    fill(cfg, {KEY: accumulate, **val_interval(cfg)})
     precision = resolve_precision(cfg.trainer.precision, devices.accelerator)
     memory = check_environment(cfg, devices, precision, datamodule.batch_size)
     OmegaConf.set_readonly(cfg, True)

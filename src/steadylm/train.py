@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
-from steadylm.distributed import in_multirun, is_rank_zero_process, refuse_multirun_multiprocess, use_fsdp_clipping
+from steadylm.derived import val_check_batches
+from steadylm.distributed import in_multirun, is_rank_zero_process, use_fsdp_clipping
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
@@ -70,9 +71,9 @@ def build_trainer(run: Resolved) -> L.Trainer:
         callbacks.append(ProgressLines())  # one plain line per logging step (progress.py)
     loggers = instantiate_named(cfg.get("logger"), "logger") or False
     resolved = {"accelerator": run.devices.accelerator, "precision": run.precision}  # what memory was checked for
+    resolved |= val_check_batches(cfg.trainer)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
     use_fsdp_clipping(trainer)
-    refuse_multirun_multiprocess(trainer)
     return trainer
 
 
@@ -86,7 +87,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
-    with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: the record is on the Preemption callback
+    processes = nullcontext()
+    if in_multirun():  # a sweep job: its own extra processes (multirun.py, loaded only then)
+        from steadylm.multirun import job_processes
+
+        processes = job_processes(trainer)
+    with processes, suppress(Preempted, SIGTERMException):  # a signal stopped every rank: see the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects
 
@@ -98,6 +104,12 @@ _task_started = [False]
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
     run = cfg.paths.output_dir
+    if in_multirun():
+        from steadylm.multirun import finished_job
+
+        if done := finished_job(cfg):  # `-m ... resume=auto` again: a finished job stays as it is
+            print(f"resume=auto: {run} finished ({done[1]}), skipped")
+            return done[0]
     with copy_console(Path(run) / "train.log") if is_rank_zero_process() else nullcontext():
         try:
             metrics, objects = train(cfg)

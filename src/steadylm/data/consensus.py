@@ -19,13 +19,15 @@ from torch.utils.data import DataLoader
 from steadylm.data.dataset import ShardReadError
 from steadylm.data.sampler import PAD_INDEX
 
-_GROUP: list = []  # one gloo group per process, created collectively on first use
+_GROUP: list = []  # (the default group, a gloo group beside it): created collectively on first use
 
 
 def _cpu_group():
-    if not _GROUP:
-        _GROUP.append(dist.new_group(backend="gloo"))
-    return _GROUP[0]
+    """One gloo group per default process group: a sweep's next job on several devices starts a new default group
+    (distributed.job_processes), and a group of the last one would wait for processes that are gone."""
+    if not _GROUP or _GROUP[0][0] is not dist.group.WORLD:
+        _GROUP[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
+    return _GROUP[0][1]
 
 
 class _Consensus:

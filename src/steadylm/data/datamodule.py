@@ -179,14 +179,20 @@ class ShardDataModule(L.LightningDataModule):
             for name, s in self.shards_of.items()
         }
 
-    def _loader(self, dataset: TokenWindows, train: bool) -> DataLoader:
+    def _sampler(self, dataset: TokenWindows, train: bool) -> EpochBatchSampler:
+        """Train: whole optimizer steps of the Trainer's accumulation, so step k's windows follow from the seed;
+        with `sources`, the mixture's stream (data/mixture.py)."""
         rank, world = self._world()
-        order = {"shuffle": self.shuffle, "drop_last": self.drop_last} if train else {"shuffle": False}
+        accumulate = int(self.trainer.accumulate_grad_batches) if train and self.trainer is not None else 1
+        order = {"shuffle": self.shuffle, "drop_last": self.drop_last, "step_batches": accumulate}
+        order = order if train else {"shuffle": False}
         kw = {"rank": rank, "world_size": world, "seed": self.seed, **order}
         if train and self.sources:
-            sampler = MixtureBatchSampler(self.order, self.batch_size, **kw)
-        else:
-            sampler = EpochBatchSampler(len(dataset), self.batch_size, **kw)
+            return MixtureBatchSampler(self.order, self.batch_size, **kw)
+        return EpochBatchSampler(len(dataset), self.batch_size, **kw)
+
+    def _loader(self, dataset: TokenWindows, train: bool) -> DataLoader:
+        sampler = self._sampler(dataset, train)
         if train:
             self._train_sampler = sampler
             if self._pending_state is not None:
@@ -277,8 +283,18 @@ class ShardDataModule(L.LightningDataModule):
         if self._train_sampler is None:
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:
-            return {"train_sampler": {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}}
+            done = {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}
+            return {"train_sampler": {**done, **self._train_sampler.shape()}}
         return {"train_sampler": self._train_sampler.state_dict()}
+
+    def align_resume(self, checkpoint: dict) -> None:
+        """The checkpoint's batch counts in this run's shape (data/position.py), before Lightning loads them."""
+        if state := (checkpoint.get(type(self).__qualname__) or {}).get("train_sampler"):
+            from steadylm.data.position import align_resume  # loaded only by a resume
+
+            self.setup("fit")
+            sampler = self._sampler(self.train_set, train=True)
+            align_resume(checkpoint, state, sampler.global_batch, sampler.step_batches)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if (state := state_dict.get("train_sampler")) and self._train_sampler is not None:

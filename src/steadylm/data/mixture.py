@@ -83,13 +83,14 @@ class MixtureOrder:
 
 class MixtureBatchSampler(EpochBatchSampler):
     """`EpochBatchSampler` whose epoch is a stretch of the mixture's stream: as many positions as the sources have
-    windows, rounded up to whole global batches, so no position is padding; epoch e covers stream positions
-    [e·n, (e + 1)·n). Batching, ranks, resume and `batch_windows` are the base class's."""
+    windows, rounded up to whole optimizer steps, so no position is padding; epoch e covers stream positions
+    [e·n, (e + 1)·n). With the windows per step fixed (`data.global_batch_tokens`), n and so every step's windows are
+    the same on any number of ranks. Batching, ranks, resume and `batch_windows` are the base class's."""
 
-    def __init__(self, order: MixtureOrder, batch_size: int, *, world_size: int = 1, **kwargs):
-        G = int(batch_size) * int(world_size)
-        n = -(-int(order.sizes.sum()) // G) * G
-        super().__init__(n, batch_size, world_size=world_size, **kwargs)
+    def __init__(self, order: MixtureOrder, batch_size: int, *, world_size: int = 1, step_batches: int = 1, **kwargs):
+        N = int(batch_size) * int(world_size) * int(step_batches)
+        n = -(-int(order.sizes.sum()) // N) * N
+        super().__init__(n, batch_size, world_size=world_size, step_batches=step_batches, **kwargs)
         self.order = order
 
     def global_windows(self, positions) -> np.ndarray:

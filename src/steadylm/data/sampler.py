@@ -1,6 +1,8 @@
 """Every window once per epoch across ranks, in static-shape batches (the last padded with -1, so no rank waits
 alone in a collective), resumable mid-epoch. The order is a keyed Feistel bijection of (seed, epoch): O(1) memory,
-and any batch's windows can be recomputed (`batch_windows`).
+and any batch's windows can be recomputed (`batch_windows`). Optimizer step k takes positions [k·N, (k+1)·N) of an
+epoch padded (or cut, `drop_last`) to whole steps of N windows, each rank every W-th: with N fixed (`data.global_batch_
+tokens`) step k's windows are the same on 1 rank or 64, and a resume on another number continues (data/position.py).
 """
 
 from __future__ import annotations
@@ -70,11 +72,14 @@ class EpochBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        step_batches: int = 1,
     ):
         self.n_windows, self.batch_size = int(n_windows), int(batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
-        self.global_batch = self.batch_size * self.world_size
+        self.global_batch = self.batch_size * self.world_size  # windows of one micro-batch, all ranks
+        self.step_batches = int(step_batches)  # micro-batches of one optimizer step (the accumulation)
+        self.step_windows = self.global_batch * self.step_batches
         self.epoch = 0
         self.batches_done = 0  # batches handed out in the current epoch
         self.start_batch = 0  # batches to skip on the next iteration (resume), then reset
@@ -84,7 +89,9 @@ class EpochBatchSampler(Sampler[list[int]]):
         self.sampler = self
 
     def __len__(self) -> int:
-        return (self.n_windows + (0 if self.drop_last else self.global_batch - 1)) // self.global_batch
+        """Micro-batches of an epoch: whole optimizer steps (the last padded, or dropped with `drop_last`)."""
+        N = self.step_windows
+        return (self.n_windows + (0 if self.drop_last else N - 1)) // N * self.step_batches
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) != self.epoch:
@@ -131,9 +138,18 @@ class EpochBatchSampler(Sampler[list[int]]):
     def batches_done(self, value: int) -> None:
         self._before, self._rows, self._size = int(value), None, 0
 
+    def shape(self) -> dict:
+        """What a batch count means: windows per micro-batch and micro-batches per step (saved beside it)."""
+        return {"global_batch": self.global_batch, "step_batches": self.step_batches}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
+        return {"epoch": self.epoch, "batches_done": self.batches_done, **self.shape()}
+
+    def resume_batch(self, state: dict) -> tuple[int, str | None]:
+        from steadylm.data.position import resume_batch  # loaded only by a resume
+
+        return resume_batch(state, self.global_batch, self.step_batches)
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
-        self.batches_done = self.start_batch = int(state["batches_done"])
+        self.batches_done = self.start_batch = self.resume_batch(state)[0]

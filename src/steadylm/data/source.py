@@ -2,8 +2,10 @@
 
 Only the DataModule reads its config keys, so a new source is one file. `bytes_per_token` and `n_train_windows` may
 be `None`, `window_ids` `[]` and `window_location` `{}` when unknown; `setup("fit")` runs before anything else is
-built, so a bad source refuses with one line up front. `document_separator` is optional: a source that has it
-returns the id attention and positions restart after under `data.pack=doc`, or None (`check_pack`).
+built, so a bad source refuses with one line up front. Two members are optional: `document_separator`, the id
+attention and positions restart after under `data.pack=doc` (or None, `check_pack`); and, for a source whose
+position is counted in batches, `align_resume(checkpoint)`, which the module calls first on a resume to recount it
+for this run's number of ranks and accumulation (data/position.py).
 """
 
 from __future__ import annotations

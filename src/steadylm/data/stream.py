@@ -6,7 +6,7 @@ document's tokens and an end-of-text id are concatenated and cut into windows of
 tokens (no window crosses an epoch's end). The first `val_windows` windows are the val split; training
 reads the rest, again from the start when the stream ends. Global window `w` goes to rank `(w // batch_size)
 % world_size`, so window ids are known (`window_ids`) and a resume skips exactly the windows already trained
-on (`state_dict`: the batches done). A missing dataset, config, split or text field is one `DataError`.
+on (`state_dict`: the batches done), on any number of ranks (`align_resume`). A missing dataset, config, split or text field is one `DataError`.
 """
 
 from __future__ import annotations
@@ -215,12 +215,30 @@ class StreamDataModule(L.LightningDataModule):
     def window_location(self, window: int) -> dict:
         return {}  # a stream window has no file offset
 
+    def _shape(self) -> dict:
+        trainer = getattr(self, "trainer", None)
+        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        return {"global_batch": self.batch_size * self._world()[1], "step_batches": accumulate}
+
     def state_dict(self) -> dict:
-        """`{"batches_done"}`: the batches each rank has trained on; a resume skips their windows."""
+        """`{"batches_done"}`: the batches each rank has trained on (a resume skips their windows), with the shape
+        they were counted in (windows per micro-batch, micro-batches per step) for a resume on another machine."""
         trainer = getattr(self, "trainer", None)
         if trainer is not None and getattr(trainer, "training", False):
-            return {"batches_done": batches_processed(trainer)}
-        return {"batches_done": self.batches_done}
+            return {"batches_done": batches_processed(trainer), **self._shape()}
+        return {"batches_done": self.batches_done, **self._shape()}
+
+    def align_resume(self, checkpoint: dict) -> None:
+        """The checkpoint's batch counts in this run's shape (data/position.py), before Lightning loads them."""
+        if (state := checkpoint.get(type(self).__qualname__)) and "batches_done" in state:
+            from steadylm.data.position import align_resume  # loaded only by a resume
+
+            shape = self._shape()
+            align_resume(checkpoint, state, shape["global_batch"], shape["step_batches"])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.batches_done = int(state_dict.get("batches_done", 0))
+        from steadylm.data.position import resume_batch  # loaded only by a resume
+
+        shape = self._shape()
+        state = {"batches_done": 0, **state_dict}
+        self.batches_done = resume_batch(state, shape["global_batch"], shape["step_batches"])[0]
