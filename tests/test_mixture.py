@@ -59,6 +59,12 @@ def test_the_same_windows_on_one_rank_or_two():
     two = [MixtureBatchSampler(MixtureOrder([5_000, 300], [0.6, 0.4], seed=2), 8, world_size=2, rank=r) for r in (0, 1)]
     for step in (0, 1, 7, 300, len(one) - 1):
         assert sorted(one.batch_windows(step)) == sorted(two[0].batch_windows(step) + two[1].batch_windows(step))
+    # 16 windows a step as 1 rank x 8 x 2 micro-batches: optimizer step k reads what 1 x 16 reads at step k
+    accumulated = MixtureBatchSampler(MixtureOrder([5_000, 300], [0.6, 0.4], seed=2), 8, step_batches=2)
+    assert len(accumulated) == 2 * len(one)
+    for step in (0, 3, 150):
+        both = accumulated.batch_windows(2 * step) + accumulated.batch_windows(2 * step + 1)
+        assert sorted(both) == sorted(one.batch_windows(step))
 
 
 def test_a_mixture_trains_and_reports_a_val_loss_per_source(make_cfg, two_sources, caplog):
