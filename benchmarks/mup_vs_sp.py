@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import time
-from pathlib import Path
 
 import torch
 from lr_transfer import batch, best_log2_lr, held_out_loss, walk, windows
@@ -48,7 +47,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--val-windows", type=int, default=256)
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--arms", default="sp,default,mup", help="sp | mup | default (the configs' own), comma list")
-    ap.add_argument("--sp-start", type=int, default=-1, help="log2(LR / 2e-3) the sp walk starts from")
+    ap.add_argument(
+        "--sp-start", type=int, default=None, help="sp walk's first log2(LR / 2e-3) (default: the default LR's)"
+    )
     ap.add_argument("--mup-default-only", action="store_true", help="mup: its default LR only, no walk")
     ap.add_argument("--ablate", action="store_true", help="muP's parts one at a time (at the first width)")
     ap.add_argument("--parts", default=None, help="--ablate: which, by number (0 sp, 1.. the ablations, then base)")
@@ -89,7 +90,7 @@ def sp_attention(module, opt, model) -> None:
 def init_scale(k: float):
     def tweak(module, opt, model):
         with torch.no_grad():
-            for n, p in module.named_parameters():
+            for p in module.parameters():
                 if p.dim() >= 2:
                     p.mul_(k)
 
@@ -192,9 +193,10 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
                     res[arm] = (optim["lr"], bench.point("default", model, optim, steps))
                 elif arm == "mup" and args.mup_default_only:
                     res[arm] = {0: bench.point(arm, bench.model(width, arm), adamw(), steps)}
-                else:
-                    res[arm] = bench.walked(arm, bench.model(width, arm), steps, start[arm])
-                    start[arm] = min(res[arm], key=res[arm].__getitem__)
+                else:  # sp from the default LR's octave (the width rule's), mup from its own default
+                    lr = default_config(width, args.heads, args.layers, args.context)[1]["lr"]
+                    first = round(math.log2(lr / MUP_LR)) if arm == "sp" and args.sp_start is None else start[arm]
+                    res[arm] = bench.walked(arm, bench.model(width, arm), steps, first)
                     print(summary(f"{arm} d{width} {steps} steps", res[arm]), flush=True)
             if "sp" in res:
                 sp = min(res["sp"].values())
