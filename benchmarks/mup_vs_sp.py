@@ -1,7 +1,7 @@
 """Does the default parametrisation at its default LR train as well as SP at SP's own best LR, at every width?
 
 `python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--json FILE]`
-`python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0]`
+`python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0] [--parts 0,2,3] [--at 0]`
 
 Per width (GPT-2 family, `--layers` deep, `--heads` heads) and run length, on the embedded corpus (bytes), the
 same batches and init seeds for every point: `sp` and `mup` (based at tiny's 128/32, as every preset) walked over
@@ -14,8 +14,9 @@ best, at every width and length.
 
 `--ablate` asks which part of muP costs the loss: muP with one part put back to SP at a time, each walked over
 the same grid (the readout multiplier, the tied matrix, the embedding LR, the attention scale, the hidden init,
-weight decay x m), and the base's own tuning (alpha_output and the init scale swept at width 128, the best
-carried to the width). Every run lands in `--json` as it ends, so an interrupted sweep keeps what it measured.
+weight decay x m; `--at K`: each at the one LR 2e-3 x 2^K instead), and the base's own tuning (alpha_output and
+the init scale walked at width 128, the best carried to the width at the base's best LR). `--parts` picks them by
+number (0 sp, 1 mup, 2-7 the parts, 8 the base). Every run lands in `--json` as it ends, so an interrupted sweep keeps what it measured.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--mup-default-only", action="store_true", help="mup: its default LR only, no walk")
     ap.add_argument("--ablate", action="store_true", help="muP's parts one at a time (at the first width)")
     ap.add_argument("--parts", default=None, help="--ablate: which, by number (0 sp, 1.. the ablations, then base)")
+    ap.add_argument("--at", type=int, default=None, help="--ablate: each part at this log2(LR / 2e-3) only, no walk")
     ap.add_argument("--json", default=None, help="every run, appended as it ends (one JSON object a line)")
     return ap.parse_args()
 
@@ -154,6 +156,13 @@ class Bench:
                     f.write(json.dumps({**row, "parametrization": model["parametrization"]}) + "\n")
         return sum(losses) / len(losses)
 
+    def at(self, arm: str, model: dict, steps: int, tweak=None, k: int | None = None) -> dict[int, float]:
+        """`--at`'s one LR (or `k`), else the walk from muP's default."""
+        k = self.args.at if k is None else k
+        if k is None:
+            return self.walked(arm, model, steps, 0, tweak)
+        return {k: self.point(arm, model, {**adamw(), "lr": MUP_LR * 2.0**k}, steps, tweak)}
+
     def walked(self, arm: str, model: dict, steps: int, start: int, tweak=None) -> dict[int, float]:
         """log2(LR / 2e-3) -> loss, walked until the best has both neighbours."""
         optim = adamw()
@@ -226,7 +235,7 @@ def ablate(bench: Bench, width: int, steps: int) -> None:
     for i, (name, (over, tweak)) in enumerate(ABLATIONS.items(), 1):
         if i not in parts:
             continue
-        runs = bench.walked(name, bench.model(width, "mup", **over), steps, 0, tweak)
+        runs = bench.at(name, bench.model(width, "mup", **over), steps, tweak)
         lines.append(summary(name, runs) + f"  vs sp {100 * (min(runs.values()) / sp - 1):+.1f} %")
         print(lines[-1], flush=True)
     # The base's own tuning: alpha_output and the init scale at width 128 (where mup is sp), the best carried over.
@@ -245,10 +254,11 @@ def ablate(bench: Bench, width: int, steps: int) -> None:
             lines.append(summary(name, runs))
             print(lines[-1], flush=True)
     alpha, scale = min(base, key=lambda a: min(base[a].values()))
-    if (alpha, scale) != (1.0, 1.0):
+    if (alpha, scale) != (1.0, 1.0):  # carried to the width at the base's best LR (muP's claim)
         name = f"mup, base-tuned alpha {alpha:g} init x{scale:g}"
         tweak = init_scale(scale) if scale != 1.0 else None
-        runs = bench.walked(name, bench.model(width, "mup", mup_output_mult=alpha), steps, 0, tweak)
+        k = min(base[(alpha, scale)], key=base[(alpha, scale)].get)
+        runs = bench.at(name, bench.model(width, "mup", mup_output_mult=alpha), steps, tweak, k)
         lines.append(summary(name, runs) + f"  vs sp {100 * (min(runs.values()) / sp - 1):+.1f} %")
     print("\n" + "\n".join(lines))
 

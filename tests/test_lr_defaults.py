@@ -65,7 +65,7 @@ def test_the_default_lr_follows_the_width_rule_through_a_shape_override_and_an_e
     assert lr("model=small", "model.parametrization=mup") == rule.lr  # muP: the LR tuned at its base width, 128
     assert lr("model=small", "model.parametrization=mup", "model.mup_base_width=768") == lr("model=small")
     assert lr("model=small", "optim.lr=1e-3") == 1e-3 and compose(["model=small", "optim.lr=1e-3"]).optim.min_lr == 1e-4
-    assert lr("model=small", "optim=muon") == lr("model=llama_1b", "optim=muon") == 2e-2  # Muon's rule is flat
+    assert lr("model=tiny", "optim=muon") == 2e-2 and lr("model=tiny", "optim=muon", "model.d_model=512") == 1e-2
 
 
 def test_the_docs_preset_table_states_each_presets_default_lr():
