@@ -133,10 +133,13 @@ def run_seed(args, param, shape, base, log2_lr, train, val_batches, alpha, seed:
 
 def held_out_loss(model: dict, optim: dict, steps: int, batch_size: int, train, val_batches, seed: int, **kw) -> float:
     """Train `model` with `optim` (its warmup + cosine, clip 1.0) for `steps` steps in a plain loop through
-    `LMModule`, then the mean loss on `val_batches` (inf if the loss went non-finite)."""
+    `LMModule`, then the mean loss on `val_batches` (inf if the loss went non-finite). `tweak(module, optimizer)`,
+    if given, changes them before the first step (an ablation's one part)."""
     torch.manual_seed(seed)
     module = LMModule(model=model, optim=optim)
     opt = module.configure_optimizers()
+    if kw.get("tweak") is not None:
+        kw["tweak"](module, opt)
     if kw.get("muon_width_exp") is not None:  # a variant of `mup.muon_lr_mult`, lr · wd kept
         width = model["d_model"] / model["mup_base_width"]
         for group in opt.param_groups:

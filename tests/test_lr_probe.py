@@ -27,12 +27,12 @@ def test_a_big_model_is_probed_on_a_proxy_with_its_head_size_and_grouping():
 
 
 def test_an_sp_proxy_is_mup_based_at_the_full_width_and_a_mup_proxy_keeps_its_base():
-    small_sp = dict(compose(["model=small", "model.parametrization=sp"]).model)
+    small_sp = dict(compose(["model=small"]).model)  # sp: the default
     proxy, where = proxy_model(small_sp, max_layers=4, max_width=128, max_context=128)
     assert (proxy["d_model"], proxy["n_head"], proxy["parametrization"]) == (128, 2, "mup")
     assert (proxy["mup_base_width"], proxy["mup_base_head_dim"]) == (768, 64)  # mup at its base is this sp model
     assert "parametrization=mup" in where
-    small = dict(compose(["model=small"]).model)
+    small = dict(compose(["model=small", "model.parametrization=mup"]).model)
     proxy, where = proxy_model(small, max_layers=4, max_width=128, max_context=128)
     assert (proxy["d_model"], proxy["mup_base_width"], proxy["mup_base_head_dim"]) == (128, 128, 32)
     assert "parametrization" not in where

@@ -120,7 +120,7 @@ def startup_config(overrides: list[str]):
         (["model.parametrization=mup", "model.mup_base_head_dim=24"], "model.mup_base_head_dim=24 does not divide"),
         (["model.parametrization=mup", "model.mup_base_width=0"], "model.mup_base_width=0 must be a whole number > 0"),
         (["model.parametrization=mup", "model.mup_base_width=100000"], "outside [1/64, 1024]"),
-        (["model.mup_base_width=64", "model.mup_base_head_dim=16", "model.init=xavier"], "needs model.init=gpt2 off"),
+        (["model.parametrization=mup", "model.mup_base_width=64", "model.init=xavier"], "needs model.init=gpt2 off"),
         (["model.mup_output_mult=0"], "model.mup_output_mult=0 must be a number > 0"),
     ],
 )
@@ -268,18 +268,20 @@ def test_mup_sweep_summary_gives_the_command_that_trains_the_bigger_preset(tmp_p
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama_tiny", "small", "llama_1b"])
-def test_mup_is_every_presets_default_and_muon_is_accepted_with_it(preset):
+def test_mup_is_every_presets_switch_based_at_tiny_and_muon_is_accepted_with_it(preset):
+    """sp is the default (muP ends above sp's best at width: docs/model.md); the switch keeps tiny's base."""
     vocab = ["model.vocab_size=320"] if preset in ("tiny", "llama_tiny") else []  # from the shards otherwise
-    cfg = compose([f"model={preset}", "optim=muon", "optim.warmup_steps=100", *vocab])
-    validate_config(cfg)  # mup + Muon: no longer refused
-    # Every preset is based at tiny's shape, where optim.lr was tuned.
+    assert compose([f"model={preset}", *vocab]).model.parametrization == "sp"
+    cfg = compose([f"model={preset}", "model.parametrization=mup", "optim=muon", "optim.warmup_steps=100", *vocab])
+    validate_config(cfg)  # mup + Muon: accepted
     assert (cfg.model.parametrization, cfg.model.mup_base_width, cfg.model.mup_base_head_dim) == ("mup", 128, 32)
 
 
 @pytest.mark.parametrize("override", ["model.d_model=512", "model.n_head=8", "model.n_layer=4"])
 def test_a_shape_override_keeps_tinys_base(override):
     """Widening tiny keeps muP based at 128/32, so its LR carries; at tiny's own shape every multiplier is 1."""
-    model = lambda *o: GPTConfig(**OmegaConf.to_container(compose(["model.vocab_size=320", *o]).model))  # noqa: E731
+    mup = ["model.vocab_size=320", "model.parametrization=mup"]
+    model = lambda *o: GPTConfig(**OmegaConf.to_container(compose([*mup, *o]).model))  # noqa: E731
     cfg = model(override)
     assert (cfg.mup_base_width, cfg.mup_base_head_dim) == (128, 32)
     assert width_mult(cfg) == (4.0 if override == "model.d_model=512" else 1.0)

@@ -34,6 +34,18 @@ def sweep_dir(base: str, stamp: str, resume: Any) -> str:
 
 OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
 
+
+def width_lr(rule: Any, d_model: int, parametrization: str, base_width: int | None) -> float:
+    """The default peak LR of a model `d_model` wide: `rule.lr` · (d_model / `rule.width`)^`rule.exponent`, SP's
+    best LR measured per width and fitted (conf/optim/adamw.yaml names the benchmark). Under mup, the rule's LR at
+    the base width: muP's LR is the one tuned there, where mup is sp. A shape override moves the LR with it."""
+    width = base_width if parametrization == "mup" and base_width else d_model
+    return float(f"{rule.lr * (width / rule.width) ** rule.exponent:.3g}")
+
+
+# `${width_lr:${optim.width_rule},${model.d_model},...}`: optim.lr follows the model's width (above).
+OmegaConf.register_new_resolver("width_lr", width_lr, replace=True)
+
 # In the package, so an installed copy composes the same configs (the repo's `conf/` links here); or STEADYLM_CONF.
 CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent / "conf"))
 PRECISIONS = ("auto", "32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16")

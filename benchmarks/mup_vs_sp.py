@@ -1,0 +1,280 @@
+"""Does the default parametrisation at its default LR train as well as SP at SP's own best LR, at every width?
+
+`python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--json FILE]`
+`python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0] [--parts 0,2,3] [--at 0]`
+
+Per width (GPT-2 family, `--layers` deep, `--heads` heads) and run length, on the embedded corpus (bytes), the
+same batches and init seeds for every point: `sp` and `mup` (based at tiny's 128/32, as every preset) walked over
+an LR grid of octaves of muP's default 2e-3 until the best point has both neighbours run, so no best sits on the
+grid's edge; and `default`, the model and optimizer exactly as `train.py` composes them for `model=tiny` with
+`model.d_model`/`model.n_head` overridden (its parametrisation, its LR: whatever the configs say now). Each point
+is the mean held-out loss over `--seeds`, trained through `lr_transfer.held_out_loss` (steadylm's `GPT`,
+`LMModule.loss` and `configure_optimizers`, warmup + cosine, clip 1.0). The bar: `default` within 2 % of `sp`'s
+best, at every width and length.
+
+`--ablate` asks which part of muP costs the loss: muP with one part put back to SP at a time, each walked over
+the same grid (the readout multiplier, the tied matrix, the embedding LR, the attention scale, the hidden init,
+weight decay x m; `--at K`: each at the one LR 2e-3 x 2^K instead), and the base's own tuning (alpha_output and
+the init scale walked at width 128, the best carried to the width at the base's best LR). `--parts` picks them by
+number (0 sp, 1 mup, 2-7 the parts, 8 the base). Every run lands in `--json` as it ends, so an interrupted sweep keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from lr_transfer import batch, best_log2_lr, held_out_loss, walk, windows
+from omegaconf import OmegaConf
+
+from steadylm.config import compose
+
+MUP_LR = 2e-3  # the grid's centre: muP's default LR before this benchmark; octaves of it either side
+BASE = 128  # tiny's width and head size, where every preset's muP is based
+BASE_HEAD = 32
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--widths", default="256,512,768")
+    ap.add_argument("--steps", default="300,1000", help="run lengths, comma list")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--val-windows", type=int, default=256)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--arms", default="sp,default,mup", help="sp | mup | default (the configs' own), comma list")
+    ap.add_argument(
+        "--sp-start", type=int, default=None, help="sp walk's first log2(LR / 2e-3) (default: the default LR's)"
+    )
+    ap.add_argument("--mup-default-only", action="store_true", help="mup: its default LR only, no walk")
+    ap.add_argument("--ablate", action="store_true", help="muP's parts one at a time (at the first width)")
+    ap.add_argument("--parts", default=None, help="--ablate: which, by number (0 sp, 1.. the ablations, then base)")
+    ap.add_argument("--at", type=int, default=None, help="--ablate: each part at this log2(LR / 2e-3) only, no walk")
+    ap.add_argument("--json", default=None, help="every run, appended as it ends (one JSON object a line)")
+    return ap.parse_args()
+
+
+def width_mult(model: dict) -> float:
+    return model["d_model"] / model["mup_base_width"] if model["parametrization"] == "mup" else 1.0
+
+
+def hidden(module) -> list[torch.nn.Parameter]:
+    tables = ("wte.weight", "wpe.weight", "lm_head.weight")
+    return [p for n, p in module.named_parameters() if p.dim() >= 2 and not n.endswith(tables)]
+
+
+def set_group(key: str, name: str, value) -> callable:
+    def tweak(module, opt, model):
+        for g in opt.param_groups:
+            if g["name"] == name:
+                g[key] = value(model) if callable(value) else value
+
+    return tweak
+
+
+def sp_init(module, opt, model) -> None:
+    """The hidden matrices at SP's N(0, 0.02) (residual projections / sqrt(2L)), not muP's / sqrt(m)."""
+    with torch.no_grad():
+        for p in hidden(module):
+            p.mul_(math.sqrt(width_mult(model)))
+
+
+def sp_attention(module, opt, model) -> None:
+    for block in module.net.blocks:
+        block.attn.scale = None  # SDPA's 1/sqrt(d_head)
+
+
+def init_scale(k: float):
+    def tweak(module, opt, model):
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.dim() >= 2:
+                    p.mul_(k)
+
+    return tweak
+
+
+# muP with one part put back to what SP does: (model overrides, a tweak of the built module and optimizer).
+ABLATIONS = {
+    "mup": ({}, None),
+    "logits x1 (alpha = m)": ({"mup_output_mult": "m"}, None),
+    "untied readout": ({"tie_embeddings": False}, None),
+    "embeddings at lr/m": ({}, set_group("lr_mult", "embeddings", lambda model: 1 / width_mult(model))),
+    "attention 1/sqrt(d_head)": ({}, sp_attention),
+    "hidden init not / sqrt(m)": ({}, sp_init),
+    "weight decay not x m": ({}, set_group("weight_decay", "hidden", 0.1)),
+}
+
+
+class Bench:
+    def __init__(self, args):
+        self.args, self.t0 = args, time.time()
+        self.seeds = [int(s) for s in args.seeds.split(",")]
+        train, val = windows(args.context)
+        idx = list(range(min(len(val), args.val_windows)))
+        self.train = train
+        self.val = [batch(val, idx[i : i + args.batch]) for i in range(0, len(idx), args.batch)]
+
+    def model(self, width: int, param: str, **over) -> dict:
+        m = dict(
+            n_layer=self.args.layers,
+            n_head=self.args.heads if width != BASE else BASE // BASE_HEAD,  # the base: muP's own 128/32
+            d_model=width,
+            context_length=self.args.context,
+            vocab_size=320,
+            parametrization=param,
+            mup_base_width=BASE,
+            mup_base_head_dim=BASE_HEAD,
+        )
+        m.update(over)
+        if m.get("mup_output_mult") == "m":
+            m["mup_output_mult"] = width / BASE
+        return m
+
+    def point(self, arm: str, model: dict, optim: dict, steps: int, tweak=None) -> float:
+        """The mean held-out loss over the seeds (inf if one diverged); each run appended to --json."""
+        o = {**optim, "min_lr": optim["lr"] * 0.1, "warmup_steps": max(1, steps // 10), "total_steps": steps}
+        losses = []
+        for seed in self.seeds:
+            t = time.time()
+            fix = (lambda mod, opt: tweak(mod, opt, model)) if tweak else None
+            loss = held_out_loss(model, o, steps, self.args.batch, self.train, self.val, seed, tweak=fix)
+            losses.append(loss)
+            row = dict(arm=arm, width=model["d_model"], steps=steps, lr=o["lr"], seed=seed, loss=loss)
+            print(
+                f"  {arm:28} d{model['d_model']} {steps} steps lr {o['lr']:.3g} seed {seed}: {loss:.4f} "
+                f"({time.time() - t:.0f}s, {time.time() - self.t0:.0f}s in all)",
+                flush=True,
+            )
+            if self.args.json:
+                with open(self.args.json, "a") as f:
+                    f.write(json.dumps({**row, "parametrization": model["parametrization"]}) + "\n")
+        return sum(losses) / len(losses)
+
+    def at(self, arm: str, model: dict, steps: int, tweak=None, k: int | None = None) -> dict[int, float]:
+        """`--at`'s one LR (or `k`), else the walk from muP's default."""
+        k = self.args.at if k is None else k
+        if k is None:
+            return self.walked(arm, model, steps, 0, tweak)
+        return {k: self.point(arm, model, {**adamw(), "lr": MUP_LR * 2.0**k}, steps, tweak)}
+
+    def walked(self, arm: str, model: dict, steps: int, start: int, tweak=None) -> dict[int, float]:
+        """log2(LR / 2e-3) -> loss, walked until the best has both neighbours."""
+        optim = adamw()
+        return walk(lambda k: self.point(arm, model, {**optim, "lr": MUP_LR * 2.0**k}, steps, tweak), start, -8, 4)
+
+
+def adamw() -> dict:
+    return dict(name="adamw", lr=MUP_LR, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, fused=True)
+
+
+def default_config(width: int, heads: int, layers: int, context: int) -> tuple[dict, dict]:
+    """The model and optim `train.py` builds for `model=tiny` widened to `width` (the configs' own LR rule)."""
+    cfg = compose(["model=tiny", f"model.d_model={width}", f"model.n_head={heads}", f"model.n_layer={layers}"])
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    model.update(context_length=context, vocab_size=320)
+    keep = ("name", "lr", "weight_decay", "betas", "eps")
+    return model, {**{k: optim[k] for k in keep}, "fused": True}
+
+
+def summary(name: str, runs: dict[int, float]) -> str:
+    best, loss = best_log2_lr(runs)
+    grid = " ".join(f"{MUP_LR * 2.0**k:.3g}:{v:.4f}" for k, v in runs.items())
+    return f"{name}: best lr {MUP_LR * 2.0**best:.3g} (vertex), best grid loss {loss:.4f}  [{grid}]"
+
+
+def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
+    args = bench.args
+    start = {"sp": args.sp_start, "mup": 0}
+    rows = []
+    for steps in lengths:
+        for width in widths:
+            res: dict[str, dict[int, float] | float] = {}
+            for arm in args.arms.split(","):
+                if arm == "default":
+                    model, optim = default_config(width, args.heads, args.layers, args.context)
+                    res[arm] = (optim["lr"], bench.point("default", model, optim, steps))
+                elif arm == "mup" and args.mup_default_only:
+                    res[arm] = {0: bench.point(arm, bench.model(width, arm), adamw(), steps)}
+                else:  # sp from the default LR's octave (the width rule's), mup from its own default
+                    lr = default_config(width, args.heads, args.layers, args.context)[1]["lr"]
+                    first = round(math.log2(lr / MUP_LR)) if arm == "sp" and args.sp_start is None else start[arm]
+                    res[arm] = bench.walked(arm, bench.model(width, arm), steps, first)
+                    print(summary(f"{arm} d{width} {steps} steps", res[arm]), flush=True)
+            if "sp" in res:
+                sp = min(res["sp"].values())
+                cells = [f"{steps}", f"{width}", f"{sp:.4f} at {MUP_LR * 2.0 ** min(res['sp'], key=res['sp'].get):.3g}"]
+                if "mup" in res:
+                    k = min(res["mup"], key=res["mup"].get)
+                    cells.append(
+                        f"{res['mup'][k]:.4f} at {MUP_LR * 2.0**k:.3g} ({100 * (res['mup'][k] / sp - 1):+.1f} %)"
+                    )
+                if "default" in res:
+                    lr, loss = res["default"]
+                    cells.append(f"{loss:.4f} at {lr:.3g} ({100 * (loss / sp - 1):+.1f} %)")
+                rows.append("| " + " | ".join(cells) + " |")
+                print(rows[-1], flush=True)
+    print(f"\n4-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}")
+    print("| steps | width | sp, best | mup, best | default |")
+    print("| --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+
+
+def ablate(bench: Bench, width: int, steps: int) -> None:
+    lines, n = [], len(ABLATIONS) + 2
+    parts = set(range(n)) if bench.args.parts is None else {int(i) for i in bench.args.parts.split(",")}
+    ref = bench.walked("sp", bench.model(width, "sp"), steps, -1) if 0 in parts else {0: math.nan}
+    lines.append(summary("sp", ref))
+    sp = min(ref.values())
+    for i, (name, (over, tweak)) in enumerate(ABLATIONS.items(), 1):
+        if i not in parts:
+            continue
+        runs = bench.at(name, bench.model(width, "mup", **over), steps, tweak)
+        lines.append(summary(name, runs) + f"  vs sp {100 * (min(runs.values()) / sp - 1):+.1f} %")
+        print(lines[-1], flush=True)
+    # The base's own tuning: alpha_output and the init scale at width 128 (where mup is sp), the best carried over.
+    base = {}
+    if n - 1 not in parts:
+        print("\n" + "\n".join(lines))
+        return
+    for alpha in (1.0, 4.0, 16.0):
+        for scale in (0.5, 1.0, 2.0):
+            if alpha != 1.0 and scale != 1.0:
+                continue
+            name = f"base alpha {alpha:g} init x{scale:g}"
+            tweak = init_scale(scale) if scale != 1.0 else None
+            runs = bench.walked(name, bench.model(BASE, "mup", mup_output_mult=alpha), steps, 0, tweak)
+            base[(alpha, scale)] = runs
+            lines.append(summary(name, runs))
+            print(lines[-1], flush=True)
+    alpha, scale = min(base, key=lambda a: min(base[a].values()))
+    if (alpha, scale) != (1.0, 1.0):  # carried to the width at the base's best LR (muP's claim)
+        name = f"mup, base-tuned alpha {alpha:g} init x{scale:g}"
+        tweak = init_scale(scale) if scale != 1.0 else None
+        k = min(base[(alpha, scale)], key=base[(alpha, scale)].get)
+        runs = bench.at(name, bench.model(width, "mup", mup_output_mult=alpha), steps, tweak, k)
+        lines.append(summary(name, runs) + f"  vs sp {100 * (min(runs.values()) / sp - 1):+.1f} %")
+    print("\n" + "\n".join(lines))
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    widths = [int(w) for w in args.widths.split(",")]
+    lengths = [int(s) for s in args.steps.split(",")]
+    bench = Bench(args)
+    if args.ablate:
+        ablate(bench, widths[0], lengths[0])
+    else:
+        compare(bench, widths, lengths)
+    print(f"{time.time() - bench.t0:.0f}s in all")
+
+
+if __name__ == "__main__":
+    main()
