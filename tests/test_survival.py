@@ -209,7 +209,6 @@ def test_healthy_default_runs_raise_no_event_at_any_batch_size_or_depth(make_cfg
             f"data.batch_size={bs}",
             f"model.n_layer={layers}",
             "model.d_model=32",
-            "model.parametrization=mup",  # muP based at conftest's 64, as this test's 5 % bar was measured
             "model.n_head=2",
             "model.context_length=32",
             "trainer.max_steps=250",
