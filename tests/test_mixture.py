@@ -162,3 +162,42 @@ def test_a_stream_cannot_be_a_source(make_cfg):
 
     with pytest.raises(ConfigError, match=r"^data\.sources mixes prepared shard folders; data=hf_stream streams one"):
         data_source(compose([*TINY_OVERRIDES, "data=hf_stream", "data.name=json", "data.sources={a: {dir: x}}"]))
+
+
+def test_a_rollback_under_a_mixture_keeps_its_skipped_batches_skipped(make_cfg, two_sources, tmp_path):
+    """A NaN weight at step 6 rolls back to step 4; the loader goes on from batch 8, so the mixture's batches 4..7
+    are not trained again (every batch index once, in order)."""
+    import lightning as L
+
+    from steadylm.stability import read_events
+    from tests.helpers import FAST, faults, fit
+
+    class Batches(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append(batch_idx)
+
+    batches = Batches()
+    cfg = make_cfg(
+        *FAST,
+        sources(two_sources),
+        "callbacks.stability.guard.max_consecutive=2",
+        faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight"}),
+    )
+    fit(cfg, batches)
+    rollback = [e for e in read_events(tmp_path / "run") if e["kind"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["detail"]["to_step"] == 4
+    assert batches.seen == list(range(12))
+
+
+def test_a_mixture_checkpoint_resumes_on_another_number_of_ranks():
+    """2 ranks x 4 windows wrote the checkpoint after 5 steps; 1 rank x 8 continues at the next window of the stream."""
+    order = lambda: MixtureOrder([5_000, 300], [0.6, 0.4], seed=4)  # noqa: E731
+    two = [MixtureBatchSampler(order(), 4, world_size=2, rank=r) for r in (0, 1)]
+    state = {"epoch": 0, "batches_done": 5, **two[0].shape()}
+    one = MixtureBatchSampler(order(), 8, world_size=1)
+    one.load_state_dict(state)
+    first = next(iter(one))
+    assert sorted(first) == sorted(two[0].batch_windows(5) + two[1].batch_windows(5))
