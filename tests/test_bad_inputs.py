@@ -33,6 +33,7 @@ TINY = [
     "model.n_layer=1",
     "model.n_head=2",
     "model.d_model=32",
+    "optim.width_rule.width=32",  # the rule's LR at this width: 2e-3, as the messages below say
     "model.context_length=32",
     "data.batch_size=4",
     "trainer.max_steps=2",
@@ -192,7 +193,7 @@ CLI_CASES = {
         r"callbacks\.stability\.signals\.horizon='soon' must be a number \(default 25\)",
     ),
     "mup_off_base_with_xavier": (
-        ["model=small", "model.init=xavier"],
+        ["model=small", "model.parametrization=mup", "model.init=xavier"],
         r"model\.parametrization=mup needs model\.init=gpt2 off its base width, got 'xavier' at d_model=32",
     ),
     "callback_without_target": (
@@ -350,6 +351,7 @@ def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "resumed"
     for ckpt, extra, pattern in cases:
         overrides = ["trainer=cpu", "model.n_head=2", "model.d_model=64", "model.context_length=64", "model.n_layer=2"]
+        overrides.append("optim.width_rule.width=64")  # the checkpoint's LR (conftest's)
         code, err = run_main(
             monkeypatch,
             capsys,

@@ -40,6 +40,8 @@ def width_lr(rule: Any, d_model: int, parametrization: str, base_width: int | No
     best LR measured per width and fitted (conf/optim/adamw.yaml names the benchmark). Under mup, the rule's LR at
     the base width: muP's LR is the one tuned there, where mup is sp. A shape override moves the LR with it."""
     width = base_width if parametrization == "mup" and base_width else d_model
+    if not (isinstance(width, (int, float)) and width > 0 and rule.width > 0):
+        return float(rule.lr)  # a width the model's own rule refuses next, in one line naming it
     return float(f"{rule.lr * (width / rule.width) ** rule.exponent:.3g}")
 
 
