@@ -195,6 +195,18 @@ class TailLoss(Check):
             "fix: read the windows of those steps (python -m steadylm.diagnose.window) for documents cut badly"
         )
 
+    @staticmethod
+    def describe(events, log):
+        """diagnose's finding: the first step, with the train loss last logged before it (from the run's record)."""
+        steps, loss = log.series("train/loss")
+        before = [(int(s), float(v)) for s, v in zip(steps, loss) if s < events[0]["step"]]
+        logged = f", train/loss {before[-1][1]:.3f} at step {before[-1][0]}" if before else ""
+        d = events[0]["detail"]
+        summary = (
+            f"tail loss {d['tail']:.3g} > {d['factor']:g}x median {d['median']:.3g} at step {events[0]['step']}{logged}"
+        )
+        return [{"onset": events[0]["step"], "cause": "tail_loss", "summary": summary, "fix": "read those windows"}]
+
 
 TAIL = "+callbacks.stability.checks.tail_loss={_target_: tests.test_checks.TailLoss, factor: 2, window: 8}"
 
@@ -217,7 +229,8 @@ def test_a_forkers_check_sees_the_per_position_loss_ends_the_run_unstable_and_is
     assert status == "unstable" and reason == line
     diagnosis = analyse(load_run(tmp_path / "run"))
     found = [f for f in diagnosis.findings if f.cause == "tail_loss"]
-    assert [(f.onset, f.summary) for f in found] == [(24, line.split("; fix: ")[0])]
+    assert [(f.onset, f.fix) for f in found] == [(24, "read those windows")]
+    assert found[0].summary.startswith("tail loss ") and ", train/loss " in found[0].summary  # it read the run's log
     assert f"unstable: {line}" in diagnosis.facts  # the line result.json gives, read from the same place
 
 
@@ -240,5 +253,5 @@ def test_a_check_diagnosed_away_from_its_code_is_described_by_its_events():
     from steadylm.stability.instability import described
 
     events = [{"step": 7, "kind": "mine", "action": "log", "detail": {"value": 3.0}}]
-    (found,) = described(events, {"mine": "nowhere_pkg.Mine"})
+    (found,) = described(events, None, {"mine": "nowhere_pkg.Mine"})
     assert (found["onset"], found["cause"]) == (7, "mine") and "1 mine event(s) from step 7" in found["summary"]

@@ -3,7 +3,7 @@ run cut short after a reset says so instead."""
 
 from __future__ import annotations
 
-from steadylm.diagnose.findings import analyse, loss_onset
+from steadylm.diagnose.findings import analyse
 from steadylm.diagnose.report import write_report
 from steadylm.diagnose.runlog import load_run
 from steadylm.result import finish_job
@@ -76,7 +76,7 @@ def test_a_run_rewound_near_its_end_is_unstable_not_diverged(make_cfg, tmp_path)
     assert f"reset the run at step {cut[0]['step']} to step 0" in reason and "cut short, not diverged" in reason
     assert reason == instability(run, 0.1)
     log = load_run(run)
-    assert loss_onset(log) is None  # the climb back to the step-0 loss is the reset, not the loss diverging
+    assert log.loss_onset() is None  # the climb back to the step-0 loss is the reset, not the loss diverging
     report = write_report(log, analyse(log)).read_text()
     assert "the loss diverged" not in report
     assert f"at step {rewinds[-1]['step']} back to step 0" in report and "cut short, not diverged" in report

@@ -7,6 +7,7 @@ value written last.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,25 @@ class RunLog:
     def restores(self) -> list[tuple[int, int]]:
         """(step, to_step) of every rollback or rewind: where the suite reset the weights to an earlier state."""
         return [(int(e["step"]), int(e["detail"]["to_step"])) for e in self.events if e.get("kind") == "rollback"]
+
+    def loss_onset(self) -> int | None:
+        """First logged step where train/loss is non-finite or leaves its best value for good. A rollback or rewind
+        resets the best: the loss that rises back to the restored state's level is the reset, not a divergence."""
+        steps, loss = self.series("train/loss")
+        resets = sorted(step for step, _ in self.restores())
+        best = math.inf
+        for i, (s, v) in enumerate(zip(steps, loss)):
+            if not math.isfinite(v):
+                return int(s)
+            if resets and s > resets[0]:
+                resets = [r for r in resets if r >= s]
+                best = math.inf
+            margin = max(1.0, 0.2 * best) if math.isfinite(best) else math.inf
+            ahead = loss[i : i + 5]
+            if v > best + margin and not (np.isfinite(ahead) & (ahead <= best + margin / 2)).any():
+                return int(s)
+            best = min(best, v)
+        return None
 
     def setting(self, dotted: str, default: Any = None) -> Any:
         node = self.config

@@ -11,8 +11,8 @@ step's first forward, `after_update(view, reduced)` once the update is in the we
 `window_state()`/`load_window_state(state)`: what the check has seen of the weights, copied with every snapshot and
 given back when a rollback restores it; before `next_step` the owner calls none of them. Its events are read back by
 `explain(events, lr, cut) -> str | None` (a staticmethod; the run's `unstable` line: cause and fix, or None) and
-`describe(events) -> list[dict]` (diagnose's findings: onset, cause, summary, fix), both optional
-(`stability.instability`). Add one in config: `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
+`describe(events, log) -> list[dict]` (diagnose's findings: onset, cause, summary, fix, optional rank; `log` the
+run's `RunLog`), both optional, read in `stability.instability` for every check, built-in or not. Add one in config: `callbacks.stability.checks.<name>: {_target_: my.module.MyCheck, ...}`.
 """
 
 from __future__ import annotations

@@ -52,6 +52,15 @@ def read_events(run_dir: str | Path, notes: list[str] | None = None) -> list[dic
     return events
 
 
+def actions_done(events: list[dict]) -> str:
+    """What the suite did about these events, in words, for diagnose: "skipped x2, rolled back"."""
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.get("action", "log")] = counts.get(e.get("action", "log"), 0) + 1
+    done = {"skip": "skipped", "rollback": "rolled back", "stop": "stopped the run", "log": "logged"}
+    return ", ".join(f"{done.get(a, a)} x{n}" if a in ("skip", "log") else done.get(a, a) for a, n in counts.items())
+
+
 def stop_event(run_dir: str | Path) -> dict | None:
     """The event that stopped the run (its action `stop`: the run diverged), if any: the `stop` event itself (it
     carries the reason), else the first detection whose action was to stop."""

@@ -6,9 +6,42 @@ from __future__ import annotations
 
 from steadylm.errors import ConfigError
 from steadylm.stability.check import Check, StepView
+from steadylm.stability.events import actions_done
 from steadylm.stability.verdict import OK, Verdict
 
 ACTIONS = ("rollback", "stop")
+KINDS = ("nonfinite_loss", "nonfinite_grad")
+
+
+def describe(events: list[dict], log) -> list[dict]:
+    """diagnose's finding: the first non-finite step and the module the forensics named (none: a one-off)."""
+    hits = [e for e in events if e["kind"] in KINDS]
+    if not hits:
+        return []
+    first, acted = hits[0], actions_done(hits)
+    module, evidence = first["detail"].get("module"), first["detail"].get("evidence") or ""
+    step, what = first["step"], "loss" if first["kind"] == "nonfinite_loss" else "gradient"
+    if module is None and evidence.startswith("transient"):
+        cause, summary = "transient non-finite", f"non-finite {what} at step {step}, {evidence}: no module is named"
+        fix = "a one-off (the step was skipped); if it recurs, run from the last checkpoint with debug=anomaly"
+    elif first["kind"] == "nonfinite_loss":
+        module = module or "an unnamed module"
+        cause, summary = "non-finite forward", f"first non-finite output in {module} at step {step}"
+        fix = (
+            f"a weight or activation in {module} became NaN/inf: read stability/forensics/, "
+            "re-run from the last good checkpoint with debug=anomaly"
+        )
+    else:
+        module = module or "an unnamed module"
+        cause, summary = (
+            "non-finite gradient",
+            f"first non-finite gradient in {module} at step {step} with a finite loss",
+        )
+        fix = (
+            f"the backward pass through {module} overflowed: check its inputs and scale, prefer bf16-mixed "
+            "over fp16, run with debug=anomaly to name the op"
+        )
+    return [{"onset": step, "cause": cause, "summary": f"{summary} ({acted})", "fix": fix}]
 
 
 class NonFiniteGuard(Check):

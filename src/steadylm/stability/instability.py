@@ -1,11 +1,11 @@
 """What a run's events mean, in one place: whether a finished run was unstable (`result.json`'s `unstable`, from
-`stability/events.jsonl` alone so `train.py` and the sweep summary agree) and what `diagnose` says of a check's events.
+`stability/events.jsonl` alone so `train.py` and the sweep summary agree) and what `diagnose` finds in them.
 
-Each check interprets its own events in its own file: `explain(events, lr, cut)` gives the cause and the fix (None
-when its events were not material), `describe(events)` diagnose's findings. The built-in ones are listed below; a
-check named in config (`callbacks.stability.checks.<name>`) is found through the run's config, its events being of
-kind `<name>`. A module is loaded only when the run has its events; an `unrecovered` event (reset and cut short, not
-diverged) is unstable on its own."""
+Each check interprets its own events in its own file, a built-in as a user's: `explain(events, lr, cut)` gives the
+cause and the fix of an unstable run (None when its events were not material), `describe(events, log)` diagnose's
+findings. The built-in ones are listed below; a check named in config (`callbacks.stability.checks.<name>`) is found
+through the run's config, its events being of kind `<name>`. A module is loaded only when the run has its events; an
+`unrecovered` event (reset and cut short, not diverged) is unstable on its own."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ from typing import Any
 
 from steadylm.stability.events import read_events
 
-# The built-in checks that explain their events, in the order their causes are named: a wrong init first, then the
-# precursor signals (when the attention logits are quiet), then the attention logits.
-EXPLAINERS = (
+# The built-in checks' modules and the event kinds that wake them, in the order their causes are named: a wrong init
+# first, then what acted on the weights, then the alarms and precursor signals, then the attention logits.
+BUILT_IN = (
     ("steadylm.stability.init_loss", ("init_loss",)),
-    ("steadylm.stability.signals", ("precursor", "lr_backoff")),
+    ("steadylm.stability.guard", ("nonfinite_loss", "nonfinite_grad")),
+    ("steadylm.stability.loss_scale", ("fp16_skip_streak",)),
+    ("steadylm.stability.spike", ("loss_spike",)),
+    ("steadylm.stability.stats", ("update_ratio", "attn_logit")),
+    ("steadylm.stability.signals", ("precursor", "forecast", "lr_backoff")),
     ("steadylm.stability.qk_clip", ("qk_clip", "attn_logit", "lr_backoff")),
 )
 
@@ -44,41 +48,43 @@ def _owner(target: str) -> Any:
         return None
 
 
-def interpreters(kinds: set, checks: Mapping[str, str] | None = None) -> list[tuple[tuple[str, ...], Any]]:
-    """(event kinds, the module or class that interprets them) for the kinds in `kinds`: built-ins first."""
-    out = [(t, import_module(m)) for m, t in EXPLAINERS if kinds.intersection(t)]
-    mine = [((name,), _owner(target)) for name, target in (checks or {}).items() if name in kinds]
-    return out + [(kinds, owner) for kinds, owner in mine if owner is not None]
+def interpreters(events: list[dict], checks: Mapping[str, str] | None = None) -> list[tuple[Any, list[dict], bool]]:
+    """(the module or class that interprets them, the events it reads, whether it is the run's own) for every check
+    whose events the run has: the built-ins first, reading every event (a spike's cause may be an update-ratio
+    alarm), then the run's own, reading their kind alone; an owner is None where its code cannot be imported."""
+    kinds = {e.get("kind") for e in events}
+    out = [(import_module(m), events, False) for m, wake in BUILT_IN if kinds.intersection(wake)]
+    mine = [n for n in (checks or {}) if n in kinds]
+    return out + [(_owner(checks[n]), [e for e in events if e.get("kind") == n], True) for n in sorted(mine)]
 
 
 def instability(run_dir: str | Path, lr: float | None = None, checks: Mapping[str, str] | None = None) -> str | None:
     """One line, the cause and the fix, when the run was unstable; None when it was not. `checks`: the run's own
-    checks (`config_checks`), whose `explain` is asked after the built-ins', with its own events."""
+    checks (`config_checks`), asked after the built-ins."""
     events = read_events(run_dir)
     cut = next((cut_short(e["detail"]) for e in events if e.get("kind") == "unrecovered"), None)
-    for kinds, owner in interpreters({e.get("kind") for e in events}, checks):
+    for owner, own, _ in interpreters(events, checks):
         explain = getattr(owner, "explain", None)
-        own = [e for e in events if e.get("kind") in kinds] if kinds[0] in (checks or {}) else events
         if explain is not None and (line := explain(own, lr, cut)):
             return line
     return f"{cut}; fix: a longer run (trainer.max_steps) shows whether it recovers" if cut else None
 
 
-def described(events: list[dict], checks: Mapping[str, str] | None = None) -> list[dict]:
-    """diagnose's findings (onset, cause, summary, fix) from the run's own checks: each one's `describe(events)`, else
-    its first event and its `explain` line."""
+def described(events: list[dict], log, checks: Mapping[str, str] | None = None) -> list[dict]:
+    """diagnose's findings (onset, cause, summary, fix, optional rank) from every check that has events: each one's
+    `describe(events, log)`; a run's own check without one gets its `explain` line, else its first event."""
     out = []
-    mine = {e.get("kind") for e in events} & set(checks or {})
-    for name in sorted(mine):
-        owner = _owner(checks[name])
-        own = [e for e in events if e.get("kind") == name]
+    for owner, own, mine in interpreters(events, checks):
         if hasattr(owner, "describe"):
-            out += owner.describe(own)
-            continue
-        line = owner.explain(own, None, None) if hasattr(owner, "explain") else None
-        cause, _, fix = (line or "").partition("; fix: ")
-        summary = cause or f"{len(own)} {name} event(s) from step {own[0]['step']}: {own[0].get('detail')}"
-        out.append({"onset": own[0]["step"], "cause": name, "summary": summary, "fix": fix or f"see the {name} check"})
+            out += owner.describe(own, log)
+        elif mine:
+            name = own[0]["kind"]
+            line = owner.explain(own, None, None) if hasattr(owner, "explain") else None
+            cause, _, fix = (line or "").partition("; fix: ")
+            summary = cause or f"{len(own)} {name} event(s) from step {own[0]['step']}: {own[0].get('detail')}"
+            out.append(
+                {"onset": own[0]["step"], "cause": name, "summary": summary, "fix": fix or f"see the {name} check"}
+            )
     return out
 
 

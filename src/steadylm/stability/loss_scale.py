@@ -8,6 +8,21 @@ from steadylm.stability.measure import loss_scaler
 from steadylm.stability.verdict import OK, Verdict
 
 
+def describe(events: list[dict], log) -> list[dict]:
+    """diagnose's finding: the first streak of skipped fp16 steps, from where it began."""
+    hits = [e for e in events if e["kind"] == "fp16_skip_streak"]
+    if not hits:
+        return []
+    step, d = hits[0]["step"], hits[0]["detail"]
+    n = int(d.get("consecutive", 1))
+    summary = (
+        f"{n} consecutive fp16 steps skipped (gradients overflowed) ending at step {step}, "
+        f"loss scale {d.get('loss_scale', float('nan')):g}"
+    )
+    fix = "use trainer.precision=bf16-mixed; with fp16, start the scaler lower and keep clipping on"
+    return [{"onset": step - n + 1, "cause": "fp16 loss-scale overflow", "summary": summary, "fix": fix}]
+
+
 class LossScaleMonitor(Check):
     name = "loss_scale"
 

@@ -65,6 +65,70 @@ def explain(events: list[dict], lr: float | None, cut: str | None) -> str | None
     return f"{cause}: the LR is too high; fix: {lower} (python -m steadylm.doctor runs the LR probe)"
 
 
+SIGNAL_NAMES = {
+    "residual_rms": "residual-stream growth",
+    "update_ratio": "oversized updates at the peak LR",
+    "log_z": "output-logit (log Z) drift",
+    "attn_logit": "attention logit growth",
+}
+
+
+def describe(events: list[dict], log) -> list[dict]:
+    """diagnose's finding: the signal that fired first, its forecast and alarm steps, how far ahead of the loss, and
+    what the suite did. Backed off: first-hand (rank 0); an alarm alone: a symptom (2); a forecast alone: shown,
+    never the cause (3); a logit forecast alone: QK-clip's events tell the rest."""
+    fired = [e for e in events if e["kind"] in ("forecast", "precursor")]
+    if not fired:
+        return []
+    signal = fired[0]["detail"].get("signal")
+    mine = [e for e in fired if e["detail"].get("signal") == signal]
+    alarm = next((e for e in mine if e["kind"] == "precursor"), None)
+    # a forecast counts when it came before the alarm (a later one forecasts a new episode)
+    forecast = next(
+        (e for e in mine if e["kind"] == "forecast" and (alarm is None or e["step"] <= alarm["step"])), None
+    )
+    if alarm is None and signal == "attn_logit":
+        return []
+    parts, onset = [], log.loss_onset()
+    if forecast is not None:
+        d = forecast["detail"]
+        parts.append(
+            f"forecast at step {forecast['step']} ({d['value']:.3g}, doubling every {d['doubling_steps']:.0f} "
+            f"steps, level {d['threshold']:g} expected at step {d['expected_step']})"
+        )
+        steps, _ = log.series("train/loss")
+        if alarm is None and len(steps) and max(steps) <= d.get("by_step", d["expected_step"]):
+            parts[-1] += f", still live when the run ended at step {int(max(steps))}"
+    if alarm is not None:
+        ahead = (
+            f", {alarm['step'] - forecast['step']} steps after the forecast" if forecast else " (no forecast before)"
+        )
+        peak = max(float(e["detail"]["value"]) for e in mine)
+        parts.append(f"past {float(mine[0]['detail']['threshold']):g} at step {alarm['step']}{ahead} (max {peak:.3g})")
+    first = forecast or alarm
+    if onset is not None:
+        parts.append(f"the loss showed it at step {onset}, {onset - first['step']} steps after the first warning")
+    else:
+        parts.append("the loss never showed a spike or divergence")
+    backoffs = [e for e in events if e["kind"] == "lr_backoff" and e["detail"].get("cause") == signal]
+    fix = "lower optim.lr (python -m steadylm.doctor runs the LR probe) or lengthen optim.warmup_steps"
+    if backoffs:
+        d = backoffs[-1]["detail"]
+        parts.append(f"the suite lowered the LR {len(backoffs)} time(s) to x{d['lr_scale']:g}")
+        fix = f"set optim.lr x{d['lr_scale']:g} from the start, or lower; python -m steadylm.doctor runs the LR probe"
+    rank = 0 if backoffs else 2 if alarm is not None else 3
+    summary = f"{signal}: " + "; ".join(parts)
+    return [
+        {
+            "onset": first["step"],
+            "cause": SIGNAL_NAMES.get(signal, signal),
+            "summary": summary,
+            "fix": fix,
+            "rank": rank,
+        }
+    ]
+
+
 SIGNALS = ("residual_rms", "update_ratio", "log_z", "attn_logit")
 GROWING = ("residual_rms", "log_z", "attn_logit")  # forecast from their trend; the update ratio is not a trend
 AFTER_WARMUP = ("update_ratio",)  # large early in any run: judged from the end of the warmup

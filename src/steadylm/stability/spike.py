@@ -13,13 +13,97 @@ import statistics
 from collections import deque
 from itertools import repeat
 
+import numpy as np
+
 from steadylm.errors import ConfigError
 from steadylm.stability.check import Check, StepView
+from steadylm.stability.events import actions_done
 from steadylm.stability.verdict import OK, Verdict
 
 ACTIONS = ("log", "skip", "rollback")
 SIGNALS = ("loss", "grad_norm")
 MAD_TO_STD = 1.4826
+NEAR = 3  # steps before a spike in which an update-ratio alarm is its cause
+LR_SPIKE = "oversized update (LR spike)"
+LR_CHECK = "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+
+
+def _recovered(log, step: int) -> bool:
+    """Did train/loss come back to its pre-spike level within a few logged points?"""
+    steps, loss = log.series("train/loss")
+    before, after = loss[(steps < step) & np.isfinite(loss)], loss[steps > step][:5]
+    if len(before) == 0 or len(after) == 0:
+        return True
+    return bool(np.isfinite(after).all() and np.median(after) <= np.min(before[-10:]) + 0.5)
+
+
+def _worst(log, step: int) -> str:
+    """The spike's worst window from `stability/suspects.jsonl`, where it was written."""
+    top = next((r for r in log.suspects if r.get("step") == step), None)
+    if top is None:
+        return ""
+    where = f"{top.get('shard')} tokens {top.get('start')}:{top.get('end')}"
+    return f"; worst sample: window {top.get('window')} ({where}, loss {top.get('loss')})"
+
+
+def describe(events: list[dict], log) -> list[dict]:
+    """diagnose's finding for the first loss spike: its cause as the detector judged it (`update`: an update-ratio
+    alarm just before names the step; `data`: the windows and the worst sample), else from whether it recovered."""
+    hits = [e for e in events if e["kind"] == "loss_spike"]
+    if not hits:
+        return []
+    s, d, acted = hits[0]["step"], hits[0]["detail"], actions_done(hits)
+    value = f"loss {d.get('value', float('nan')):.3g} > {d.get('threshold', float('nan')):.3g}"
+    big = [e for e in events if e["kind"] == "update_ratio" and s - NEAR <= e["step"] <= s]
+    ratio = (
+        f"update/param ratio {big[0]['detail'].get('value', float('nan')):.3g} at step {big[0]['step']}, "
+        if big
+        else ""
+    )
+    onset = big[0]["step"] if big else s - 1
+    cause, evidence = d.get("cause"), d.get("evidence")
+    rolled = [e for e in events if e["kind"] == "rollback" and e["detail"].get("onset") == s]
+    after = (
+        f"; rolled back to step {rolled[0]['detail'].get('to_step')} ({rolled[0]['detail'].get('source')})"
+        if rolled
+        else ""
+    )
+    windows = d.get("batch")
+    on = f" on data window(s) {windows}" if windows else ""
+    if cause == "update":
+        summary = f"{ratio}then {value} at step {s}, persisting; {evidence}{after} ({acted})"
+        found = (onset, LR_SPIKE, summary, LR_CHECK + "lower optim.lr if it recurs")
+    elif cause == "data":
+        found = (
+            s,
+            "bad data batch",
+            f"{value} at step {s}{on}, {acted}; {evidence}{after}{_worst(log, s)}",
+            "inspect the top rows of stability/suspects.jsonl (`python -m steadylm.diagnose.window "
+            "shard=... start=... end=... data.dir=...`) and clean or drop them from the corpus",
+        )
+    elif cause == "inconclusive":
+        found = (
+            s,
+            "loss spike (cause inconclusive)",
+            f"{value} at step {s}, {acted}; {evidence}{after}{_worst(log, s)}",
+            "read stability/suspects.jsonl and the update/param ratio around that step",
+        )
+    elif big or not _recovered(log, s):
+        summary = f"{ratio}then {value} at step {s} and the loss did not recover: one update moved the weights too far ({acted})"
+        found = (
+            onset,
+            LR_SPIKE,
+            summary,
+            LR_CHECK + "lower optim.lr; callbacks.stability.spike.action=rollback undoes such a step",
+        )
+    else:
+        found = (
+            s,
+            "bad data batch",
+            f"{value} at step {s}{on}, {acted}; the loss recovered at once",
+            "inspect those windows in the shards; callbacks.stability.spike.action=skip (or rollback) keeps them out of the weights",
+        )
+    return [dict(zip(("onset", "cause", "summary", "fix"), found))]
 
 
 class SpikeDetector(Check):

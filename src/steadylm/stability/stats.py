@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
+import numpy as np
 import torch
 
 from steadylm.compat import copy_tensors, per_tensor_norms, sub_tensors
@@ -17,6 +18,47 @@ from steadylm.stability.check import Check
 from steadylm.stability.verdict import OK, Verdict
 
 OWN, UPDATE = ("grad", "log_z", "logit", "act"), ("param", "delta", "total")  # a stats step's values; its update's
+
+
+def describe(events: list[dict], log) -> list[dict]:
+    """diagnose's findings from the alarms: each kind's first, a symptom (rank 2) that names the cause only when
+    nothing else explains it; an update-ratio alarm after quiet measurements is first-hand: one step moved the
+    weights too far (an LR spike)."""
+    found = []
+    for e in [next((e for e in events if e["kind"] == kind), None) for kind in ("attn_logit", "update_ratio")]:
+        if e is None:
+            continue
+        d, step = e["detail"], e["step"]
+        alarm = f"(alarm {d.get('threshold', float('nan')):g})"
+        if e["kind"] == "attn_logit":
+            summary = f"max attention logit {d.get('value', float('nan')):.3g} in blocks.{d.get('block')} at step {step} {alarm}"
+            fix = "enable model.qk_norm=true (and/or optim.z_loss=1e-4), or lower optim.lr"
+            found.append({"onset": step, "cause": "attention logit growth", "summary": summary, "fix": fix, "rank": 2})
+            continue
+        summary = f"update/param ratio {d.get('value', float('nan')):.3g} at step {step}"
+        found.append(
+            {
+                "onset": step,
+                "cause": "oversized updates",
+                "summary": f"{summary} {alarm}",
+                "rank": 2,
+                "fix": "lower optim.lr or lengthen optim.warmup_steps",
+            }
+        )
+        steps, values = log.series("stability/update_ratio")
+        quiet = values[(steps < step) & np.isfinite(values)]
+        if len(quiet) and not (quiet > d.get("threshold", 1.0)).any():  # not the whole recipe too hot: one step
+            found.append(
+                {
+                    "onset": step,
+                    "cause": "oversized update (LR spike)",
+                    "summary": f"{summary} after {len(quiet)} quiet measurement(s) (max {quiet.max():.2g}): one update "
+                    "moved the weights too far",
+                    "fix": "check the LR the optimizer really used (scheduler state after a resume, a manual LR change); "
+                    "callbacks.stability.spike.action=rollback undoes such a step",
+                }
+            )
+    return found
 
 
 def stats_metrics(values: dict) -> dict[str, float]:
