@@ -117,8 +117,9 @@ def _suspects(log: RunLog, step: int) -> str:
     if not rows:
         return ""
     top = rows[0]
+    source = f"source {top['source']}, " if top.get("source") else ""  # data.sources
     return (
-        f"; worst sample: window {top.get('window')} ({top.get('shard')} tokens {top.get('start')}:{top.get('end')}, "
+        f"; worst sample: window {top.get('window')} ({source}{top.get('shard')} tokens {top.get('start')}:{top.get('end')}, "
         f"loss {top.get('loss')})"
     )
 

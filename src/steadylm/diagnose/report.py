@@ -185,6 +185,7 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         shown: dict[int, int] = {}
+        where = lambda r: f"{r['source']}: {r.get('shard')}" if r.get("source") else r.get("shard")  # noqa: E731
         for r in sorted(log.suspects, key=lambda r: (r.get("step", 0), -(r.get("loss") or 0))):
             step = r.get("step")
             if shown.get(step, 0) >= 5:
@@ -192,7 +193,7 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
             shown[step] = shown.get(step, 0) + 1
             preview = (r.get("preview") or "").replace("|", "/").replace("\n", " ").replace("\r", " ")[:60]
             lines.append(
-                f"| {step} | {r.get('rank')} | {r.get('window')} | {r.get('shard')} | {r.get('start')} | "
+                f"| {step} | {r.get('rank')} | {r.get('window')} | {where(r)} | {r.get('start')} | "
                 f"{r.get('end')} | {r.get('loss')} | `{preview}` |"
             )
         lines.append("")
