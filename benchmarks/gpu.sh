@@ -4,7 +4,8 @@
 #     at micro-batch 16, 32 and 64, chunked and plain head+loss: tokens/s, MFU, peak memory, ratios with intervals.
 #  2. model=small's default recipe against experiment=fast, 300 steps each: steps and time to the default's val loss.
 #  3. the divergence bench's fp16-overflow scenario (fp16 needs CUDA; on a CPU Lightning runs 16-mixed as bf16).
-# FULL=1 adds the older rows: the stability read at the step itself against deferred, and model=llama_small.
+# FULL=1 adds the older rows: the stability read at the step itself against deferred, and model=llama_small;
+# and data.pack=doc's kernels (FlexAttention's block mask, the explicit mask) against unmasked packing.
 # CPU form of each part (tests/test_perf.py, tests/test_gpu_bench.py): python benchmarks/gpu.py --cpu [...].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +22,5 @@ fi
 if [ -n "${FULL:-}" ]; then
   "$PY" benchmarks/gpu.py --compare-defer "$@"
   "$PY" benchmarks/gpu.py model=llama_small "$@"
+  "$PY" benchmarks/pack_bench.py --trainer gpu --context 1024 --batch 16 --steps 300
 fi

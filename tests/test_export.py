@@ -79,6 +79,31 @@ def test_exported_folder_loads_in_transformers_and_logits_equal_ours(trained):
     assert json.loads((folder / "config.json").read_text())["eos_token_id"] == tok.eos_id
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_packed_model_exports_with_a_note_and_scores_one_document_as_training_did(
+    family, shards_dir, tmp_path, capsys
+):
+    """data.pack=doc: each document of a packed window, run alone in transformers after its end-of-text id, gets
+    the logits our packed forward gave it (positions restart at the id in both)."""
+    extra = FAMILIES[family][0]
+    train(compose([*extra, *SMALL, "data.pack=doc", f"data.dir={shards_dir}", f"paths.output_dir={tmp_path / 'run'}"]))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
+    assert (
+        "note: trained with data.pack=doc: give the exported model one document per sequence" in capsys.readouterr().err
+    )
+    ours, tok = load_checkpoint(ckpt)
+    assert ours.doc_separator == tok.eos_id == 256
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (1, ours.cfg.context_length), generator=torch.Generator().manual_seed(0))
+    x[0, [7, 19]] = tok.eos_id  # three documents: a tail, then two that start at their end-of-text id
+    with torch.no_grad():
+        packed = ours(x)[0]
+        for start, end in ((0, 7), (7, 19), (19, x.shape[1])):
+            torch.testing.assert_close(hf(x[:, start:end]).logits[0], packed[start:end], rtol=0, atol=1e-4)
+        assert not torch.allclose(hf(x).logits[0, 19:], packed[19:], atol=1e-3)  # packed together: it cannot
+
+
 def test_exported_tokenizer_encodes_like_ours_and_generates(trained):
     ckpt, folder, _ = trained
     _, tok = load_checkpoint(ckpt)

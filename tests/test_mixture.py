@@ -201,3 +201,94 @@ def test_a_mixture_checkpoint_resumes_on_another_number_of_ranks():
     one.load_state_dict(state)
     first = next(iter(one))
     assert sorted(first) == sorted(two[0].batch_windows(5) + two[1].batch_windows(5))
+
+
+@pytest.mark.slow  # two `python train.py` runs, one of them 2 DDP processes on CPU (gloo): ~60 s
+def test_a_mixture_on_two_processes_trains_and_scores_each_source_as_one_process_does(two_sources, tmp_path):
+    """The same mixture on 1 rank and on 2 (8 windows a step either way): step k's windows are the same, each
+    source's val loss (token-weighted, summed over ranks) agrees, and result.json carries them."""
+    import json
+
+    from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
+    from tests.test_machine_size import _windows
+
+    run = [
+        *CLI_TINY,
+        sources(two_sources),
+        "data.global_batch_tokens=256",  # 1 x 4 x 2 micro-batches = 2 ranks x 4
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "trainer.precision=32-true",
+        "trainer.limit_val_batches=1.0",  # every val window of each source, on 1 rank or split over 2
+        "+callbacks.windows._target_=test_machine_size.WindowLog",
+    ]
+    results = {}
+    for ranks, trainer in ((1, ["trainer=cpu"]), (2, DDP_TWO_CPU)):
+        out = tmp_path / f"ranks{ranks}"
+        proc = run_cli(*trainer, *run, f"hydra.run.dir={out}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        shares = [
+            ln for ln in (proc.stdout + proc.stderr).splitlines() if "data.sources.big: 70.0% of the tokens" in ln
+        ]
+        assert len(shares) == 1, (proc.stdout + proc.stderr)[-3000:]  # rank 0 says it, once
+        results[ranks] = json.loads((out / "result.json").read_text()), _windows(out)
+    (one, one_windows), (two, two_windows) = results[1], results[2]
+    assert two_windows == one_windows and len(one_windows) == 6
+    assert set(two["val_loss_by_source"]) == {"big", "small"}
+    for name, loss in one["val_loss_by_source"].items():
+        assert two["val_loss_by_source"][name] == pytest.approx(loss, abs=1e-4), name
+    assert two["val_loss"] == pytest.approx(one["val_loss"], abs=1e-4)
+    by_source = two["val_loss_by_source"]
+    assert two["val_loss"] == pytest.approx(0.7 * by_source["big"] + 0.3 * by_source["small"], rel=1e-6)
+
+
+def test_the_lr_probe_reads_the_mixture_as_the_run_does(make_cfg, two_sources):
+    """The probe's windows are the run's first windows of the stream (at the weights, not the sources' sizes)."""
+    from steadylm.derived import data_source
+    from steadylm.doctor.lr_probe import probe_windows
+
+    dm = data_source(make_cfg(sources(two_sources, big=0.2, small=0.8)))
+    ids = probe_windows(dm, 64)
+    assert [dm.window_location(w)["source"] for w in ids].count("small") == round(0.8 * 64)  # by size: about 17 %
+    sampler = MixtureBatchSampler(dm.order, 16)
+    assert ids == [w for step in range(4) for w in sampler.batch_windows(step)]
+
+
+def test_doctor_probes_the_mixture_with_documents_masked_apart(two_sources, tmp_path):
+    from steadylm.config import compose
+    from steadylm.doctor.lr_probe import check_lr_probe
+    from steadylm.resolve import fill_derived
+
+    overrides = ["model=tiny", "model.n_layer=1", "trainer=cpu", f"paths.output_dir={tmp_path}", sources(two_sources)]
+    overrides += ["data.pack=doc", "probe.steps=4", "probe.batches=2", "probe.batch_size=4", "probe.max_context=32"]
+    cfg = compose(overrides, config_name="doctor")
+    fill_derived(cfg)
+    (row,) = check_lr_probe(cfg)
+    assert "4 steps of 4x32 tokens of data.sources (big 6, small 2 windows), documents masked apart" in row.evidence
+
+
+def test_the_spike_suspects_name_the_source(make_cfg, two_sources):
+    """Each rank ranks its own rows from its DataModule's `window_location`: under data.sources a row names the
+    source beside shard and offsets; one source's rows stay as they were."""
+    from types import SimpleNamespace
+
+    from steadylm.derived import data_source
+    from steadylm.stability.suspects import rank_suspects
+
+    for spec, named in ((sources(two_sources), True), (None, False)):
+        dm = data_source(make_cfg(*[spec] if spec else []))
+        dm.train_dataloader()
+        trainer = SimpleNamespace(datamodule=dm, global_rank=1)
+        rows = rank_suspects(trainer, 7, (2,), [(0, 0, 2.0), (0, 3, 5.0)])
+        ids = dm.window_ids(2)
+        assert [r["window"] for r in rows] == [ids[3], ids[0]] and rows[0]["rank"] == 1
+        for row in rows:
+            where = dm.window_location(row["window"])
+            assert (row["shard"], row["start"], row["end"]) == (where["shard"], where["start"], where["end"])
+            assert row.get("source") == (where["source"] if named else None) and ("source" in row) == named
+        if named:  # diagnose's finding names it too
+            from steadylm.diagnose.findings import _suspects
+
+            assert f"(source {rows[0]['source']}, {rows[0]['shard']} tokens" in _suspects(
+                SimpleNamespace(suspects=rows), 7
+            )

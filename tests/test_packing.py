@@ -5,6 +5,8 @@ as that document run alone after a separator."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -71,6 +73,36 @@ def test_a_packed_window_scores_each_document_as_it_alone(family):
         assert torch.allclose(packed[start:end], alone, atol=1e-5, rtol=0), (family, start, packed[start:end], alone)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+@pytest.mark.parametrize("T", [16, 300])  # within one of FlexAttention's 128-token blocks, and across three
+def test_the_flex_kernel_computes_what_the_explicit_mask_does(family, T):
+    """CUDA's kernel (FlexAttention, a block mask per batch) against every device's (SDPA, an explicit mask): the
+    same logits within 1e-5, in FlexAttention's eager forward on a CPU (it has no CPU backward)."""
+    torch.manual_seed(1)
+    net = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, context_length=T, vocab_size=64, **FAMILIES[family]))
+    net.doc_separator = SEP
+    ids = torch.randint(1, 64, (3, T))
+    ids[torch.rand(3, T) < 0.05] = SEP  # documents of every length, at different places in each row
+    ids[0, : min(T, 16)] = WINDOW[0, :T]
+    with torch.no_grad():
+        masked = net(ids)
+        net.doc_kernel = "flex"
+        flex = net(ids)
+    assert torch.allclose(flex, masked, atol=1e-5, rtol=0), (flex - masked).abs().max()
+
+
+def test_the_kernel_is_chosen_once_for_the_device():
+    net = net_of("llama")
+    assert "FlexAttention" in net.choose_doc_kernel("cuda") and net.doc_kernel == "flex"
+    line = net.choose_doc_kernel("cpu")
+    assert net.doc_kernel == "mask" and line == (
+        "data.pack=doc: attention by SDPA with an explicit (B, 1, T, T) mask on cpu (FlexAttention has no backward there)"
+    )
+    net.cfg.dropout = 0.1
+    assert "(FlexAttention has no dropout)" in net.choose_doc_kernel("cuda") and net.doc_kernel == "mask"
+
+
 def test_without_packing_documents_see_each_other():
     """The check above can fail: unmasked, the last document's losses depend on the ones before it."""
     net = net_of("gpt2")
@@ -79,8 +111,14 @@ def test_without_packing_documents_see_each_other():
     assert not torch.allclose(packed, net(WINDOW[:, 9:])[0], atol=1e-3)
 
 
-def test_training_with_pack_doc_masks_by_the_shards_end_of_text(make_cfg):
-    metrics, objects = train(make_cfg("data.pack=doc", "trainer.max_steps=6", "trainer.val_check_interval=6"))
+def test_training_with_pack_doc_masks_by_the_shards_end_of_text(make_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        metrics, objects = train(make_cfg("data.pack=doc", "trainer.max_steps=6", "trainer.val_check_interval=6"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.pack=doc: attention by")]
+    assert lines == [
+        "data.pack=doc: attention by SDPA with an explicit (B, 1, T, T) mask on cpu (FlexAttention has no backward there)"
+    ]
+    assert objects["module"].net.doc_kernel == "mask"
     assert objects["module"].net.doc_separator == 256  # bytes: ids 0..255, end-of-text 256
     assert objects["module"].hparams["doc_separator"] == 256
     assert objects["trainer"].global_step == 6 and torch.isfinite(torch.tensor(metrics["val/loss"]))
@@ -105,9 +143,11 @@ def test_pack_bench_prints_every_variant_on_both_corpora(tmp_path):
     assert list(corpora) == ["short files", "embedded corpus"]
     for c in corpora.values():
         assert list(c["rows"]) == ["pack=none", "pack=doc", "align=doc"]
+        assert [row["kernel"][0] for row in c["rows"].values()] == ["causal", "mask", "causal"]  # chosen at startup
+        assert list(c["kernels"]) == ["mask"] and c["kernels"]["mask"] == c["masked_over_unmasked_step"]  # a CPU
         for row in c["rows"].values():
             assert 0 < row["val_loss"][0] < 6 and 0 < row["per_doc_val_loss"][0] < 6
         assert c["rows"]["align=doc"]["target_share"][0] < 1 == c["rows"]["pack=doc"]["target_share"][0]
         value, low, high = c["masked_over_unmasked_step"]
         assert low <= value <= high
-    assert "step time, short files: pack=doc / pack=none" in proc.stdout
+    assert "step time, short files: pack=doc (mask) / pack=none" in proc.stdout and "on a CPU)" in proc.stdout

@@ -13,6 +13,9 @@ GPT-2 as zero biases, untied embeddings as `tie_word_embeddings=false`, grouped 
 (`attention_bias`, `mlp_bias`) into Llama, and `model.parametrization=mup` folded into the weights (its
 logit factor into the final norm, its attention factor into the queries: `sp_state_dict`). Our checkpoint stays
 the source of truth (as litgpt's does); this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
+A model trained with `data.pack=doc` is exported as it is, with a note: a Hugging Face model given one document per
+sequence (after its end-of-text id, or none) computes what training did, and only documents packed into one sequence,
+which it cannot mask apart, would differ.
 """
 
 from __future__ import annotations
@@ -301,6 +304,12 @@ def export(args: ExportArgs) -> Path:
     model = to_hf_model(net, eos_id=tok.eos_id, dtype=DTYPES[args.dtype])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # config.json, model.safetensors, generation_config.json
+    if net.doc_separator is not None:
+        print(
+            "note: trained with data.pack=doc: give the exported model one document per sequence (after its "
+            "end-of-text id); it cannot mask documents packed into one sequence apart",
+            file=sys.stderr,
+        )
     if not write_tokenizer(tok, out, net.cfg.context_length):
         hub = " (the Hub's openai-community/gpt2 tokenizer gives the same ids)" if tok.name == "gpt2" else ""
         print(

@@ -46,6 +46,7 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
         ) from None
     model = GPT(GPTConfig(**model_cfg))
     model.load_state_dict(state)
+    model.doc_separator = ckpt["hyper_parameters"].get("doc_separator")  # data.pack=doc: as the run trained
     return model.to(device).eval(), meta
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import lightning as L
@@ -17,6 +18,8 @@ from steadylm.model import GPT, GPTConfig
 from steadylm.model.gpt import IGNORE_INDEX, chunked_head_loss, chunked_token_losses
 from steadylm.model.mup import param_groups
 from steadylm.schedule import Schedule, set_lr
+
+log = logging.getLogger("steadylm")
 
 
 def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -71,6 +74,12 @@ class LMModule(L.LightningModule):
         self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
+
+    def setup(self, stage: str) -> None:
+        if self.net.doc_separator is not None:  # data.pack=doc: the attention kernel, chosen once for the device
+            line = self.net.choose_doc_kernel(self.trainer.strategy.root_device.type)
+            if self.trainer.is_global_zero:
+                log.info(line)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)

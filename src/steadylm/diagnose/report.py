@@ -144,6 +144,11 @@ def draw_plots(log: RunLog, diagnosis: Diagnosis, out: Path) -> dict[str, Path]:
     return plots
 
 
+def _where(row: dict) -> str:
+    """A suspect's shard, after its source's name under `data.sources`."""
+    return f"{row['source']}: {row.get('shard')}" if row.get("source") else str(row.get("shard"))
+
+
 def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
     lines = [f"# Diagnosis of `{log.run_dir}`", ""]
     p = diagnosis.primary
@@ -192,7 +197,7 @@ def render(log: RunLog, diagnosis: Diagnosis, plots: dict[str, Path]) -> str:
             shown[step] = shown.get(step, 0) + 1
             preview = (r.get("preview") or "").replace("|", "/").replace("\n", " ").replace("\r", " ")[:60]
             lines.append(
-                f"| {step} | {r.get('rank')} | {r.get('window')} | {r.get('shard')} | {r.get('start')} | "
+                f"| {step} | {r.get('rank')} | {r.get('window')} | {_where(r)} | {r.get('start')} | "
                 f"{r.get('end')} | {r.get('loss')} | `{preview}` |"
             )
         lines.append("")

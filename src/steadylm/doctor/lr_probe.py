@@ -28,6 +28,8 @@ the model's (muP's point). Under sp (or mup based at the model's own width) the 
 mup at the base is sp, so the proxy behaves like the full-width sp model scaled down (an sp proxy taken
 narrower would tolerate a larger LR and pass an LR too high for the model). The vocabulary is cut to the
 token ids the probe batches use, which is what the output layer costs on a CPU and not what sets the LR.
+The batches are read as training reads them: a mixture's (`data.sources`) at the sources' shares, the first
+windows of the run's own stream, and under `data.pack=doc` with documents masked apart.
 It never writes anything and never touches the data or a checkpoint.
 """
 
@@ -36,8 +38,10 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -168,12 +172,14 @@ def run_probe(
     clip: float | None,
     tau: float,
     signals: dict | None = None,
+    doc_separator: int | None = None,
 ) -> Probe:
     """Train a fresh model (seed 0) for `steps` steps at peak `lr`, annealed at the end (`anneal`), its signals
-    watched by a `Precursors(**signals)`; stops early once the LR shows itself unstable."""
+    watched by a `Precursors(**signals)`; stops early once the LR shows itself unstable. `doc_separator`: the
+    data's under `data.pack=doc`, as training hands it to the module."""
     floor = float(optim["min_lr"]) / float(optim["lr"]) if optim["lr"] else 1.0
     torch.manual_seed(0)
-    module = LMModule(model=model, optim={**optim, "lr": lr, "fused": False})
+    module = LMModule(model=model, optim={**optim, "lr": lr, "fused": False}, doc_separator=doc_separator)
     opt = module.configure_optimizers()
     attns = [b.attn for b in module.net.blocks]
     params = [p for p in module.parameters() if p.requires_grad]
@@ -222,18 +228,31 @@ def _signal(watch: Precursors, step: int, values: dict[str, float]) -> str | Non
     return None
 
 
-def probe_batches(cfg: DictConfig, context: int, n: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` real training batches, cut to the proxy's context: windows drawn with a fixed seed, or a stream's first
-    windows in order (a stream has no length to draw from)."""
-    dm = instantiate(cfg.data)
-    dm.setup("fit")
+def probe_windows(dm, count: int) -> list[int] | None:
+    """The train window ids the probe reads: a mixture's (`data.sources`) first `count` positions of the run's own
+    stream, so each source at its share as training reads it; one source's drawn with a fixed seed; None for a
+    stream (it has no length to draw from: its first windows, in order)."""
+    if getattr(dm, "sources", None):
+        return [int(w) for w in dm.order(np.arange(count))]
     if dm.n_train_windows is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, dm.n_train_windows, (count,), generator=g).tolist()
+
+
+def probe_batches(
+    cfg: DictConfig, context: int, n: int, batch_size: int, dm=None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` real training batches of `probe_windows`, cut to the proxy's context; `dm`: the DataModule of `cfg.data`,
+    set up (None: built here)."""
+    if dm is None:
+        dm = instantiate(cfg.data)
+        dm.setup("fit")
+    ids = probe_windows(dm, n * batch_size)
+    if ids is None:
         pairs = list(itertools.islice(iter(dm.train_set), n * batch_size))
     else:
-        g = torch.Generator().manual_seed(0)
-        pairs = [
-            dm.train_set[int(i)] for i in torch.randint(0, dm.n_train_windows, (n, batch_size), generator=g).view(-1)
-        ]
+        pairs = [dm.train_set[i] for i in ids]
     batches = []
     for k in range(0, len(pairs) - batch_size + 1, batch_size):
         x, y = zip(*pairs[k : k + batch_size])
@@ -271,7 +290,10 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
     warmup = math.ceil(steps * int(optim["warmup_steps"]) / max(1, int(cfg.trainer.max_steps)))
     clip = cfg.trainer.get("gradient_clip_val") or None
     batch_size = min(int(cfg.data.batch_size), int(p.batch_size))
-    batches = probe_batches(cfg, model["context_length"], int(p.batches), batch_size)
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    batches = probe_batches(cfg, model["context_length"], int(p.batches), batch_size, dm)
+    separator = getattr(dm, "document_separator", None)  # data.pack=doc: masked apart, as training does
     model, cut = probe_vocab(model, batches)
     if cut:
         where = where[:-1] + f", {cut})" if where.startswith("proxy") else f"proxy ({cut})"
@@ -281,7 +303,7 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
     signals = OmegaConf.to_container(node, resolve=True) if node is not None else None
 
     def probe(mult: float, model=model, optim=optim, warmup=warmup) -> Probe:
-        return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau, signals)
+        return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau, signals, separator)
 
     results, prev = {1.0: probe(1.0)}, 1.0
     for m in DOWN:  # the yardstick: down while a lower LR ends no higher, or the one above is plainly unstable
@@ -316,8 +338,12 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
             if not probe(first_bad, model=m, optim=o, warmup=w).unstable(tau, lower):
                 widen.append(key)
     shape = f"{model['n_layer']} layers x d {model['d_model']}, {model.get('parametrization', 'sp')}"
+    data = ", documents masked apart" if separator is not None else ""
+    if getattr(dm, "sources", None):  # the windows each source gave, as the run's first steps take them
+        read = Counter(dm.window_location(w)["source"] for w in probe_windows(dm, len(batches) * batch_size))
+        data = f" of data.sources ({', '.join(f'{name} {read[name]}' for name in dm.sources)} windows){data}"
     what = (
-        f"{steps} steps of {batch_size}x{model['context_length']} tokens on {where} ({shape}), "
+        f"{steps} steps of {batch_size}x{model['context_length']} tokens{data} on {where} ({shape}), "
         f"lrs {', '.join(f'{lr * m:.3g}' for m in sorted(results))}, {time.perf_counter() - started:.1f} s"
     )
     return ProbeSweep(lr, results, verdicts, first_bad, widen, what)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from steadylm.model import mup
 from steadylm.model.config import GPTConfig
 from steadylm.model.init import init_weights, layer, make_norm
 from steadylm.model.switches import require_understood
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 IGNORE_INDEX = -100  # the target of a padding position: the loss leaves it out (torch's cross_entropy default)
 
@@ -47,6 +50,37 @@ def documents(idx: torch.Tensor, separator: int) -> tuple[torch.Tensor, torch.Te
     opens = idx == separator
     at = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)
     return opens.cumsum(1), at - torch.where(opens, at, 0).cummax(1).values
+
+
+def doc_kernel(device_type: str, dropout: float, causal: bool = True) -> tuple[str, str]:
+    """`data.pack=doc`'s attention kernel on `device_type`, and the startup line that says which and why: `flex` on
+    CUDA (FlexAttention, compiled, with a block mask built once per batch: it skips the blocks that a document
+    boundary hides), else `mask` (an explicit (B, 1, T, T) mask to SDPA, which every device runs and which composes
+    with any attention pattern). FlexAttention has no backward on a CPU and no dropout; a variable-length SDPA would
+    need each batch unpadded into one sequence of documents."""
+    if device_type == "cuda" and not dropout and causal:
+        return "flex", "data.pack=doc: attention by FlexAttention with a document block mask per batch on cuda"
+    why = "FlexAttention has no backward there" if device_type != "cuda" else "FlexAttention has no dropout"
+    why = why if causal else "a layer's attention pattern is not causal"
+    return "mask", f"data.pack=doc: attention by SDPA with an explicit (B, 1, T, T) mask on {device_type} ({why})"
+
+
+def doc_block_mask(docs: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask for documents `docs` (B, T): a query sees its own document's earlier keys."""
+    from torch.nn.attention.flex_attention import create_block_mask  # loaded by packed runs on the flex kernel
+
+    def visible(b, h, q, k):
+        return (k <= q) & (docs[b, q] == docs[b, k])
+
+    return create_block_mask(visible, docs.shape[0], None, docs.shape[1], docs.shape[1], device=docs.device)
+
+
+@functools.cache
+def _flex(compiled: bool):
+    """FlexAttention: compiled (its fused kernel, on CUDA) or eager (any device, forward only on a CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
 @functools.lru_cache(maxsize=16)
@@ -82,9 +116,10 @@ class CausalSelfAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None  # the layer's largest logit (a scalar)
         self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
-    def forward(self, x: torch.Tensor, rope=None, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, docs=None) -> torch.Tensor:
         """x (B, T, C); `rope`: (cos, sin) for these positions, each (T, 1, D) or (B, T, 1, D), or None (learned
-        positions); `docs`: each position's document (B, T) when documents are packed: no query sees another's keys."""
+        positions); `docs` when documents are packed (no query sees another's keys): each position's document (B, T),
+        or on the flex kernel their block mask (`doc_block_mask`)."""
         (B, T, C), H, KV, D = x.shape, self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -101,6 +136,9 @@ class CausalSelfAttention(nn.Module):
             kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
             self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
             self.max_logit = self.head_max_logit.amax()
+        if docs is not None and not isinstance(docs, torch.Tensor):  # the flex kernel (`doc_kernel`)
+            y = _flex(x.is_cuda)(q, k, v, block_mask=docs, scale=self.scale, enable_gqa=bool(gqa))
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
         # `is_causal` is `blocked("causal")` in the kernels (no mask in memory; a test holds the two equal).
         causal = self.pattern == "causal" and docs is None
         mask = {"is_causal": True} if causal else {"attn_mask": ~self.blocked(self.pattern, T, T, 0, x.device)}
@@ -147,7 +185,7 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, docs=None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, docs)
         return x + self.mlp(self.ln_2(x))
 
@@ -173,6 +211,7 @@ class GPT(nn.Module):
         self.track_residual = False  # keep the residual stream's RMS after the last block (the precursor signals')
         self.residual_rms: torch.Tensor | None = None
         self.doc_separator: int | None = None  # data.pack=doc: the id that opens each packed document (`documents`)
+        self.doc_kernel = "mask"  # its attention kernel: mask (every device) or flex (`choose_doc_kernel`)
 
     def forward(self, idx: torch.Tensor, head: bool = True) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size), or with `head=False` the head's input (`head_loss`)."""
@@ -183,6 +222,8 @@ class GPT(nn.Module):
         if self.doc_separator is not None:  # positions restart at each document
             docs, pos = documents(idx, self.doc_separator)
             rows = pos
+            if self.doc_kernel == "flex":  # one block mask per batch, shared by every layer
+                docs = doc_block_mask(docs)
         rope = None if self.wpe is not None else (self.rope_cos[rows], self.rope_sin[rows])
         x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
@@ -193,6 +234,12 @@ class GPT(nn.Module):
         if self.logit_mult != 1.0:
             x = x * self.logit_mult
         return softcap(self.lm_head(x), self.cfg.logit_softcap) if head else x
+
+    def choose_doc_kernel(self, device_type: str) -> str:
+        """Set the packed documents' attention kernel for `device_type` (`doc_kernel`); return the line saying which."""
+        causal = all(b.attn.pattern == "causal" for b in self.blocks)
+        self.doc_kernel, line = doc_kernel(device_type, self.cfg.dropout, causal)
+        return line
 
     def num_params(self, non_embedding: bool = True) -> int:
         """A tied matrix once; `non_embedding` drops the tables only looked up, never multiplied (the 6N rule)."""

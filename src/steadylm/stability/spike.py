@@ -42,7 +42,8 @@ def _worst(log, step: int) -> str:
     top = next((r for r in log.suspects if r.get("step") == step), None)
     if top is None:
         return ""
-    where = f"{top.get('shard')} tokens {top.get('start')}:{top.get('end')}"
+    source = f"source {top['source']}, " if top.get("source") else ""  # data.sources
+    where = f"{source}{top.get('shard')} tokens {top.get('start')}:{top.get('end')}"
     return f"; worst sample: window {top.get('window')} ({where}, loss {top.get('loss')})"
 
 

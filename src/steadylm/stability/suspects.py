@@ -3,7 +3,7 @@
 `sample_losses` re-runs a step's micro-batches without gradients (on the live weights, or on a snapshot's
 host copy through `torch.func.functional_call`, which leaves the live model untouched) and returns one
 token-mean cross-entropy per sequence. `write_suspects` appends them, worst first, to
-`<run_dir>/stability/suspects.jsonl`: one row per window with `step`, `rank`, `shard` (file name),
+`<run_dir>/stability/suspects.jsonl`: one row per window with `step`, `rank`, `source` (under `data.sources`), `shard` (file name),
 `start`/`end` token offsets (the window is `tokens[start:end]` of that shard), `loss` and a short decoded
 preview. `python -m steadylm.diagnose.window shard=PATH start=N end=M` prints a window's text.
 Runs only on the failure path (a spike); its host reads do not matter there. Each rank writes its own rows
@@ -120,6 +120,7 @@ def rank_suspects(trainer, step: int, batch_idx: tuple, losses: list[tuple[int, 
                 "step": int(step),
                 "rank": int(trainer.global_rank),
                 "window": window,
+                **({"source": where["source"]} if "source" in where else {}),  # data.sources: which one
                 "shard": where.get("shard"),
                 "start": where.get("start"),
                 "end": where.get("end"),
@@ -143,7 +144,9 @@ def spike_suspects(trainer, pl_module, episode: dict, weights=None, weights_step
         row["weights_step"] = weights_step
     write_suspects(trainer, rows)
     mean = sum(v for _, _, v in losses) / max(len(losses), 1)
-    top = [{k: r[k] for k in ("window", "shard", "start", "end", "loss")} for r in rows[:TOP_SUSPECTS]]
+    top = [
+        {k: r[k] for k in ("window", "source", "shard", "start", "end", "loss") if k in r} for r in rows[:TOP_SUSPECTS]
+    ]
     return {"batch_loss_on_good_weights": mean, "suspects": top}
 
 
