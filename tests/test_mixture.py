@@ -287,8 +287,8 @@ def test_the_spike_suspects_name_the_source(make_cfg, two_sources):
             assert (row["shard"], row["start"], row["end"]) == (where["shard"], where["start"], where["end"])
             assert row.get("source") == (where["source"] if named else None) and ("source" in row) == named
         if named:  # diagnose's finding names it too
-            from steadylm.diagnose.findings import _suspects
+            from steadylm.stability.spike import _worst
 
-            assert f"(source {rows[0]['source']}, {rows[0]['shard']} tokens" in _suspects(
+            assert f"(source {rows[0]['source']}, {rows[0]['shard']} tokens" in _worst(
                 SimpleNamespace(suspects=rows), 7
             )
