@@ -10,9 +10,9 @@ Every run is a real `python train.py` of a small model on the embedded corpus (`
 Healthy, natural and injected runs observe only (`signals.action=log`, no QK-clip, spikes logged), so the loss
 shows what the LR does. Per signal, its level is replayed over the logged values through `Precursors` itself:
 a hit is an alarm in a natural or injected run, a false alarm one in a healthy run; the table gives the first
-alarm and the step where the loss shows the trouble: its 3-point running median non-finite, 10 % above its best
-so far, or 10 % above the same shape's healthy run (`TWIN`), since a too-high LR stalls the loss more often than
-it spikes it. The mitigated group runs the default suite with QK-norm at the issue's LRs and compares its final
+alarm and the step where the loss shows the trouble (`divergence_bench.loss_onset`): its 3-point running median
+non-finite, or 10 % above both seeds of the same shape's healthy run (`TWIN`), since a too-high LR stalls the loss
+more often than it spikes it; the deep run, which has no healthy twin, counts non-finite only. The mitigated group runs the default suite with QK-norm at the issue's LRs and compares its final
 val loss with the stable LR's. The forecast, which reads its signals every step, is measured by
 `benchmarks/divergence_bench.py`.
 
@@ -85,6 +85,7 @@ TWIN = {
     "no QK-norm, lr 0.1": "small adamw noqk seed 1",
     "no warmup, lr 0.03": "small adamw noqk seed 1",
     "Muon, lr 0.1": "small muon qk seed 1",
+    **{name: "small adamw qk seed 1" for name in INJECTED},
 }
 MITIGATED = {f"QK-norm, lr {lr}": [*SMALL, QK, f"optim.lr={lr}", "seed=5"] for lr in ("3e-3", "0.1", "0.3")}
 
@@ -156,7 +157,10 @@ def main() -> None:
             for i, (g, name, o) in enumerate(jobs)
         }
     print(f"runs in {work}")
-    twins = {n: futures[("healthy", t)][1].result() for n, t in TWIN.items()}
+    seeds = {t: [t, t.replace("seed 1", "seed 2")] for t in TWIN.values()}  # muon's shape has one seed
+    twins = {
+        n: [futures[("healthy", s)][1].result() for s in seeds[t] if ("healthy", s) in futures] for n, t in TWIN.items()
+    }
     rows = {}
     for (g, name), (o, fut) in futures.items():
         d = fut.result()
@@ -169,7 +173,7 @@ def main() -> None:
                 for s, lvs in LEVELS.items()
                 for lv in lvs
             },
-            "onset": loss_onset(d, twins.get(name)),
+            "onset": loss_onset(d, twins.get(name, [])),
             "status": result["status"],
             "val_loss": result.get("val_loss"),
             "events": sorted({e["kind"] for e in events}),
