@@ -1,0 +1,246 @@
+"""`hydra/launcher=parallel`: a sweep's jobs side by side on one machine, one device slot each, the rest queued.
+
+submitit's local executor (through hydra-submitit-launcher's `LocalLauncher`) runs each job in a process of its own
+with Hydra's job folder and return value, as on SLURM. This adds what it lacks: at most `slots` jobs at once, each
+pinned to its slot (its GPUs through `CUDA_VISIBLE_DEVICES`; on a CPU its share of the cores: affinity and thread
+count), and a signal to the sweep forwarded to every running job, which stops at a step boundary with
+`preempted.ckpt`; then the summary so far and exit 75, as a sequential sweep. Loaded by Hydra's plugin scan (through
+`hydra_plugins/steadylm_parallel.py`), so nothing heavy at import; it never trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from steadylm.errors import ConfigError, exit_with, is_int
+
+try:
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
+except ImportError:  # the `parallel` extra is not installed: the launcher says so when it is chosen
+    from hydra.plugins.launcher import Launcher as LocalLauncher
+
+log = logging.getLogger("steadylm")
+
+SLOT_ENV = "STEADYLM_PARALLEL_SLOT"  # set in a job of a parallel sweep: its slot, then its cores (`0:2,3`)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PREEMPTED_EXIT = 75  # as steadylm.requeue (not imported: it loads the training stack)
+
+
+def plan_slots(slots: Any, devices: Any, gpus: list[str], cpus: list[int]) -> list[dict[str, list]]:
+    """Each slot's GPUs (when there are any) or CPU cores; a value that cannot work is a ConfigError.
+    GPUs: `slots` defaults to GPUs // `trainer.devices` (`auto`: all of them, one slot). CPU: one slot by default
+    (every core to one job at a time, as a sequential sweep); `slots=N` splits the cores evenly."""
+    if slots is not None and (not is_int(slots) or slots < 1):
+        raise ConfigError(f"hydra.launcher.slots={slots!r} must be a whole number >= 1 (or null for the default)")
+    if gpus:
+        per = devices if is_int(devices) and devices > 0 else None  # auto / -1: all GPUs over the slots
+        if per is None:
+            per = max(1, len(gpus) // (slots or 1))
+        if per > len(gpus) or (slots or 1) * per > len(gpus):
+            raise ConfigError(
+                f"hydra.launcher.slots={slots or 1} x trainer.devices={per} needs {(slots or 1) * per} GPUs, "
+                f"{len(gpus)} are visible: lower hydra.launcher.slots or trainer.devices"
+            )
+        n = slots or len(gpus) // per
+        return [{"gpus": gpus[i * per : (i + 1) * per], "cpus": []} for i in range(n)]
+    n = slots or 1
+    if n > len(cpus):
+        raise ConfigError(
+            f"hydra.launcher.slots={n} is more than the {len(cpus)} CPU cores here: one core a job at least"
+        )
+    per = len(cpus) // n
+    return [{"gpus": [], "cpus": cpus[i * per : (i + 1) * per]} for i in range(n)]
+
+
+def visible_gpus(accelerator: Any) -> list[str]:
+    """The GPUs a slot can take (`CUDA_VISIBLE_DEVICES` order), none when the trainer runs on the CPU."""
+    if str(accelerator) == "cpu":
+        return []
+    import torch
+
+    count = torch.cuda.device_count()
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return [str(i) for i in range(count)]
+    listed = [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()][:count]
+    if not all(g.isdigit() for g in listed):
+        raise ConfigError(
+            "CUDA_VISIBLE_DEVICES names GPUs by UUID; hydra/launcher=parallel needs their indices (0,1,...)"
+        )
+    return listed
+
+
+def pin_job() -> None:
+    """In a job's process, before Hydra runs it: its slot's cores and threads (the env already holds
+    `CUDA_VISIBLE_DEVICES` and `OMP_NUM_THREADS`); a signal before training starts ends the job at once, nothing
+    to save (submitit's own SIGTERM handler would only log it, and the job would run to its end)."""
+    slot, _, cores = os.environ.get(SLOT_ENV, "").partition(":")
+    if cores:
+        cpus = {int(c) for c in cores.split(",")}
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", len(cpus))))
+
+    def before_training(signum: int, frame: Any) -> None:
+        raise SystemExit(PREEMPTED_EXIT)  # the Preemption callback replaces this once training starts
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, before_training)
+
+
+class Stop:
+    """The parent's handlers while jobs run: the first signal stops the sweep (its jobs are told), a second Ctrl-C
+    interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Stop:
+        self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+
+@contextmanager
+def job_env(slot: int, plan: dict[str, list]) -> Iterator[None]:
+    """What a job started now inherits: its slot, its cores and thread count, and SIGINT ignored (a terminal's Ctrl-C
+    reaches the whole process group; submitit's job controller would kill its job on it instead of forwarding)."""
+    saved = {k: os.environ.get(k) for k in (SLOT_ENV, "OMP_NUM_THREADS")}
+    cpus = plan["cpus"]
+    os.environ[SLOT_ENV] = f"{slot}:{','.join(map(str, cpus))}"
+    if cpus:
+        threads = min(len(cpus), int(saved["OMP_NUM_THREADS"] or len(cpus)))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class ParallelLauncher(LocalLauncher):
+    def __init__(self, slots: Any = None, devices: Any = 1, accelerator: Any = "auto", **params: Any) -> None:
+        if LocalLauncher.__module__.startswith("hydra.plugins"):
+            exit_with(
+                ConfigError('hydra/launcher=parallel needs hydra-submitit-launcher: pip install -e ".[parallel]"')
+            )
+        super().__init__(**params)
+        self.slots, self.devices, self.accelerator = slots, devices, accelerator
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # in the job's own process
+        pin_job()
+        return super().__call__(*args, **kwargs)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+        import submitit
+        from hydra.core.singleton import Singleton
+        from hydra.core.utils import filter_overrides
+
+        try:
+            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+            plans = plan_slots(self.slots, self.devices, visible_gpus(self.accelerator), cpus)
+        except ConfigError as err:
+            exit_with(err)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        executor = submitit.LocalExecutor(folder=self.params["submitit_folder"], max_num_timeout=0)
+        keep = ("timeout_min", "signal_delay_s", "tasks_per_node", "setup")
+        executor.update_parameters(**{k: v for k, v in self.params.items() if k in keep and v is not None})
+        where = [", ".join(f"GPU {g}" for g in p["gpus"]) or f"cores {p['cpus'][0]}-{p['cpus'][-1]}" for p in plans]
+        log.info(
+            "parallel sweep: %d jobs on %d slots (%s) in %s",
+            len(job_overrides),
+            len(plans),
+            "; ".join(where),
+            sweep_dir,
+        )
+
+        queue = deque(enumerate(job_overrides, initial_job_idx))
+        free, running, results, told = list(range(len(plans))), {}, {}, False
+        with Stop() as stop:
+            while queue or running:
+                while queue and free and not stop.signum:
+                    slot, (idx, overrides) = free.pop(0), queue.popleft()
+                    gpus = [int(g) for g in plans[slot]["gpus"]]
+                    executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
+                    with job_env(slot, plans[slot]):
+                        args = (list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
+                        job = executor.submit(self, *args)
+                    log.info(
+                        "job %d on slot %d (%s): %s", idx, slot, where[slot], " ".join(filter_overrides(overrides))
+                    )
+                    running[idx] = (job, slot, list(overrides))
+                if stop.signum and not told:  # jobs not started stay so; resume=auto starts them
+                    name = signal.Signals(stop.signum).name
+                    log.warning("%s: stopping %d running jobs, %d not started", name, len(running), len(queue))
+                    queue.clear()
+                    told = True
+                    for job, _, _ in running.values():
+                        job._process.send_signal(signal.SIGTERM)  # the controller forwards it to its job
+                for idx, (job, slot, overrides) in list(running.items()):
+                    if job.done():
+                        results[idx] = self._result(job, idx, overrides, sweep_dir)
+                        free.append(slot)
+                        del running[idx]
+                time.sleep(0.2)
+        if stop.signum:
+            self._stopped(stop.signum, len(results), len(job_overrides))
+        return [results[i] for i in sorted(results)]
+
+    def _result(self, job: Any, idx: int, overrides: list[str], sweep_dir: Path) -> Any:
+        """The job's JobReturn; a job that failed (it raised before training, exited, was killed) is logged and the
+        sweep goes on: its folder has no result.json, so the summary lists it as missing."""
+        from hydra.core.utils import JobReturn, JobStatus
+
+        try:
+            ret = job.results()[0]
+            if ret.status != JobStatus.FAILED:
+                return ret
+            said = f"{type(ret._return_value).__name__}: {ret._return_value}"
+        except Exception:
+            stderr = job.paths.stderr.read_text().strip().splitlines() if job.paths.stderr.is_file() else []
+            said = next((line for line in reversed(stderr) if line.startswith("error: ")), "")
+            if (sweep_dir / str(idx) / "result.json").is_file():  # preempted (exit 75): it said so in its result
+                said = None
+        if said is not None:
+            log.error("job %d failed%s; its log: %s", idx, f" ({said})" if said else "", job.paths.stderr)
+        value = float("nan") if self.config.get("optimized_metric") else None
+        return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=value)
+
+    def _stopped(self, signum: int, done: int, total: int) -> None:
+        """After a signal: the summary of the jobs so far (Hydra's end-of-multirun callbacks), one line, exit 75."""
+        from hydra.utils import instantiate
+
+        for node in reversed(list((self.config.hydra.get("callbacks") or {}).values())):
+            instantiate(node).on_multirun_end(config=self.config)
+        print(
+            f"preempted: {signal.Signals(signum).name} stopped the parallel sweep ({done} of {total} jobs stopped or "
+            "done); rerun the same command with resume=auto to continue it",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(PREEMPTED_EXIT)
