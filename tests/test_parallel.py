@@ -93,7 +93,7 @@ def test_four_jobs_on_two_slots_run_two_at_once_each_on_its_core_and_a_failed_jo
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
     logs = proc.stdout + proc.stderr  # Hydra's log lines go to stdout
-    assert "parallel sweep: 4 jobs on 2 slots (cores" in logs
+    assert "parallel sweep: 4 jobs on 2 slots (core " in logs and "job 0 finished: ok" in logs
     assert "job 3 failed (ValueError: could not convert string to float: 'oops')" in logs
     assert f"sweep summary: {sweep / 'summary.md'} (4 jobs, 0 unstable, 0 diverged)" in proc.stdout
     results = [json.loads((sweep / str(i) / "result.json").read_text()) for i in range(3)]
@@ -152,3 +152,18 @@ def test_a_sigterm_stops_every_running_job_resumably_and_resume_auto_finishes_th
     assert [(r["status"], r["lr"]) for r in results] == [("ok", 1e-3), ("ok", 2e-3), ("ok", 3e-3), ("ok", 4e-3)]
     assert all(safe_load(sweep / str(i) / "checkpoints" / "last.ckpt")["global_step"] == 12 for i in range(4))
     assert f"sweep summary: {sweep / 'summary.md'} (4 jobs, 0 unstable, 0 diverged)" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_parallel_job_on_two_processes_runs_that_job_only(shards_dir, tmp_path):
+    """A slot of two devices (here both cores, `trainer=ddp_sim`): each job's extra process runs that job, in its
+    folder (Lightning relaunches the training app, not submitit's job runner)."""
+    args = ["-m", "hydra/launcher=parallel", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}"]
+    proc = run_cli(*args, *CLI_TINY, "+callbacks.probe._target_=test_distributed.RankProbe", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "logs" / "train").iterdir()] == ["multiruns"]  # no child made a run of its own
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    for job in ("0", "1"):
+        assert sorted(p.name for p in (sweep / job).glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+        assert json.loads((sweep / job / "result.json").read_text())["status"] == "ok"
+    assert f"sweep summary: {sweep / 'summary.md'} (2 jobs, 0 unstable, 0 diverged)" in proc.stdout

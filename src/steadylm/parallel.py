@@ -10,6 +10,8 @@ count), and a signal to the sweep forwarded to every running job, which stops at
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
 import signal
@@ -17,7 +19,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,13 @@ def plan_slots(slots: Any, devices: Any, gpus: list[str], cpus: list[int]) -> li
     return [{"gpus": [], "cpus": cpus[i * per : (i + 1) * per]} for i in range(n)]
 
 
+def describe(plan: dict[str, list]) -> str:
+    """`GPU 3`, `GPUs 0,1`, `core 5`, `cores 0-7`: a slot as the log names it."""
+    kind, ids = ("GPU", plan["gpus"]) if plan["gpus"] else ("core", plan["cpus"])
+    span = len(ids) > 2 and [int(i) for i in ids] == list(range(int(ids[0]), int(ids[0]) + len(ids)))
+    return f"{kind}{'s' if len(ids) > 1 else ''} " + (f"{ids[0]}-{ids[-1]}" if span else ",".join(map(str, ids)))
+
+
 def visible_gpus(accelerator: Any) -> list[str]:
     """The GPUs a slot can take (`CUDA_VISIBLE_DEVICES` order), none when the trainer runs on the CPU."""
     if str(accelerator) == "cpu":
@@ -82,14 +91,17 @@ def pin_job() -> None:
     """In a job's process, before Hydra runs it: its slot's cores and threads (the env already holds
     `CUDA_VISIBLE_DEVICES` and `OMP_NUM_THREADS`); a signal before training starts ends the job at once, nothing
     to save (submitit's own SIGTERM handler would only log it, and the job would run to its end)."""
-    slot, _, cores = os.environ.get(SLOT_ENV, "").partition(":")
-    if cores:
-        cpus = {int(c) for c in cores.split(",")}
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
+    cores = os.environ.get(SLOT_ENV, "").partition(":")[2]
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    if threads := os.environ.get("OMP_NUM_THREADS"):
         import torch
 
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", len(cpus))))
+        torch.set_num_threads(int(threads))
+
+    # A job on several devices: Lightning starts its extra processes as `python -m <__main__'s module> <argv>`
+    # (multirun.py makes the argv the job's own); here __main__ is submitit's job runner, so name the training app.
+    sys.modules["__main__"].__spec__ = importlib.util.find_spec("steadylm.train")
 
     def before_training(signum: int, frame: Any) -> None:
         raise SystemExit(PREEMPTED_EXIT)  # the Preemption callback replaces this once training starts
@@ -121,12 +133,12 @@ class Stop:
 
 
 @contextmanager
-def job_env(slot: int, plan: dict[str, list]) -> Iterator[None]:
-    """What a job started now inherits: its slot, its cores and thread count, and SIGINT ignored (a terminal's Ctrl-C
-    reaches the whole process group; submitit's job controller would kill its job on it instead of forwarding)."""
+def job_env(slot: int, plan: dict[str, list], pin: bool) -> Iterator[None]:
+    """What a job started now inherits: its slot, its thread count and (`pin`) its cores, and SIGINT ignored (a
+    terminal's Ctrl-C reaches the whole process group; submitit's job controller would kill its job on it)."""
     saved = {k: os.environ.get(k) for k in (SLOT_ENV, "OMP_NUM_THREADS")}
     cpus = plan["cpus"]
-    os.environ[SLOT_ENV] = f"{slot}:{','.join(map(str, cpus))}"
+    os.environ[SLOT_ENV] = f"{slot}:{','.join(map(str, cpus)) if pin else ''}"
     if cpus:
         threads = min(len(cpus), int(saved["OMP_NUM_THREADS"] or len(cpus)))
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -143,13 +155,15 @@ def job_env(slot: int, plan: dict[str, list]) -> Iterator[None]:
 
 
 class ParallelLauncher(LocalLauncher):
-    def __init__(self, slots: Any = None, devices: Any = 1, accelerator: Any = "auto", **params: Any) -> None:
+    def __init__(
+        self, slots: Any = None, pin_cores: bool = True, devices: Any = 1, accelerator: Any = "auto", **params: Any
+    ) -> None:
         if LocalLauncher.__module__.startswith("hydra.plugins"):
             exit_with(
                 ConfigError('hydra/launcher=parallel needs hydra-submitit-launcher: pip install -e ".[parallel]"')
             )
         super().__init__(**params)
-        self.slots, self.devices, self.accelerator = slots, devices, accelerator
+        self.slots, self.pin_cores, self.devices, self.accelerator = slots, bool(pin_cores), devices, accelerator
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # in the job's own process
         pin_job()
@@ -168,9 +182,9 @@ class ParallelLauncher(LocalLauncher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         executor = submitit.LocalExecutor(folder=self.params["submitit_folder"], max_num_timeout=0)
-        keep = ("timeout_min", "signal_delay_s", "tasks_per_node", "setup")
+        keep = ("timeout_min", "signal_delay_s", "setup")  # one task a job: Lightning starts a job's extra processes
         executor.update_parameters(**{k: v for k, v in self.params.items() if k in keep and v is not None})
-        where = [", ".join(f"GPU {g}" for g in p["gpus"]) or f"cores {p['cpus'][0]}-{p['cpus'][-1]}" for p in plans]
+        where = [describe(p) for p in plans]
         log.info(
             "parallel sweep: %d jobs on %d slots (%s) in %s",
             len(job_overrides),
@@ -187,7 +201,7 @@ class ParallelLauncher(LocalLauncher):
                     slot, (idx, overrides) = free.pop(0), queue.popleft()
                     gpus = [int(g) for g in plans[slot]["gpus"]]
                     executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
-                    with job_env(slot, plans[slot]):
+                    with job_env(slot, plans[slot], self.pin_cores):
                         args = (list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
                         job = executor.submit(self, *args)
                     log.info(
@@ -199,8 +213,9 @@ class ParallelLauncher(LocalLauncher):
                     log.warning("%s: stopping %d running jobs, %d not started", name, len(running), len(queue))
                     queue.clear()
                     told = True
-                    for job, _, _ in running.values():
-                        job._process.send_signal(signal.SIGTERM)  # the controller forwards it to its job
+                    for job, _, _ in running.values():  # a local job's id is its controller's pid
+                        with suppress(ProcessLookupError):
+                            os.kill(int(job.job_id), signal.SIGTERM)  # the controller forwards it to its job
                 for idx, (job, slot, overrides) in list(running.items()):
                     if job.done():
                         results[idx] = self._result(job, idx, overrides, sweep_dir)
@@ -212,22 +227,28 @@ class ParallelLauncher(LocalLauncher):
         return [results[i] for i in sorted(results)]
 
     def _result(self, job: Any, idx: int, overrides: list[str], sweep_dir: Path) -> Any:
-        """The job's JobReturn; a job that failed (it raised before training, exited, was killed) is logged and the
-        sweep goes on: its folder has no result.json, so the summary lists it as missing."""
+        """The job's JobReturn. A job that failed (raised, exited, was killed) is logged and the sweep goes on: the
+        summary lists it as missing (no result.json); one a signal stopped said so in its result.json."""
         from hydra.core.utils import JobReturn, JobStatus
+        from submitit.core.utils import UncompletedJobError
 
+        result = sweep_dir / str(idx) / "result.json"
         try:
             ret = job.results()[0]
-            if ret.status != JobStatus.FAILED:
-                return ret
-            said = f"{type(ret._return_value).__name__}: {ret._return_value}"
-        except Exception:
-            stderr = job.paths.stderr.read_text().strip().splitlines() if job.paths.stderr.is_file() else []
-            said = next((line for line in reversed(stderr) if line.startswith("error: ")), "")
-            if (sweep_dir / str(idx) / "result.json").is_file():  # preempted (exit 75): it said so in its result
-                said = None
-        if said is not None:
-            log.error("job %d failed%s; its log: %s", idx, f" ({said})" if said else "", job.paths.stderr)
+            _ = ret.return_value  # a job that raised: Hydra's FAILED status raises it here
+            log.info(
+                "job %d finished: %s", idx, json.loads(result.read_text())["status"] if result.is_file() else "done"
+            )
+            return ret
+        except UncompletedJobError:  # its process ended without a result: a signal (75), a user's mistake (2), a kill
+            lines = job.paths.stderr.read_text().splitlines() if job.paths.stderr.is_file() else []
+            said = next((line for line in reversed(lines) if line.startswith(("error: ", "preempted: "))), "no result")
+        except Exception as err:
+            said = f"{type(err).__name__}: {err}"
+        if said.startswith("preempted: "):
+            log.info("job %d stopped: %s", idx, said)
+        else:
+            log.error("job %d failed (%s); its log: %s", idx, said, job.paths.stderr)
         value = float("nan") if self.config.get("optimized_metric") else None
         return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=value)
 
