@@ -103,9 +103,10 @@ def config_values() -> dict[str, object]:
     sources += [OmegaConf.load(ROOT / "conf" / f"{n}.yaml") for n in own]
     for source in sources:
         values.update({k: v for k, v in _values(source).items() if k not in values})
-    # The SLURM launcher's keys from its file: composing it needs the optional submitit plugin.
-    slurm = _values(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml"), "hydra.launcher.")
-    values.update({k: v for k, v in slurm.items() if k not in values})
+    # The launchers' keys from their files: composing them needs the optional submitit plugin.
+    for launcher in ("slurm", "parallel"):
+        keys = _values(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / f"{launcher}.yaml"), "hydra.launcher.")
+        values.update({k: v for k, v in keys.items() if k not in values})
     return values
 
 

@@ -1,11 +1,12 @@
-"""`hydra/launcher=parallel`: a sweep's jobs side by side on one machine, one device slot each, the rest queued.
+"""`hydra/launcher=parallel` (the class: `hydra_plugins/steadylm_parallel.py`): a sweep's jobs side by side on one
+machine, one device slot each, the rest queued.
 
 submitit's local executor (through hydra-submitit-launcher's `LocalLauncher`) runs each job in a process of its own
 with Hydra's job folder and return value, as on SLURM. This adds what it lacks: at most `slots` jobs at once, each
 pinned to its slot (its GPUs through `CUDA_VISIBLE_DEVICES`; on a CPU its share of the cores: affinity and thread
 count), and a signal to the sweep forwarded to every running job, which stops at a step boundary with
-`preempted.ckpt`; then the summary so far and exit 75, as a sequential sweep. Loaded by Hydra's plugin scan (through
-`hydra_plugins/steadylm_parallel.py`), so nothing heavy at import; it never trains.
+`preempted.ckpt`; then the summary so far and exit 75, as a sequential sweep. Loaded by a parallel sweep and its
+jobs only, never by training; it never trains.
 """
 
 from __future__ import annotations
@@ -24,11 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from steadylm.errors import ConfigError, exit_with, is_int
-
-try:
-    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
-except ImportError:  # the `parallel` extra is not installed: the launcher says so when it is chosen
-    from hydra.plugins.launcher import Launcher as LocalLauncher
 
 log = logging.getLogger("steadylm")
 
@@ -154,114 +150,97 @@ def job_env(slot: int, plan: dict[str, list], pin: bool) -> Iterator[None]:
                 os.environ[k] = v
 
 
-class ParallelLauncher(LocalLauncher):
-    def __init__(
-        self, slots: Any = None, pin_cores: bool = True, devices: Any = 1, accelerator: Any = "auto", **params: Any
-    ) -> None:
-        if LocalLauncher.__module__.startswith("hydra.plugins"):
-            exit_with(
-                ConfigError('hydra/launcher=parallel needs hydra-submitit-launcher: pip install -e ".[parallel]"')
-            )
-        super().__init__(**params)
-        self.slots, self.pin_cores, self.devices, self.accelerator = slots, bool(pin_cores), devices, accelerator
+def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+    import submitit
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import filter_overrides
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # in the job's own process
-        pin_job()
-        return super().__call__(*args, **kwargs)
+    try:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        plans = plan_slots(launcher.slots, launcher.devices, visible_gpus(launcher.accelerator), cpus)
+    except ConfigError as err:
+        exit_with(err)
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    executor = submitit.LocalExecutor(folder=launcher.params["submitit_folder"], max_num_timeout=0)
+    keep = ("timeout_min", "signal_delay_s", "setup")  # one task a job: Lightning starts a job's extra processes
+    executor.update_parameters(**{k: v for k, v in launcher.params.items() if k in keep and v is not None})
+    where = [describe(p) for p in plans]
+    log.info(
+        "parallel sweep: %d jobs on %d slots (%s) in %s",
+        len(job_overrides),
+        len(plans),
+        "; ".join(where),
+        sweep_dir,
+    )
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-        import submitit
-        from hydra.core.singleton import Singleton
-        from hydra.core.utils import filter_overrides
+    queue = deque(enumerate(job_overrides, initial_job_idx))
+    free, running, results, told = list(range(len(plans))), {}, {}, False
+    with Stop() as stop:
+        while queue or running:
+            while queue and free and not stop.signum:
+                slot, (idx, overrides) = free.pop(0), queue.popleft()
+                gpus = [int(g) for g in plans[slot]["gpus"]]
+                executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
+                with job_env(slot, plans[slot], launcher.pin_cores):
+                    args = (list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
+                    job = executor.submit(launcher, *args)
+                log.info("job %d on slot %d (%s): %s", idx, slot, where[slot], " ".join(filter_overrides(overrides)))
+                running[idx] = (job, slot, list(overrides))
+            if stop.signum and not told:  # jobs not started stay so; resume=auto starts them
+                name = signal.Signals(stop.signum).name
+                log.warning("%s: stopping %d running jobs, %d not started", name, len(running), len(queue))
+                queue.clear()
+                told = True
+                for job, _, _ in running.values():  # a local job's id is its controller's pid
+                    with suppress(ProcessLookupError):
+                        os.kill(int(job.job_id), signal.SIGTERM)  # the controller forwards it to its job
+            for idx, (job, slot, overrides) in list(running.items()):
+                if job.done():
+                    results[idx] = job_result(launcher, job, idx, overrides, sweep_dir)
+                    free.append(slot)
+                    del running[idx]
+            time.sleep(0.2)
+    if stop.signum:
+        stopped(launcher, stop.signum, len(results), len(job_overrides))
+    return [results[i] for i in sorted(results)]
 
-        try:
-            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
-            plans = plan_slots(self.slots, self.devices, visible_gpus(self.accelerator), cpus)
-        except ConfigError as err:
-            exit_with(err)
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        executor = submitit.LocalExecutor(folder=self.params["submitit_folder"], max_num_timeout=0)
-        keep = ("timeout_min", "signal_delay_s", "setup")  # one task a job: Lightning starts a job's extra processes
-        executor.update_parameters(**{k: v for k, v in self.params.items() if k in keep and v is not None})
-        where = [describe(p) for p in plans]
-        log.info(
-            "parallel sweep: %d jobs on %d slots (%s) in %s",
-            len(job_overrides),
-            len(plans),
-            "; ".join(where),
-            sweep_dir,
-        )
 
-        queue = deque(enumerate(job_overrides, initial_job_idx))
-        free, running, results, told = list(range(len(plans))), {}, {}, False
-        with Stop() as stop:
-            while queue or running:
-                while queue and free and not stop.signum:
-                    slot, (idx, overrides) = free.pop(0), queue.popleft()
-                    gpus = [int(g) for g in plans[slot]["gpus"]]
-                    executor.update_parameters(gpus_per_node=len(gpus), visible_gpus=gpus)
-                    with job_env(slot, plans[slot], self.pin_cores):
-                        args = (list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
-                        job = executor.submit(self, *args)
-                    log.info(
-                        "job %d on slot %d (%s): %s", idx, slot, where[slot], " ".join(filter_overrides(overrides))
-                    )
-                    running[idx] = (job, slot, list(overrides))
-                if stop.signum and not told:  # jobs not started stay so; resume=auto starts them
-                    name = signal.Signals(stop.signum).name
-                    log.warning("%s: stopping %d running jobs, %d not started", name, len(running), len(queue))
-                    queue.clear()
-                    told = True
-                    for job, _, _ in running.values():  # a local job's id is its controller's pid
-                        with suppress(ProcessLookupError):
-                            os.kill(int(job.job_id), signal.SIGTERM)  # the controller forwards it to its job
-                for idx, (job, slot, overrides) in list(running.items()):
-                    if job.done():
-                        results[idx] = self._result(job, idx, overrides, sweep_dir)
-                        free.append(slot)
-                        del running[idx]
-                time.sleep(0.2)
-        if stop.signum:
-            self._stopped(stop.signum, len(results), len(job_overrides))
-        return [results[i] for i in sorted(results)]
+def job_result(launcher: Any, job: Any, idx: int, overrides: list[str], sweep_dir: Path) -> Any:
+    """The job's JobReturn. A job that failed (raised, exited, was killed) is logged and the sweep goes on: the
+    summary lists it as missing (no result.json); one a signal stopped said so in its result.json."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from submitit.core.utils import UncompletedJobError
 
-    def _result(self, job: Any, idx: int, overrides: list[str], sweep_dir: Path) -> Any:
-        """The job's JobReturn. A job that failed (raised, exited, was killed) is logged and the sweep goes on: the
-        summary lists it as missing (no result.json); one a signal stopped said so in its result.json."""
-        from hydra.core.utils import JobReturn, JobStatus
-        from submitit.core.utils import UncompletedJobError
+    result = sweep_dir / str(idx) / "result.json"
+    try:
+        ret = job.results()[0]
+        _ = ret.return_value  # a job that raised: Hydra's FAILED status raises it here
+        log.info("job %d finished: %s", idx, json.loads(result.read_text())["status"] if result.is_file() else "done")
+        return ret
+    except UncompletedJobError:  # its process ended without a result: a signal (75), a user's mistake (2), a kill
+        lines = job.paths.stderr.read_text().splitlines() if job.paths.stderr.is_file() else []
+        said = next((line for line in reversed(lines) if line.startswith(("error: ", "preempted: "))), "no result")
+    except Exception as err:
+        said = f"{type(err).__name__}: {err}"
+    if said.startswith("preempted: "):
+        log.info("job %d stopped: %s", idx, said)
+    else:
+        log.error("job %d failed (%s); its log: %s", idx, said, job.paths.stderr)
+    value = float("nan") if launcher.config.get("optimized_metric") else None
+    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=value)
 
-        result = sweep_dir / str(idx) / "result.json"
-        try:
-            ret = job.results()[0]
-            _ = ret.return_value  # a job that raised: Hydra's FAILED status raises it here
-            log.info(
-                "job %d finished: %s", idx, json.loads(result.read_text())["status"] if result.is_file() else "done"
-            )
-            return ret
-        except UncompletedJobError:  # its process ended without a result: a signal (75), a user's mistake (2), a kill
-            lines = job.paths.stderr.read_text().splitlines() if job.paths.stderr.is_file() else []
-            said = next((line for line in reversed(lines) if line.startswith(("error: ", "preempted: "))), "no result")
-        except Exception as err:
-            said = f"{type(err).__name__}: {err}"
-        if said.startswith("preempted: "):
-            log.info("job %d stopped: %s", idx, said)
-        else:
-            log.error("job %d failed (%s); its log: %s", idx, said, job.paths.stderr)
-        value = float("nan") if self.config.get("optimized_metric") else None
-        return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=value)
 
-    def _stopped(self, signum: int, done: int, total: int) -> None:
-        """After a signal: the summary of the jobs so far (Hydra's end-of-multirun callbacks), one line, exit 75."""
-        from hydra.utils import instantiate
+def stopped(launcher: Any, signum: int, done: int, total: int) -> None:
+    """After a signal: the summary of the jobs so far (Hydra's end-of-multirun callbacks), one line, exit 75."""
+    from hydra.utils import instantiate
 
-        for node in reversed(list((self.config.hydra.get("callbacks") or {}).values())):
-            instantiate(node).on_multirun_end(config=self.config)
-        print(
-            f"preempted: {signal.Signals(signum).name} stopped the parallel sweep ({done} of {total} jobs stopped or "
-            "done); rerun the same command with resume=auto to continue it",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(PREEMPTED_EXIT)
+    for node in reversed(list((launcher.config.hydra.get("callbacks") or {}).values())):
+        instantiate(node).on_multirun_end(config=launcher.config)
+    print(
+        f"preempted: {signal.Signals(signum).name} stopped the parallel sweep ({done} of {total} jobs stopped or "
+        "done); rerun the same command with resume=auto to continue it",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(PREEMPTED_EXIT)
