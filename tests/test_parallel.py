@@ -57,7 +57,7 @@ def test_slots_default_to_gpus_over_devices_and_to_one_on_a_cpu():
     gpus = ["0", "1", "2", "3"]
     assert [s["gpus"] for s in plan_slots(None, 1, gpus, [0])] == [["0"], ["1"], ["2"], ["3"]]
     assert [s["gpus"] for s in plan_slots(None, 2, gpus, [0])] == [["0", "1"], ["2", "3"]]
-    assert [s["gpus"] for s in plan_slots(None, "auto", gpus, [0])] == [gpus]  # all GPUs to one job at a time
+    assert [s["gpus"] for s in plan_slots(None, "auto", gpus, [0])] == [["0"], ["1"], ["2"], ["3"]]  # one a job
     assert [s["gpus"] for s in plan_slots(2, "auto", gpus, [0])] == [["0", "1"], ["2", "3"]]
     assert [s["gpus"] for s in plan_slots(1, 1, ["4", "6"], [0])] == [["4"]]  # CUDA_VISIBLE_DEVICES=4,6 kept
     assert plan_slots(None, 1, [], [0, 1, 2, 3]) == [{"gpus": [], "cpus": [0, 1, 2, 3]}]

@@ -35,14 +35,15 @@ PREEMPTED_EXIT = 75  # as steadylm.requeue (not imported: it loads the training 
 
 def plan_slots(slots: Any, devices: Any, gpus: list[str], cpus: list[int]) -> list[dict[str, list]]:
     """Each slot's GPUs (when there are any) or CPU cores; a value that cannot work is a ConfigError.
-    GPUs: `slots` defaults to GPUs // `trainer.devices` (`auto`: all of them, one slot). CPU: one slot by default
+    GPUs: `slots` defaults to GPUs // `trainer.devices` (`auto`: one GPU a job, the job's `auto` then sees the one).
+    CPU: one slot by default
     (every core to one job at a time, as a sequential sweep); `slots=N` splits the cores evenly."""
     if slots is not None and (not is_int(slots) or slots < 1):
         raise ConfigError(f"hydra.launcher.slots={slots!r} must be a whole number >= 1 (or null for the default)")
     if gpus:
-        per = devices if is_int(devices) and devices > 0 else None  # auto / -1: all GPUs over the slots
+        per = devices if is_int(devices) and devices > 0 else None  # auto / -1: one GPU a job, or all over `slots`
         if per is None:
-            per = max(1, len(gpus) // (slots or 1))
+            per = max(1, len(gpus) // slots) if slots else 1
         if per > len(gpus) or (slots or 1) * per > len(gpus):
             raise ConfigError(
                 f"hydra.launcher.slots={slots or 1} x trainer.devices={per} needs {(slots or 1) * per} GPUs, "
