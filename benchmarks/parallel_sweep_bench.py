@@ -8,10 +8,11 @@ embedded corpus. The two run in pairs, interleaved (sequence first in even pairs
 machine whose speed drifts moves both; each pair gives the wall time ratio parallel / sequence, and the last line
 their mean with a 95 % t-interval over the pairs; the same for CPU time (every process each command started), which
 shows what the parallel launcher adds: a process start per job (Python, torch, Lightning, the config) where the
-sequence starts one. Every sweep's summary must list 4 finished jobs. On 2 otherwise idle cores the wall ratio tends
-to 0.5 as jobs grow longer than their start; on busy cores a second job adds little.
+sequence starts one. Every sweep's summary must list 4 finished jobs. First it measures what two one-thread processes
+at once get done against one (2.00 on two idle cores): the wall ratio tends to 1 / that as jobs grow longer than
+their start, 0.5 on two idle cores.
 
-Usage: python benchmarks/parallel_sweep_bench.py [--pairs 3] [--steps 150] [--json FILE]
+Usage: python benchmarks/parallel_sweep_bench.py [--pairs 3] [--steps 2000] [--json FILE]
 """
 
 from __future__ import annotations
@@ -66,10 +67,24 @@ def sweep(args: list[str], root: Path) -> tuple[float, float]:
     return wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime)
 
 
+SPIN = "import time; t = time.perf_counter(); x = 0\nfor i in range(20_000_000): x += i\nprint(time.perf_counter() - t)"
+
+
+def capacity() -> float:
+    """What two one-thread processes at once get done against one alone (2.0 on two idle cores): the most a parallel
+    sweep on 2 slots can gain on the cores at hand."""
+
+    def spin(n: int) -> float:
+        procs = [subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        return max(float(p.communicate()[0]) for p in procs)
+
+    return statistics.median(2 * spin(1) / spin(2) for _ in range(3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,6 +97,7 @@ def main() -> None:
             f"trainer.val_check_interval={opts.steps}",
         ]
         kinds = {"sequence": job, "parallel": [*job, "hydra/launcher=parallel", "hydra.launcher.slots=2"]}
+        print(f"two processes at once do {capacity():.2f}x the work of one (2.00 on two idle cores)")
         print(f"4 jobs x {opts.steps} steps, 1 thread each; {opts.pairs} pairs, interleaved")
         rows = []
         for pair in range(opts.pairs):
