@@ -167,3 +167,17 @@ def test_a_parallel_job_on_two_processes_runs_that_job_only(shards_dir, tmp_path
         assert sorted(p.name for p in (sweep / job).glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
         assert json.loads((sweep / job / "result.json").read_text())["status"] == "ok"
     assert f"sweep summary: {sweep / 'summary.md'} (2 jobs, 0 unstable, 0 diverged)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_optuna_trials_run_side_by_side(shards_dir, tmp_path):
+    """`hydra.sweeper.n_jobs=2` hands the launcher two trials at a time; the sweeper gets every trial's val/loss."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional extra: pip install -e '.[sweep]'")
+    search = ["hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2"]
+    args = [*search, "hydra.sweeper.sampler.n_startup_trials=2", "hydra/launcher=parallel", "hydra.launcher.slots=2"]
+    proc = run_cli(*args, "trainer=cpu", f"data.dir={shards_dir}", *CLI_TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    values = [json.loads((sweep / str(i) / "result.json").read_text())["val_loss"] for i in range(4)]
+    assert f"best_value: {min(values)}" in (sweep / "optimization_results.yaml").read_text()
+    assert "parallel sweep: 2 jobs on 2 slots" in proc.stdout + proc.stderr  # each batch of two trials
