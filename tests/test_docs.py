@@ -103,9 +103,12 @@ def config_values() -> dict[str, object]:
     sources += [OmegaConf.load(ROOT / "conf" / f"{n}.yaml") for n in own]
     for source in sources:
         values.update({k: v for k, v in _values(source).items() if k not in values})
-    # The SLURM launcher's keys from its file: composing it needs the optional submitit plugin.
-    slurm = _values(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml"), "hydra.launcher.")
-    values.update({k: v for k, v in slurm.items() if k not in values})
+    # The launchers' and Optuna's keys from their files: composing them needs the optional plugins.
+    for launcher in ("slurm", "parallel"):
+        keys = _values(OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / f"{launcher}.yaml"), "hydra.launcher.")
+        values.update({k: v for k, v in keys.items() if k not in values})
+    optuna = _values(OmegaConf.load(ROOT / "conf" / "hparams_search" / "lr_optuna.yaml"))  # global, optional plugin
+    values.update({k: v for k, v in optuna.items() if k not in values})
     return values
 
 

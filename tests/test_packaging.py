@@ -40,6 +40,7 @@ def test_the_wheel_ships_conf_and_composes_outside_the_repo(tmp_path):
     module, conf, shape = proc.stdout.strip().splitlines()
     assert module.startswith(str(site)) and conf == str(site / "steadylm" / "conf")
     assert shape == "2048 bpe"  # an experiment's overrides on top of a preset, all from the wheel
+    assert (site / "hydra_plugins" / "steadylm_parallel.py").is_file()  # hydra/launcher=parallel's registration
     proc = subprocess.run(
         [sys.executable, "-m", "steadylm.doctor", "--help"],
         cwd=elsewhere,

@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from steadylm.distributed import SWEEP_JOB_ENV, in_multirun, is_rank_zero_process
+from steadylm.parallel import SLOT_ENV
 from steadylm.preemption import Preemption
 
 log = logging.getLogger("steadylm")
@@ -52,17 +53,17 @@ def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
 
 def finish_preempted(cfg, preemption: Preemption) -> None:
     """After result.json: one line, the requeue, exit 75. A multirun ends too (the signal was for the process), after
-    the `on_multirun_end` of its `hydra.callbacks` (the sweep summary), which Hydra never reaches; a submitit job's
-    sweep is summarised by its submitting process."""
+    the `on_multirun_end` of its `hydra.callbacks` (the sweep summary), which Hydra never reaches; the sweep of a job
+    that submitit requeues, or of a parallel sweep's job, is summarised by its submitting process."""
     record = preemption.record
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-        script = "train.py" if record["requeue"] == "submitit" else sys.argv[0] or "train.py"  # not submitit's
+        script = "train.py" if os.environ.get("SUBMITIT_EXECUTOR") else sys.argv[0] or "train.py"  # not submitit's
         command = resume_command(str(cfg.paths.output_dir), overrides, script)
         saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
         line = f"preempted: {record['signal']} at step {record['step']}, {saved}; resume with: {command}"
         print(line + requeue(record, dict(os.environ)), file=sys.stderr, flush=True)
-        if in_multirun() and record["requeue"] != "submitit":
+        if in_multirun() and record["requeue"] != "submitit" and not os.environ.get(SLOT_ENV):
             config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
             for node in reversed(list((config.hydra.get("callbacks") or {}).values())):
                 instantiate(node).on_multirun_end(config=config)
