@@ -210,14 +210,16 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
             if "sp" in res:
                 sp = min(res["sp"].values())
                 cells = [f"{steps}", f"{width}", f"{sp:.4f} at {MUP_LR * 2.0 ** min(res['sp'], key=res['sp'].get):.3g}"]
+                cells.append("not run")  # an arm left out of --arms keeps its column
                 if "mup" in res:
                     k = min(res["mup"], key=res["mup"].get)
-                    cells.append(
+                    cells[-1] = (
                         f"{res['mup'][k]:.4f} at {MUP_LR * 2.0**k:.3g} ({100 * (res['mup'][k] / sp - 1):+.1f} %)"
                     )
+                cells.append("not run")
                 if "default" in res:
                     lr, loss = res["default"]
-                    cells.append(f"{loss:.4f} at {lr:.3g} ({100 * (loss / sp - 1):+.1f} %)")
+                    cells[-1] = f"{loss:.4f} at {lr:.3g} ({100 * (loss / sp - 1):+.1f} %)"
                 rows.append("| " + " | ".join(cells) + " |")
                 print(rows[-1], flush=True)
     print(f"\n4-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}")
