@@ -1,6 +1,7 @@
 """Does the default parametrisation at its default LR train as well as SP at SP's own best LR, at every width?
 
 `python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--json FILE]`
+`python benchmarks/mup_vs_sp.py --table FILE [FILE ...]` (no runs: the table of runs saved by --json)
 `python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0] [--parts 0,2,3] [--at 0]`
 
 Per width (GPT-2 family, `--layers` deep, `--heads` heads) and run length, on the embedded corpus (bytes), the
@@ -56,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--parts", default=None, help="--ablate: which, by number (0 sp, 1.. the ablations, then base)")
     ap.add_argument("--at", type=int, default=None, help="--ablate: each part at this log2(LR / 2e-3) only, no walk")
     ap.add_argument("--json", default=None, help="every run, appended as it ends (one JSON object a line)")
+    ap.add_argument("--table", nargs="+", default=None, help="no runs: the table of these --json files' runs")
     return ap.parse_args()
 
 
@@ -113,7 +115,7 @@ ABLATIONS = {
 
 class Bench:
     def __init__(self, args):
-        self.args, self.t0 = args, time.time()
+        self.args, self.t0, self.rows = args, time.time(), []
         self.seeds = [int(s) for s in args.seeds.split(",")]
         train, val = windows(args.context)
         idx = list(range(min(len(val), args.val_windows)))
@@ -146,6 +148,8 @@ class Bench:
             loss = held_out_loss(model, o, steps, self.args.batch, self.train, self.val, seed, tweak=fix)
             losses.append(loss)
             row = dict(arm=arm, width=model["d_model"], steps=steps, lr=o["lr"], seed=seed, loss=loss)
+            row["parametrization"] = model["parametrization"]
+            self.rows.append(row)
             print(
                 f"  {arm:28} d{model['d_model']} {steps} steps lr {o['lr']:.3g} seed {seed}: {loss:.4f} "
                 f"({time.time() - t:.0f}s, {time.time() - self.t0:.0f}s in all)",
@@ -153,7 +157,7 @@ class Bench:
             )
             if self.args.json:
                 with open(self.args.json, "a") as f:
-                    f.write(json.dumps({**row, "parametrization": model["parametrization"]}) + "\n")
+                    f.write(json.dumps(row) + "\n")
         return sum(losses) / len(losses)
 
     def at(self, arm: str, model: dict, steps: int, tweak=None, k: int | None = None) -> dict[int, float]:
@@ -191,41 +195,76 @@ def summary(name: str, runs: dict[int, float]) -> str:
 
 def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
     args = bench.args
-    start = {"sp": args.sp_start, "mup": 0}
-    rows = []
     for steps in lengths:
         for width in widths:
-            res: dict[str, dict[int, float] | float] = {}
             for arm in args.arms.split(","):
                 if arm == "default":
                     model, optim = default_config(width, args.heads, args.layers, args.context)
-                    res[arm] = (optim["lr"], bench.point("default", model, optim, steps))
+                    bench.point("default", model, optim, steps)
                 elif arm == "mup" and args.mup_default_only:
-                    res[arm] = {0: bench.point(arm, bench.model(width, arm), adamw(), steps)}
-                else:  # sp from the default LR's octave (the width rule's), mup from its own default
+                    bench.point(arm, bench.model(width, arm), adamw(), steps)
+                else:  # sp from the default LR's octave (the width rule's) or --sp-start, mup from its own default
                     lr = default_config(width, args.heads, args.layers, args.context)[1]["lr"]
-                    first = round(math.log2(lr / MUP_LR)) if arm == "sp" and args.sp_start is None else start[arm]
-                    res[arm] = bench.walked(arm, bench.model(width, arm), steps, first)
-                    print(summary(f"{arm} d{width} {steps} steps", res[arm]), flush=True)
-            if "sp" in res:
-                sp = min(res["sp"].values())
-                cells = [f"{steps}", f"{width}", f"{sp:.4f} at {MUP_LR * 2.0 ** min(res['sp'], key=res['sp'].get):.3g}"]
-                cells.append("not run")  # an arm left out of --arms keeps its column
-                if "mup" in res:
-                    k = min(res["mup"], key=res["mup"].get)
-                    cells[-1] = (
-                        f"{res['mup'][k]:.4f} at {MUP_LR * 2.0**k:.3g} ({100 * (res['mup'][k] / sp - 1):+.1f} %)"
-                    )
-                cells.append("not run")
-                if "default" in res:
-                    lr, loss = res["default"]
-                    cells[-1] = f"{loss:.4f} at {lr:.3g} ({100 * (loss / sp - 1):+.1f} %)"
-                rows.append("| " + " | ".join(cells) + " |")
-                print(rows[-1], flush=True)
-    print(f"\n4-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}")
-    print("| steps | width | sp, best | mup, best | default |")
-    print("| --- | --- | --- | --- | --- |")
-    print("\n".join(rows))
+                    first = round(math.log2(lr / MUP_LR)) if args.sp_start is None else args.sp_start
+                    runs = bench.walked(arm, bench.model(width, arm), steps, first if arm == "sp" else 0)
+                    print(summary(f"{arm} d{width} {steps} steps", runs), flush=True)
+    print(f"\n{args.layers}-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}")
+    print(table(bench.rows))
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of `rows` (one run each, as --json writes them): per length and width, each point the
+    mean over the seeds that ran it; the gaps are against sp's best grid point, with each seed's own in brackets."""
+    runs: dict[tuple, dict[int, dict[int, float]]] = {}  # (steps, width, arm) -> log2(LR / 2e-3) -> seed -> loss
+    default: dict[tuple, tuple[float, dict[int, float]]] = {}
+    for r in rows:
+        if r["arm"] == "default":
+            default.setdefault((r["steps"], r["width"]), (r["lr"], {}))[1][r["seed"]] = r["loss"]
+        elif r["arm"] in ("sp", "mup"):
+            k = round(math.log2(r["lr"] / MUP_LR))
+            runs.setdefault((r["steps"], r["width"], r["arm"]), {}).setdefault(k, {})[r["seed"]] = r["loss"]
+
+    def grid(key) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+        per = runs.get(key, {})
+        seeds = set().union(*per.values()) if per else set()
+        return {k: sum(v.values()) / len(v) for k, v in per.items() if set(v) == seeds}, per
+
+    def gap(loss: float, of: dict[int, float], ref: float, ref_of: dict[int, float]) -> str:
+        each = ", ".join(f"{100 * (of[s] / ref_of[s] - 1):+.1f}" for s in sorted(of) if s in ref_of)
+        return f"({100 * (loss / ref - 1):+.1f} % [{each}])"
+
+    lines = [
+        "| steps | width | seeds | sp, best grid LR | default: its LR | mup at 2e-3 (its default) | mup, best grid LR |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for steps, width in sorted({k[:2] for k in runs} | set(default)):
+        sp, sp_per = grid((steps, width, "sp"))
+        mup, mup_per = grid((steps, width, "mup"))
+        if not sp:
+            continue
+        best = min(sp, key=sp.get)
+        edge = "" if best - 1 in sp and best + 1 in sp else ", on the grid's edge"
+        seeds = sorted(sp_per[best])
+        sp_best = {s: min(v[s] for v in sp_per.values() if s in v) for s in seeds}  # each seed's own best
+        cells = [f"{steps}", f"{width}", ",".join(map(str, seeds))]
+        cells.append(
+            f"{sp[best]:.4f} at {MUP_LR * 2.0**best:.3g} (vertex {MUP_LR * 2.0 ** best_log2_lr(sp)[0]:.2g}{edge})"
+        )
+        if (steps, width) in default:
+            lr, of = default[(steps, width)]
+            loss = sum(of.values()) / len(of)
+            cells.append(f"{loss:.4f} at {lr:.3g} {gap(loss, of, sp[best], sp_best)}")
+        else:
+            cells.append("not run")
+        cells.append(f"{mup[0]:.4f} {gap(mup[0], mup_per[0], sp[best], sp_best)}" if 0 in mup else "not run")
+        if mup:
+            k = min(mup, key=mup.get)
+            edge = "" if k - 1 in mup and k + 1 in mup else ", on the grid's edge"
+            cells.append(f"{mup[k]:.4f} at {MUP_LR * 2.0**k:.3g} {gap(mup[k], mup_per[k], sp[best], sp_best)}{edge}")
+        else:
+            cells.append("not run")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def ablate(bench: Bench, width: int, steps: int) -> None:
@@ -267,6 +306,9 @@ def ablate(bench: Bench, width: int, steps: int) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.table:
+        print(table([json.loads(line) for path in args.table for line in open(path) if line.strip()]))
+        return
     torch.set_num_threads(1)
     widths = [int(w) for w in args.widths.split(",")]
     lengths = [int(s) for s in args.steps.split(",")]

@@ -1,0 +1,39 @@
+"""`benchmarks/mup_vs_sp.py --table` turns saved runs into docs/model.md's table: the means over seeds, each gap
+against sp's best grid point, each seed's own gap against that seed's best, and a best on the grid's edge marked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "mup_vs_sp.py"
+
+
+def run(arm: str, lr: float, seed: int, loss: float, width: int = 512) -> dict:
+    return dict(arm=arm, width=width, steps=300, lr=lr, seed=seed, loss=loss, parametrization="sp")
+
+
+def test_table_means_seeds_and_gives_each_seeds_gap(tmp_path):
+    rows = [
+        run("sp", 2.5e-4, 0, 2.2), run("sp", 5e-4, 0, 2.0), run("sp", 1e-3, 0, 2.15),
+        run("sp", 2.5e-4, 1, 2.3), run("sp", 5e-4, 1, 2.2), run("sp", 1e-3, 1, 2.1),
+        run("default", 3.3e-4, 0, 2.02), run("default", 3.3e-4, 1, 2.31),
+        run("mup", 2e-3, 0, 2.2), run("mup", 4e-3, 0, 2.4),
+        run("sp", 1e-3, 0, 3.0, width=256),
+    ]  # fmt: skip
+    saved = tmp_path / "runs.jsonl"
+    saved.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--table", str(saved)], capture_output=True, text=True, check=True
+    ).stdout
+    row = next(line for line in out.splitlines() if line.startswith("| 300 | 512 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "0,1"
+    assert cells[3].startswith("2.1000 at 0.0005 (vertex")  # the best mean, though seed 1 is best at 1e-3
+    assert cells[4] == "2.1650 at 0.00033 (+3.1 % [+1.0, +10.0])"  # seed 1's own best is 2.1, at 1e-3
+    assert cells[5] == "2.2000 (+4.8 % [+10.0])"  # mup ran seed 0 only
+    assert cells[6] == "2.2000 at 0.002 (+4.8 % [+10.0]), on the grid's edge"
+    edge = next(line for line in out.splitlines() if line.startswith("| 300 | 256 |"))
+    assert "on the grid's edge" in edge and edge.count("not run") == 3
