@@ -208,7 +208,9 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
                     first = round(math.log2(lr / MUP_LR)) if args.sp_start is None else args.sp_start
                     runs = bench.walked(arm, bench.model(width, arm), steps, first if arm == "sp" else 0)
                     print(summary(f"{arm} d{width} {steps} steps", runs), flush=True)
-    print(f"\n{args.layers}-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}")
+    print(
+        f"\n{args.layers}-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}"
+    )
     print(table(bench.rows))
 
 
