@@ -1,6 +1,6 @@
 """Does the default parametrisation at its default LR train as well as SP at SP's own best LR, at every width?
 
-`python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--json FILE]`
+`python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--mup-alpha 4] [--json FILE]`
 `python benchmarks/mup_vs_sp.py --table FILE [FILE ...]` (no runs: the table of runs saved by --json)
 `python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0] [--parts 0,2,3] [--at 0]`
 
@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
         "--sp-start", type=int, default=None, help="sp walk's first log2(LR / 2e-3) (default: the default LR's)"
     )
     ap.add_argument("--mup-default-only", action="store_true", help="mup: its default LR only, no walk")
+    ap.add_argument("--mup-alpha", type=float, default=1.0, help="mup: its alpha_output; not 1: an arm of its own")
     ap.add_argument("--ablate", action="store_true", help="muP's parts one at a time (at the first width)")
     ap.add_argument("--parts", default=None, help="--ablate: which, by number (0 sp, 1.. the ablations, then base)")
     ap.add_argument("--at", type=int, default=None, help="--ablate: each part at this log2(LR / 2e-3) only, no walk")
@@ -201,13 +202,16 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
                 if arm == "default":
                     model, optim = default_config(width, args.heads, args.layers, args.context)
                     bench.point("default", model, optim, steps)
-                elif arm == "mup" and args.mup_default_only:
-                    bench.point(arm, bench.model(width, arm), adamw(), steps)
+                    continue
+                model = bench.model(width, arm, **({"mup_output_mult": args.mup_alpha} if arm == "mup" else {}))
+                name = f"mup a{args.mup_alpha:g}" if arm == "mup" and args.mup_alpha != 1.0 else arm
+                if arm == "mup" and args.mup_default_only:
+                    bench.point(name, model, adamw(), steps)
                 else:  # sp from the default LR's octave (the width rule's) or --sp-start, mup from its own default
                     lr = default_config(width, args.heads, args.layers, args.context)[1]["lr"]
                     first = round(math.log2(lr / MUP_LR)) if args.sp_start is None else args.sp_start
-                    runs = bench.walked(arm, bench.model(width, arm), steps, first if arm == "sp" else 0)
-                    print(summary(f"{arm} d{width} {steps} steps", runs), flush=True)
+                    runs = bench.walked(name, model, steps, first if arm == "sp" else 0)
+                    print(summary(f"{name} d{width} {steps} steps", runs), flush=True)
     print(
         f"\n{args.layers}-layer GPT-2, {args.heads} heads, {args.batch} x {args.context} tokens a step, seeds {args.seeds}"
     )
@@ -222,7 +226,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if r["arm"] == "default":
             default.setdefault((r["steps"], r["width"]), (r["lr"], {}))[1][r["seed"]] = r["loss"]
-        elif r["arm"] in ("sp", "mup"):
+        else:  # sp, mup and mup at another alpha ("mup a4")
             k = round(math.log2(r["lr"] / MUP_LR))
             runs.setdefault((r["steps"], r["width"], r["arm"]), {}).setdefault(k, {})[r["seed"]] = r["loss"]
 
@@ -235,13 +239,13 @@ def table(rows: list[dict]) -> str:
         each = ", ".join(f"{100 * (of[s] / ref_of[s] - 1):+.1f}" for s in sorted(of) if s in ref_of)
         return f"({100 * (loss / ref - 1):+.1f} % [{each}])"
 
-    lines = [
-        "| steps | width | seeds | sp, best grid LR | default: its LR | mup at 2e-3 (its default) | mup, best grid LR |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    alphas = sorted({arm for *_, arm in runs if arm.startswith("mup a")})
+    head = ["steps", "width", "seeds", "sp, best grid LR", "default: its LR", "mup at 2e-3 (its default)"]
+    head += ["mup, best grid LR"] + [f"mup, α {a[5:]}, best grid LR" for a in alphas]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for steps, width in sorted({k[:2] for k in runs} | set(default)):
         sp, sp_per = grid((steps, width, "sp"))
-        mup, mup_per = grid((steps, width, "mup"))
+        mup, mup_per = grid((steps, width, "mup"))  # and its default, 2e-3 (k = 0)
         if not sp:
             continue
         best = min(sp, key=sp.get)
@@ -259,12 +263,14 @@ def table(rows: list[dict]) -> str:
         else:
             cells.append("not run")
         cells.append(f"{mup[0]:.4f} {gap(mup[0], mup_per[0], sp[best], sp_best)}" if 0 in mup else "not run")
-        if mup:
-            k = min(mup, key=mup.get)
-            edge = "" if k - 1 in mup and k + 1 in mup else ", on the grid's edge"
-            cells.append(f"{mup[k]:.4f} at {MUP_LR * 2.0**k:.3g} {gap(mup[k], mup_per[k], sp[best], sp_best)}{edge}")
-        else:
-            cells.append("not run")
+        for arm in ["mup", *alphas]:
+            means, per = grid((steps, width, arm))
+            k = min(means, key=means.get, default=None)
+            if k is None:
+                cells.append("not run")
+                continue
+            edge = "" if k - 1 in means and k + 1 in means else ", on the grid's edge"
+            cells.append(f"{means[k]:.4f} at {MUP_LR * 2.0**k:.3g} {gap(means[k], per[k], sp[best], sp_best)}{edge}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

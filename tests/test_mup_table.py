@@ -1,5 +1,6 @@
 """`benchmarks/mup_vs_sp.py --table` turns saved runs into docs/model.md's table: the means over seeds, each gap
-against sp's best grid point, each seed's own gap against that seed's best, and a best on the grid's edge marked."""
+against sp's best grid point, each seed's own gap against that seed's best, a best on the grid's edge marked, and
+muP at another alpha_output in a column of its own."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_table_means_seeds_and_gives_each_seeds_gap(tmp_path):
         run("sp", 2.5e-4, 0, 2.2), run("sp", 5e-4, 0, 2.0), run("sp", 1e-3, 0, 2.15),
         run("sp", 2.5e-4, 1, 2.3), run("sp", 5e-4, 1, 2.2), run("sp", 1e-3, 1, 2.1),
         run("default", 3.3e-4, 0, 2.02), run("default", 3.3e-4, 1, 2.31),
-        run("mup", 2e-3, 0, 2.2), run("mup", 4e-3, 0, 2.4),
+        run("mup", 2e-3, 0, 2.2), run("mup", 4e-3, 0, 2.4), run("mup a4", 2e-3, 0, 2.05),
         run("sp", 1e-3, 0, 3.0, width=256),
     ]  # fmt: skip
     saved = tmp_path / "runs.jsonl"
@@ -35,5 +36,7 @@ def test_table_means_seeds_and_gives_each_seeds_gap(tmp_path):
     assert cells[4] == "2.1650 at 0.00033 (+3.1 % [+1.0, +10.0])"  # seed 1's own best is 2.1, at 1e-3
     assert cells[5] == "2.2000 (+4.8 % [+10.0])"  # mup ran seed 0 only
     assert cells[6] == "2.2000 at 0.002 (+4.8 % [+10.0]), on the grid's edge"
+    assert cells[7] == "2.0500 at 0.002 (-2.4 % [+2.5]), on the grid's edge"  # --mup-alpha 4's own column
+    assert out.splitlines()[0].endswith("| mup, α 4, best grid LR |")
     edge = next(line for line in out.splitlines() if line.startswith("| 300 | 256 |"))
-    assert "on the grid's edge" in edge and edge.count("not run") == 3
+    assert "on the grid's edge" in edge and edge.count("not run") == 4
