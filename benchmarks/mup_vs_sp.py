@@ -269,7 +269,7 @@ def table(rows: list[dict]) -> str:
             if k is None:
                 cells.append("not run")
                 continue
-            edge = "" if k - 1 in means and k + 1 in means else ", on the grid's edge"
+            edge = "" if k - 1 in means and k + 1 in means else ", on the grid's edge" if len(means) > 1 else ", one LR"
             cells.append(f"{means[k]:.4f} at {MUP_LR * 2.0**k:.3g} {gap(means[k], per[k], sp[best], sp_best)}{edge}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
