@@ -218,6 +218,12 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
     print(table(bench.rows))
 
 
+def sci(x: float, digits: int = 3) -> str:
+    """3.33e-4, 2.5e-4, 1e-3: as the docs write an LR."""
+    mantissa, exponent = f"{x:.{digits - 1}e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of `rows` (one run each, as --json writes them): per length and width, each point the
     mean over the seeds that ran it; the gaps are against sp's best grid point, with each seed's own in brackets."""
@@ -254,12 +260,12 @@ def table(rows: list[dict]) -> str:
         sp_best = {s: min(v[s] for v in sp_per.values() if s in v) for s in seeds}  # each seed's own best
         cells = [f"{steps}", f"{width}", ",".join(map(str, seeds))]
         cells.append(
-            f"{sp[best]:.4f} at {MUP_LR * 2.0**best:.3g} (vertex {MUP_LR * 2.0 ** best_log2_lr(sp)[0]:.2g}{edge})"
+            f"{sp[best]:.4f} at {sci(MUP_LR * 2.0**best)} (vertex {sci(MUP_LR * 2.0 ** best_log2_lr(sp)[0], 2)}{edge})"
         )
         if (steps, width) in default:
             lr, of = default[(steps, width)]
             loss = sum(of.values()) / len(of)
-            cells.append(f"{loss:.4f} at {lr:.3g} {gap(loss, of, sp[best], sp_best)}")
+            cells.append(f"{loss:.4f} at {sci(lr)} {gap(loss, of, sp[best], sp_best)}")
         else:
             cells.append("not run")
         cells.append(f"{mup[0]:.4f} {gap(mup[0], mup_per[0], sp[best], sp_best)}" if 0 in mup else "not run")
@@ -270,7 +276,7 @@ def table(rows: list[dict]) -> str:
                 cells.append("not run")
                 continue
             edge = "" if k - 1 in means and k + 1 in means else ", on the grid's edge" if len(means) > 1 else ", one LR"
-            cells.append(f"{means[k]:.4f} at {MUP_LR * 2.0**k:.3g} {gap(means[k], per[k], sp[best], sp_best)}{edge}")
+            cells.append(f"{means[k]:.4f} at {sci(MUP_LR * 2.0**k)} {gap(means[k], per[k], sp[best], sp_best)}{edge}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

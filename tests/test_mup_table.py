@@ -32,11 +32,11 @@ def test_table_means_seeds_and_gives_each_seeds_gap(tmp_path):
     row = next(line for line in out.splitlines() if line.startswith("| 300 | 512 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "0,1"
-    assert cells[3].startswith("2.1000 at 0.0005 (vertex")  # the best mean, though seed 1 is best at 1e-3
-    assert cells[4] == "2.1650 at 0.00033 (+3.1 % [+1.0, +10.0])"  # seed 1's own best is 2.1, at 1e-3
+    assert cells[3].startswith("2.1000 at 5e-4 (vertex")  # the best mean, though seed 1 is best at 1e-3
+    assert cells[4] == "2.1650 at 3.3e-4 (+3.1 % [+1.0, +10.0])"  # seed 1's own best is 2.1, at 1e-3
     assert cells[5] == "2.2000 (+4.8 % [+10.0])"  # mup ran seed 0 only
-    assert cells[6] == "2.2000 at 0.002 (+4.8 % [+10.0]), on the grid's edge"
-    assert cells[7] == "2.0500 at 0.002 (-2.4 % [+2.5]), one LR"  # --mup-alpha 4's own column
+    assert cells[6] == "2.2000 at 2e-3 (+4.8 % [+10.0]), on the grid's edge"
+    assert cells[7] == "2.0500 at 2e-3 (-2.4 % [+2.5]), one LR"  # --mup-alpha 4's own column
     assert out.splitlines()[0].endswith("| mup, α 4, best grid LR |")
     edge = next(line for line in out.splitlines() if line.startswith("| 300 | 256 |"))
     assert "on the grid's edge" in edge and edge.count("not run") == 4
