@@ -40,3 +40,15 @@ def test_table_means_seeds_and_gives_each_seeds_gap(tmp_path):
     assert out.splitlines()[0].endswith("| mup, α 4, best grid LR |")
     edge = next(line for line in out.splitlines() if line.startswith("| 300 | 256 |"))
     assert "on the grid's edge" in edge and edge.count("not run") == 4
+
+
+def test_model_md_table_is_its_saved_runs():
+    """docs/model.md's muP table is what `--table` prints from the runs saved beside it, digit for digit."""
+    docs = BENCH.parents[1] / "docs"
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--table", str(docs / "mup_vs_sp.jsonl")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.count("\n") == 8 and out.strip() in (docs / "model.md").read_text()
