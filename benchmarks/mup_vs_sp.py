@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
 import torch
@@ -241,6 +243,10 @@ def table(rows: list[dict]) -> str:
         seeds = set().union(*per.values()) if per else set()
         return {k: sum(v.values()) / len(v) for k, v in per.items() if set(v) == seeds}, per
 
+    def best_of(means: dict[int, float]) -> tuple[int, str]:
+        k = min(means, key=means.get)
+        return k, "" if k - 1 in means and k + 1 in means else ", on the grid's edge" if len(means) > 1 else ", one LR"
+
     def gap(loss: float, of: dict[int, float], ref: float, ref_of: dict[int, float]) -> str:
         each = ", ".join(f"{100 * (of[s] / ref_of[s] - 1):+.1f}" for s in sorted(of) if s in ref_of)
         return f"({100 * (loss / ref - 1):+.1f} % [{each}])"
@@ -254,8 +260,7 @@ def table(rows: list[dict]) -> str:
         mup, mup_per = grid((steps, width, "mup"))  # and its default, 2e-3 (k = 0)
         if not sp:
             continue
-        best = min(sp, key=sp.get)
-        edge = "" if best - 1 in sp and best + 1 in sp else ", on the grid's edge"
+        best, edge = best_of(sp)
         seeds = sorted(sp_per[best])
         sp_best = {s: min(v[s] for v in sp_per.values() if s in v) for s in seeds}  # each seed's own best
         cells = [f"{steps}", f"{width}", ",".join(map(str, seeds))]
@@ -271,11 +276,10 @@ def table(rows: list[dict]) -> str:
         cells.append(f"{mup[0]:.4f} {gap(mup[0], mup_per[0], sp[best], sp_best)}" if 0 in mup else "not run")
         for arm in ["mup", *alphas]:
             means, per = grid((steps, width, arm))
-            k = min(means, key=means.get, default=None)
-            if k is None:
+            if not means:
                 cells.append("not run")
                 continue
-            edge = "" if k - 1 in means and k + 1 in means else ", on the grid's edge" if len(means) > 1 else ", one LR"
+            k, edge = best_of(means)
             cells.append(f"{means[k]:.4f} at {sci(MUP_LR * 2.0**k)} {gap(means[k], per[k], sp[best], sp_best)}{edge}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -320,6 +324,9 @@ def ablate(bench: Bench, width: int, steps: int) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.table and (missing := [p for p in args.table if not os.path.isfile(p)]):
+        print(f"error: --table: no such file: {', '.join(missing)}", file=sys.stderr)
+        raise SystemExit(2)
     if args.table:
         print(table([json.loads(line) for path in args.table for line in open(path) if line.strip()]))
         return

@@ -5,6 +5,7 @@ muP at another alpha_output in a column of its own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def test_table_means_seeds_and_gives_each_seeds_gap(tmp_path):
     assert cells[7] == "2.0500 at 2e-3 (-2.4 % [+2.5]), one LR"  # --mup-alpha 4's own column
     assert out.splitlines()[0].endswith("| mup, α 4, best grid LR |")
     edge = next(line for line in out.splitlines() if line.startswith("| 300 | 256 |"))
-    assert "on the grid's edge" in edge and edge.count("not run") == 4
+    assert "(vertex 1e-3, one LR)" in edge and edge.count("not run") == 4
 
 
 def test_model_md_table_is_its_saved_runs():
@@ -52,3 +53,28 @@ def test_model_md_table_is_its_saved_runs():
         check=True,
     ).stdout
     assert out.count("\n") == 8 and out.strip() in (docs / "model.md").read_text()
+
+
+def test_a_missing_table_file_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--table", str(tmp_path / "nope.jsonl")], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stderr.strip() == f"error: --table: no such file: {tmp_path / 'nope.jsonl'}"
+
+
+def test_mup_alpha_runs_as_an_arm_of_its_own(tmp_path):
+    """A real (tiny) comparison: --mup-alpha 4 trains muP with logits x 4/m, saved and tabled as `mup a4`."""
+    saved = tmp_path / "runs.jsonl"
+    args = ["--widths", "64", "--steps", "4", "--layers", "1", "--heads", "2", "--val-windows", "8", "--seeds", "0"]
+    args += ["--arms", "sp,mup", "--mup-alpha", "4", "--mup-default-only", "--sp-start", "0", "--json", str(saved)]
+    out = subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ).stdout
+    rows = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert {r["arm"] for r in rows} == {"sp", "mup a4"} and [r["lr"] for r in rows if r["arm"] == "mup a4"] == [2e-3]
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].endswith("| mup, α 4, best grid LR |") and table[-1].endswith(", one LR |")
