@@ -48,7 +48,7 @@ def test_each_fault_injected_once_into_a_default_run_ends_within_1_percent_of_th
         assert val_loss(objs) == pytest.approx(clean, rel=0.01), name
         events = [(e["step"], e["kind"], e["action"]) for e in read_events(out)]
         detail = {e["kind"]: e["detail"] for e in read_events(out)}
-        assert divergence({"val/loss": val_loss(objs)}, out, None) is None, name
+        assert divergence({"val/loss": val_loss(objs)}, out) is None, name
         if name == "lr_spike":  # the weights are broken after step 150: the spike persists, rolled back from memory
             # QK-clip bounds the broken weights' logits until the rollback undoes them (steps 151-154: step 154's
             # clip comes before its deferred verdict); the logits measured on the abandoned weights in the step
@@ -80,7 +80,7 @@ def test_a_broken_run_under_log_only_ends_diverged_with_the_last_good_state_besi
     objs = fit(make_cfg(*LONG, *log_only, faults(FAULTS["lr_spike"])))
     stop = [e for e in read_events(out) if e["action"] == "stop"]
     assert [e["detail"]["kind"] for e in stop] == ["final_loss"]
-    reason = divergence({"val/loss": val_loss(objs)}, out, None)
+    reason = divergence({"val/loss": val_loss(objs)}, out)
     assert reason is not None and "above the run's best" in reason
     assert (out / "checkpoints" / "last_good.ckpt").is_file() and (out / "checkpoints" / "diverged.ckpt").is_file()
 
@@ -124,7 +124,7 @@ def test_repeated_rollbacks_escalate_then_stop_every_rank_past_the_budget(make_c
     assert objs["trainer"].global_step < 140  # stopped early, every rank at the same step
     assert (out / "checkpoints" / "last_good.ckpt").is_file()
     assert all(math.isfinite(p.detach().abs().max().item()) for p in objs["module"].parameters())
-    assert "budget" in divergence({}, out, None)
+    assert "budget" in divergence({}, out)
 
 
 def poison(shards: Path, out: Path, every: int, T: int, seed: int = 0) -> set[int]:

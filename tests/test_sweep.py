@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from steadylm.config import compose, sweep_dir
-from steadylm.multirun import finished_job
+from steadylm.jobs import finished_job
 from steadylm.result import divergence
 from steadylm.stability.instability import instability
 from steadylm.stability.qk_clip import MATERIAL_CLIPS, PERSISTENT_ALARMS
@@ -24,10 +24,9 @@ def write_job(sweep: Path, num: int, overrides: list[str], result: dict | None) 
 
 
 def test_divergence_names_its_cause(tmp_path):
-    assert divergence({"train/loss": 2.0, "val/loss": 2.1}, tmp_path, None) is None
-    assert divergence({"train/loss": math.nan}, tmp_path, None) == "non-finite train/loss"
-    assert divergence({"val/loss": math.inf}, tmp_path, None) == "non-finite val/loss"
-    assert divergence({}, tmp_path, RuntimeError("boom")) == "train() raised RuntimeError: boom"
+    assert divergence({"train/loss": 2.0, "val/loss": 2.1}, tmp_path) is None
+    assert divergence({"train/loss": math.nan}, tmp_path) == "non-finite train/loss"
+    assert divergence({"val/loss": math.inf}, tmp_path) == "non-finite val/loss"
     (tmp_path / "stability").mkdir()
     events = [
         {"step": 3, "kind": "loss_spike", "action": "log", "detail": {}},
@@ -36,7 +35,7 @@ def test_divergence_names_its_cause(tmp_path):
     (tmp_path / "stability" / "events.jsonl").write_text(
         "".join(json.dumps(e) + "\n" for e in events) + '{"step": 8, "ki'
     )
-    assert divergence({"val/loss": 2.0}, tmp_path, None) == "stopped on nonfinite_grad at step 7"
+    assert divergence({"val/loss": 2.0}, tmp_path) == "stopped on nonfinite_grad at step 7"
 
 
 def write_events(run: Path, events: list[dict]) -> None:

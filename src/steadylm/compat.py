@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 
 def cpu_has_bf16() -> bool:
@@ -72,11 +71,6 @@ def set_loss_scale(scaler: torch.amp.GradScaler, value: float) -> None:
         scaler.update(new_scale=float(value))
     else:
         scaler._init_scale = float(value)
-
-
-def relaunches_script(strategy: Any) -> bool:
-    """The strategy starts its extra processes by re-running the command line (Lightning's DDP launcher)."""
-    return isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
 
 
 def checkpoint_batches(checkpoint: dict) -> dict | None:

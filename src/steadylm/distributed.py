@@ -1,6 +1,7 @@
 """Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep. Lightning's
-DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir` (under `-m`, the job's: multirun.py);
-this adds FSDP's own clipping. Launching stays with Lightning, torchrun, submitit."""
+DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir`; a sweep job's processes are started
+by the job (jobs.py, under torch's elastic launcher). This adds FSDP's own clipping. Launching stays with Lightning,
+torchrun, submitit."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import FSDPStrategy
 
-# Set for the extra processes of one job of a multirun (its folder): they fail, diverge and stop as a sweep job does.
+# Set in each rank of a sweep job that jobs.py started (its folder): its job's process reads how it ended.
 SWEEP_JOB_ENV = "STEADYLM_SWEEP_JOB"
+JOB_PARENT_ENV = "STEADYLM_JOB_PARENT"  # that job's process's pid: a rank dies with it
 
 
 def is_rank_zero_process() -> bool:
@@ -21,9 +23,13 @@ def is_rank_zero_process() -> bool:
 
 
 def in_multirun() -> bool:
-    """A job of a Hydra multirun, or an extra process of one (which Hydra itself runs as a single run)."""
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    return multirun or bool(os.environ.get(SWEEP_JOB_ENV))
+    """The process of a job of a Hydra multirun (not one of the job's ranks, which Hydra runs as a single run)."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def is_job_rank() -> bool:
+    """A rank that a sweep job's process started (jobs.py): it leaves the job's outcome to that process."""
+    return bool(os.environ.get(SWEEP_JOB_ENV))
 
 
 class FSDPClipping(L.Callback):

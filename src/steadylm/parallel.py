@@ -11,7 +11,6 @@ jobs only, never by training; it never trains.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -96,10 +95,6 @@ def pin_job() -> None:
 
         torch.set_num_threads(int(threads))
 
-    # A job on several devices: Lightning starts its extra processes as `python -m <__main__'s module> <argv>`
-    # (multirun.py makes the argv the job's own); here __main__ is submitit's job runner, so name the training app.
-    sys.modules["__main__"].__spec__ = importlib.util.find_spec("steadylm.train")
-
     def before_training(signum: int, frame: Any) -> None:
         raise SystemExit(PREEMPTED_EXIT)  # the Preemption callback replaces this once training starts
 
@@ -164,7 +159,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=launcher.params["submitit_folder"], max_num_timeout=0)
-    keep = ("timeout_min", "signal_delay_s", "setup")  # one task a job: Lightning starts a job's extra processes
+    keep = ("timeout_min", "signal_delay_s", "setup")  # one task a job: the job starts its own ranks (jobs.py)
     executor.update_parameters(**{k: v for k, v in launcher.params.items() if k in keep and v is not None})
     where = [describe(p) for p in plans]
     log.info(
@@ -208,8 +203,9 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
 
 
 def job_result(launcher: Any, job: Any, idx: int, overrides: list[str], sweep_dir: Path) -> Any:
-    """The job's JobReturn. A job that failed (raised, exited, was killed) is logged and the sweep goes on: the
-    summary lists it as missing (no result.json); one a signal stopped said so in its result.json."""
+    """The job's JobReturn. A job that failed is logged and the sweep goes on: the job recorded its own failure
+    (`failed` in its result.json), or its process died without one (the summary lists it as missing); one a signal
+    stopped said so in its result.json."""
     from hydra.core.utils import JobReturn, JobStatus
     from submitit.core.utils import UncompletedJobError
 
@@ -217,7 +213,11 @@ def job_result(launcher: Any, job: Any, idx: int, overrides: list[str], sweep_di
     try:
         ret = job.results()[0]
         _ = ret.return_value  # a job that raised: Hydra's FAILED status raises it here
-        log.info("job %d finished: %s", idx, json.loads(result.read_text())["status"] if result.is_file() else "done")
+        done = json.loads(result.read_text()) if result.is_file() else {"status": "done"}
+        if done["status"] == "failed":  # recorded by the job itself (jobs.py): the sweep goes on
+            log.error("job %d failed: %s", idx, done.get("reason"))
+        else:
+            log.info("job %d finished: %s", idx, done["status"])
         return ret
     except UncompletedJobError:  # its process ended without a result: a signal (75), a user's mistake (2), a kill
         lines = job.paths.stderr.read_text().splitlines() if job.paths.stderr.is_file() else []

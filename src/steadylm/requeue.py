@@ -6,17 +6,18 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from steadylm.distributed import SWEEP_JOB_ENV, in_multirun, is_rank_zero_process
+from steadylm.distributed import in_multirun, is_rank_zero_process
 from steadylm.parallel import SLOT_ENV
-from steadylm.preemption import Preemption
 
 log = logging.getLogger("steadylm")
 
@@ -51,28 +52,26 @@ def requeue(record: dict[str, Any], env: dict[str, str]) -> str:
     return f"; requeued SLURM job {command[-1]} (it resumes by itself with resume=auto)"
 
 
-def finish_preempted(cfg, preemption: Preemption) -> None:
-    """After result.json: one line, the requeue, exit 75. A multirun ends too (the signal was for the process), after
-    the `on_multirun_end` of its `hydra.callbacks` (the sweep summary), which Hydra never reaches; the sweep of a job
-    that submitit requeues, or of a parallel sweep's job, is summarised by its submitting process."""
-    record = preemption.record
+def finish_preempted(cfg, record: dict[str, Any], submitit_handler: Callable | None = None) -> None:
+    """After result.json (`record`: the Preemption callback's, or what a sweep job's rank 0 wrote): one line, the
+    requeue, exit 75. A multirun ends too (the signal was for the process), after the `on_multirun_end` of its
+    `hydra.callbacks` (the sweep summary), which Hydra never reaches; the sweep of a job that submitit requeues, or of
+    a parallel sweep's job, is summarised by its submitting process."""
     if is_rank_zero_process():
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         script = "train.py" if os.environ.get("SUBMITIT_EXECUTOR") else sys.argv[0] or "train.py"  # not submitit's
         command = resume_command(str(cfg.paths.output_dir), overrides, script)
         saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
-        line = f"preempted: {record['signal']} at step {record['step']}, {saved}; resume with: {command}"
+        at = f"at step {record['step']}" if record["step"] is not None else "before training"
+        line = f"preempted: {record['signal']} {at}, {saved}; resume with: {command}"
         print(line + requeue(record, dict(os.environ)), file=sys.stderr, flush=True)
         if in_multirun() and record["requeue"] != "submitit" and not os.environ.get(SLOT_ENV):
             config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
             for node in reversed(list((config.hydra.get("callbacks") or {}).values())):
                 instantiate(node).on_multirun_end(config=config)
-    handler = preemption.previous.get(preemption.submitit)
-    if record["requeue"] == "submitit" and callable(handler):  # submitit's own handler requeues the job
+    if record["requeue"] == "submitit" and callable(submitit_handler):  # submitit's own handler requeues the job
         try:
-            handler(preemption.submitit, None)
+            submitit_handler(signal.Signals[record["signal"]], None)
         except Exception as err:
             log.error("submitit did not requeue the job: %s", err)
-    # An extra process of a sweep job leaves the exit code to its rank 0: Lightning's launcher ends rank 0 at once
-    # when a child exits non-zero, before the sweep summary is written.
-    sys.exit(0 if os.environ.get(SWEEP_JOB_ENV) else PREEMPTED_EXIT)
+    sys.exit(PREEMPTED_EXIT)

@@ -21,10 +21,8 @@ RESULT_FILE = "result.json"
 TRANSFER_KEYS = ("parametrization", "mup_base_width", "mup_base_head_dim", "mup_output_mult", "d_model", "pos")
 
 
-def divergence(metrics: dict[str, float], run_dir: Path, error: BaseException | None) -> str | None:
+def divergence(metrics: dict[str, float], run_dir: Path) -> str | None:
     """Why a job diverged, or None when it did not."""
-    if error is not None:
-        return f"train() raised {type(error).__name__}: {error}"
     if (event := stop_event(run_dir)) is not None:
         detail = event.get("detail") or {}
         kind = (event.get("kind") == "stop" and detail.get("kind")) or event.get("kind")
@@ -42,23 +40,43 @@ def val_loss_by_source(metrics: dict[str, float]) -> dict[str, float]:
     return {k[len("val/loss/") :]: v for k, v in sorted(metrics.items()) if k.startswith("val/loss/")}
 
 
+def learning_rate(cfg: DictConfig) -> float | None:
+    """`optim.lr` as a number; None when the value is not one (a failed job's row still gets written)."""
+    try:
+        return float(cfg.optim.lr)
+    except (TypeError, ValueError):
+        return None
+
+
+def sweep_value(cfg: DictConfig, result: dict) -> float | None:
+    """What a job hands a Hydra sweeper, from its result: `optimized_metric` (`val/loss` -> `val_loss`), NaN for a
+    job that diverged or failed (a sweeper records the trial as failed), None without a metric."""
+    if not (metric := cfg.get("optimized_metric")):
+        return None
+    if result["status"] in ("diverged", "failed"):
+        return float("nan")
+    return result.get(str(metric).replace("/", "_"))
+
+
 def finish_job(
-    cfg: DictConfig, metrics: dict[str, float], error: BaseException | None = None, preempted: dict | None = None
+    cfg: DictConfig, metrics: dict[str, float], failed: str | None = None, preempted: dict | None = None
 ) -> tuple[float | None, str, str | None]:
-    """Record the job's outcome (rank 0; `preempted`: the Preemption callback's record); return the metric a sweeper
-    optimises (NaN when diverged: an unstable job keeps its metric, its loss is real), the status and its reason."""
-    run_dir, lr, model = Path(cfg.paths.output_dir), float(cfg.optim.lr), cfg.model
-    reason = divergence(metrics, run_dir, error)
-    status = "diverged" if reason else "ok"
+    """Record the job's outcome (rank 0; `failed`: why a sweep job failed; `preempted`: the Preemption callback's
+    record); return the metric a sweeper optimises (NaN when diverged or failed: an unstable job keeps its metric,
+    its loss is real), the status and its reason."""
+    run_dir, lr, model = Path(cfg.paths.output_dir), learning_rate(cfg), cfg.model
+    reason = failed or divergence(metrics, run_dir)
+    status = "failed" if failed else "diverged" if reason else "ok"
     if preempted:
-        status, reason = "preempted", f"{preempted['signal']} at step {preempted['step']}"
+        at = f"at step {preempted['step']}" if preempted["step"] is not None else "before training"
+        status, reason = "preempted", f"{preempted['signal']} {at}"
     elif not reason and (reason := instability(run_dir, lr, config_checks(cfg))):
         status = "unstable"
     if is_rank_zero_process():
         result = {
             "status": status,
             "reason": reason,
-            **({"step": preempted["step"], "checkpoint": preempted["checkpoint"]} if preempted else {}),
+            **({k: preempted[k] for k in ("step", "checkpoint", "signal", "requeue")} if preempted else {}),
             "lr": lr,
             "val_loss": metrics.get("val/loss"),
             **({"val_loss_by_source": by_source} if (by_source := val_loss_by_source(metrics)) else {}),
@@ -73,4 +91,5 @@ def finish_job(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")  # NaN tokens json.loads reads back
     metric = cfg.get("optimized_metric")
-    return (None if not metric else float("nan") if status == "diverged" else metrics.get(metric)), status, reason
+    value = None if not metric else float("nan") if status in ("diverged", "failed") else metrics.get(metric)
+    return value, status, reason

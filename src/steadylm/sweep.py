@@ -23,7 +23,8 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def read_job(job_dir: Path) -> dict[str, Any]:
-    """A job's result; a job that never wrote one (killed, crashed hard) is `missing`."""
+    """A job's result (`failed`: its reason is the first failing rank's own error); a job that never wrote one (its
+    process killed) is `missing`."""
     path = job_dir / RESULT_FILE
     if path.is_file():
         return {"job": job_dir.name, **json.loads(path.read_text())}
@@ -114,7 +115,8 @@ def plot_summary(jobs: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("optim.lr")
     ax.set_ylabel("final val/loss")
     ax.set_title(f"sweep: {len(jobs)} jobs, {len(unstable)} unstable, {len(diverged)} diverged")
-    ax.legend()
+    if ok or unstable or diverged:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -135,9 +137,11 @@ def report(sweep_dir: Path) -> None:
         jobs = summarize_sweep(sweep_dir)
         diverged = sum(j["status"] == "diverged" for j in jobs)
         unstable = sum(j["status"] == "unstable" for j in jobs)
+        failed = sum(j["status"] == "failed" for j in jobs)
         preempted = sum(j["status"] == "preempted" for j in jobs)
         print(
             f"sweep summary: {sweep_dir / 'summary.md'} ({len(jobs)} jobs, {unstable} unstable, {diverged} diverged"
+            + (f", {failed} failed" if failed else "")
             + (f", {preempted} preempted)" if preempted else ")")
         )
         print(best_lr(jobs), end="")

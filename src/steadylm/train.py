@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.derived import val_check_batches
-from steadylm.distributed import in_multirun, is_rank_zero_process, use_fsdp_clipping
-from steadylm.errors import ConfigError, SteadyError, exit_with
+from steadylm.distributed import in_multirun, is_job_rank, is_rank_zero_process, use_fsdp_clipping
+from steadylm.errors import ConfigError, SteadyError, exit_with, one_line
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
@@ -87,12 +87,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
-    processes = nullcontext()
-    if in_multirun():  # a sweep job: its own extra processes (multirun.py, loaded only then)
-        from steadylm.multirun import job_processes
-
-        processes = job_processes(trainer)
-    with processes, suppress(Preempted, SIGTERMException):  # a signal stopped every rank: see the Preemption callback
+    with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: see the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects
 
@@ -103,33 +98,42 @@ _task_started = [False]
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _app(cfg: DictConfig) -> float | None:
     _task_started[0] = True
-    run = cfg.paths.output_dir
-    if in_multirun():
-        from steadylm.multirun import finished_job
+    if in_multirun():  # a sweep job's own process (jobs.py, loaded only then): it may start the job's ranks
+        from steadylm.jobs import run_job
 
-        if done := finished_job(cfg):  # `-m ... resume=auto` again: a finished job stays as it is
-            print(f"resume=auto: {run} finished ({done[1]}), skipped")
-            return done[0]
+        return run_job(cfg, train_and_record)
+    return train_and_record(cfg)
+
+
+def train_and_record(cfg: DictConfig) -> float | None:
+    """Train, write result.json, end as the outcome says. In a sweep job's process a failure is that job's `failed`
+    row and the sweep goes on; a sweep job's rank raises, for its job's process to record (jobs.py)."""
+    run = cfg.paths.output_dir
     with copy_console(Path(run) / "train.log") if is_rank_zero_process() else nullcontext():
         try:
             metrics, objects = train(cfg)
         except SteadyError as err:
-            exit_with(err)
+            if not in_multirun():
+                exit_with(err)
+            from steadylm.jobs import job_failed
+
+            return job_failed(cfg, f"error: {one_line(err)}")
         except Exception as err:
             if not in_multirun():
                 raise
-            # One exploding job must not end the sweep: it is recorded as diverged and the next job runs.
             log.exception("job failed: %s", run)
-            return finish_job(cfg, {}, err)[0]
+            from steadylm.jobs import job_failed
+
+            return job_failed(cfg, f"{type(err).__name__}: {one_line(err)}")
         preemption = next(c for c in objects["trainer"].callbacks if isinstance(c, Preemption))
         value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
-        if preemption.record:  # a signal stopped the run: requeue.py, loaded only then, exits 75
+        if preemption.record and not is_job_rank():  # a signal stopped the run: requeue.py, loaded only then, exits 75
             from steadylm.requeue import finish_preempted
 
-            finish_preempted(cfg, preemption)
+            finish_preempted(cfg, preemption.record, preemption.previous.get(preemption.submitit))
         if status == "unstable":  # finished and usable, so exit 0; result.json says `unstable` (docs/stability.md)
             print(f"warning: training was unstable: {reason}; see {run}/stability/events.jsonl", file=sys.stderr)
-        if status == "diverged" and not in_multirun():
+        if status == "diverged" and not (in_multirun() or is_job_rank()):
             see = f"see {run}/stability/events.jsonl or `python -m steadylm.diagnose {run}`"
             print(f"error: training diverged ({reason}); {see}", file=sys.stderr)
             sys.exit(3)
@@ -138,6 +142,14 @@ def _app(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """`python train.py ...`: Hydra's own errors (unknown preset, typo'd key) also become one line."""
+    if is_job_rank():  # a rank that a sweep job's process started (jobs.py, loaded only then)
+        from steadylm.jobs import as_rank
+
+        return as_rank(_main)
+    _main()
+
+
+def _main() -> None:
     _task_started[0] = False
     with hydra_errors_as_messages(_task_started):
         _app()
