@@ -115,7 +115,7 @@ def test_a_bad_value_an_exception_or_a_kill_on_one_rank_is_that_jobs_failed_row(
     ranks ran job 3 in its folder, one writer; no rank is left running."""
     fault = "+callbacks.fault={_target_: test_jobs.Fault, actions: [none, raise, kill, none]}"
     probe = "+callbacks.pid={_target_: test_jobs.RankPid}"
-    args = ["-m", "trainer=ddp_sim", "model.n_head=3,2,2,2", f"data.dir={shards_dir}", *CLI_TINY, fault, probe]
+    args = ["-m", "trainer=ddp_sim", f"data.dir={shards_dir}", *CLI_TINY, "model.n_head=3,2,2,2", fault, probe]
     proc = run_cli(*args, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in (tmp_path / "logs" / "train").iterdir()] == ["multiruns"]  # no rank made a run of its own
@@ -154,8 +154,8 @@ def alive(pid: int) -> bool:
 def test_a_sigkill_of_the_sweep_leaves_no_rank_running_and_resume_waits_for_the_folder(shards_dir, tmp_path):
     """While job 0 trains on 2 processes: the same sweep with `resume=auto` refuses the folder in one line (exit 2),
     naming the process that writes it; then a SIGKILL of the sweep takes both ranks with it and frees the folder."""
-    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=40"]
-    probe = "+callbacks.pid={_target_: test_jobs.RankPid, sleep: 0.5}"
+    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=1000"]
+    probe = "+callbacks.pid={_target_: test_jobs.RankPid, sleep: 0.2}"  # job 0 trains until it is killed
     args = ["-m", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *steps, probe]
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
     env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
@@ -175,16 +175,20 @@ def test_a_sigkill_of_the_sweep_leaves_no_rank_running_and_resume_waits_for_the_
                 time.sleep(0.2)
             job = next(sweep_root.glob("*/0"))
             again = run_cli(*args, "resume=auto", cwd=tmp_path, timeout=120)
-            assert again.returncode == 2, again.stderr[-2000:]
+            assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
             assert again.stderr.strip().splitlines()[-1] == (
                 f"error: {job} is being written by process {proc.pid} (this sweep, still running); "
                 "wait for it or stop it, then rerun with resume=auto"
             )
             assert "Traceback" not in again.stderr and not (job.parent / "1").exists()
+            assert proc.poll() is None  # the sweep is still at job 0
         finally:
             proc.kill()
     ranks = [int((job / f"rank{r}.pid").read_text()) for r in (0, 1)]
     assert processes_running(str(job)) == []
-    assert not any(alive(pid) for pid in ranks)
+    deadline = time.monotonic() + 10  # a killed process takes a moment to exit
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in ranks), [Path(f"/proc/{pid}/status").read_text()[:300] for pid in ranks]
     with open(job / LOCK_FILE) as held:  # free for the next sweep
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
