@@ -20,6 +20,8 @@ from steadylm.errors import ConfigError
 from steadylm.parallel import plan_slots
 from steadylm.requeue import PREEMPTED_EXIT
 from tests.helpers import CLI_TINY, ROOT, run_cli
+from tests.test_jobs import alive
+from tests.test_preemption import processes_running
 
 PARALLEL = ["-m", "hydra/launcher=parallel", "hydra.launcher.slots=2", "trainer=cpu"]
 
@@ -85,8 +87,8 @@ def test_a_bad_slots_value_is_one_line_and_exit_2(shards_dir, tmp_path):
 def test_four_jobs_on_two_slots_run_two_at_once_each_on_its_core_and_a_failed_job_leaves_the_others(
     shards_dir, tmp_path
 ):
-    """Jobs 0-2 train (one core each, one thread, at most two at once); job 3's LR is a typo: it fails alone, the
-    others finish and the summary lists all four."""
+    """Jobs 0-2 train (one core each, one thread, at most two at once); job 3's LR is a typo: it fails alone (its
+    `failed` row), the others finish and the summary lists all four."""
     proc = run_cli(
         *PARALLEL, "optim.lr=1e-3,2e-3,3e-3,oops", f"data.dir={shards_dir}", *CLI_TINY, probe(0.3), cwd=tmp_path
     )
@@ -94,12 +96,13 @@ def test_four_jobs_on_two_slots_run_two_at_once_each_on_its_core_and_a_failed_jo
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
     logs = proc.stdout + proc.stderr  # Hydra's log lines go to stdout
     assert "parallel sweep: 4 jobs on 2 slots (core " in logs and "job 0 finished: ok" in logs
-    assert "job 3 failed (ValueError: could not convert string to float: 'oops')" in logs
-    assert f"sweep summary: {sweep / 'summary.md'} (4 jobs, 0 unstable, 0 diverged)" in proc.stdout
+    assert "job 3 failed: ValueError: could not convert string to float: 'oops'" in logs
+    assert f"sweep summary: {sweep / 'summary.md'} (4 jobs, 0 unstable, 0 diverged, 1 failed)" in proc.stdout
     results = [json.loads((sweep / str(i) / "result.json").read_text()) for i in range(3)]
     assert [(r["status"], r["lr"]) for r in results] == [("ok", 1e-3), ("ok", 2e-3), ("ok", 3e-3)]
     table = (sweep / "summary.md").read_text()
-    assert next(r for r in table.splitlines() if r.startswith("| 3 |")).endswith("| missing | no result.json |")
+    row = next(r for r in table.splitlines() if r.startswith("| 3 |"))
+    assert row.endswith("| failed | ValueError: could not convert string to float: 'oops' |")
 
     seen = [json.loads((sweep / str(i) / "slot.json").read_text()) for i in range(3)]
     assert len({s["pid"] for s in seen}) == 3 and os.getpid() not in {s["pid"] for s in seen}  # a process a job
@@ -152,6 +155,35 @@ def test_a_sigterm_stops_every_running_job_resumably_and_resume_auto_finishes_th
     assert [(r["status"], r["lr"]) for r in results] == [("ok", 1e-3), ("ok", 2e-3), ("ok", 3e-3), ("ok", 4e-3)]
     assert all(safe_load(sweep / str(i) / "checkpoints" / "last.ckpt")["global_step"] == 12 for i in range(4))
     assert f"sweep summary: {sweep / 'summary.md'} (4 jobs, 0 unstable, 0 diverged)" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_parallel_sweep_leaves_no_job_running(shards_dir, tmp_path):
+    """Both jobs train side by side; the sweep is SIGKILLed: each job's process follows it within seconds (none goes
+    on writing a folder that `resume=auto` would start again)."""
+    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=1000"]
+    args = [*PARALLEL, "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *steps, probe(0.2)]
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
+    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    sweep_root = tmp_path / "logs" / "train" / "multiruns"
+    with subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL
+    ) as proc:
+        try:
+            deadline = time.monotonic() + 180
+            while not all(any(sweep_root.glob(f"*/{job}/training")) for job in (0, 1)):
+                assert proc.poll() is None and time.monotonic() < deadline, "jobs 0 and 1 never trained"
+                time.sleep(0.2)
+        finally:
+            proc.kill()
+    sweep = next(sweep_root.iterdir())
+    pids = [json.loads((sweep / job / "slot.json").read_text())["pid"] for job in ("0", "1")]
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids)
+    assert processes_running(str(sweep)) == []  # nor submitit's job controllers
 
 
 @pytest.mark.slow

@@ -321,18 +321,41 @@ def test_a_signal_in_a_multirun_ends_the_sweep_with_its_summary(shards_dir, tmp_
     assert f"hydra.run.dir={sweep / '0'} resume=auto" in proc.stderr  # that job alone, without -m
 
 
+class SignalTheSweep(L.Callback):
+    """Rank 0 of a sweep job sends `signal` to its parent, the job's process (in a sequential sweep: the sweep), as
+    step `step` starts; each step lasts `sleep` seconds more, so the signal comes back to the ranks mid-run."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM", sleep: float = 0.2):
+        self.step, self.signum, self.sleep = int(step), signal, float(sleep)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        time.sleep(self.sleep)
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            os.kill(os.getppid(), getattr(signal, self.signum))
+
+
 @pytest.mark.slow
-def test_a_signal_in_a_two_process_sweep_job_then_resume_auto_finishes_the_sweep(shards_dir, tmp_path):
-    """`-m` on 2 processes a job: a signal to rank 0 stops job 0 on both ranks at one step (preempted.ckpt, exit 75,
-    the summary so far); the same command with resume=auto continues job 0 from it and runs job 1; once more, both
-    are finished and skipped (the drill that sends the signal is left out of the commands that resume)."""
-    args = ["-m", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *CLI_TINY]
-    proc = run_cli(*args, drill(2), cwd=tmp_path, timeout=240)
+def test_a_signal_to_a_sweep_of_two_process_jobs_then_resume_auto_finishes_the_sweep(shards_dir, tmp_path):
+    """`-m` on 2 processes a job: SIGUSR1 to the sweep (torch's launcher holds the job's ranks) reaches both ranks,
+    which stop job 0 at one step (preempted.ckpt); then the summary so far and exit 75. The same command with
+    resume=auto continues job 0 from it and runs job 1; once more, both are finished and skipped (the callback that
+    sends the signal is left out of the commands that resume)."""
+    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=12"]
+    args = ["-m", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *steps]
+    signal_it = "+callbacks.signal={_target_: test_preemption.SignalTheSweep, step: 2, signal: SIGUSR1}"
+    proc = run_cli(*args, signal_it, cwd=tmp_path, timeout=240)
     assert proc.returncode == PREEMPTED_EXIT, proc.stderr[-2000:]
     sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
     assert (sweep / "0" / "checkpoints" / "preempted.ckpt").is_file() and not (sweep / "1").exists()
     assert "(1 jobs, 0 unstable, 0 diverged, 1 preempted)" in proc.stdout
-    assert safe_load(sweep / "0" / "checkpoints" / "preempted.ckpt")["global_step"] == 4  # ranks agree a poll late
+    stopped = safe_load(sweep / "0" / "checkpoints" / "preempted.ckpt")["global_step"]
+    assert 3 <= stopped < 12  # a step or two after the signal came back to the ranks
+    result = json.loads((sweep / "0" / "result.json").read_text())
+    assert (result["status"], result["reason"]) == ("preempted", f"SIGUSR1 at step {stopped}")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("preempted:")]
+    assert len(lines) == 1 and lines[0].startswith(f"preempted: SIGUSR1 at step {stopped}, state saved in ")
+    assert lines[0].endswith(f"hydra.run.dir={sweep / '0'} resume=auto")  # that job alone, without -m
+    assert processes_running(str(sweep)) == []
 
     proc = run_cli(*args, "resume=auto", cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -340,7 +363,7 @@ def test_a_signal_in_a_two_process_sweep_job_then_resume_auto_finishes_the_sweep
     assert f"resume=auto: continuing from {sweep / '0' / 'checkpoints' / 'preempted.ckpt'}" in proc.stdout
     results = [json.loads((sweep / job / "result.json").read_text()) for job in ("0", "1")]
     assert [(r["status"], r["lr"]) for r in results] == [("ok", 1e-3), ("ok", 2e-3)]
-    assert safe_load(sweep / "0" / "checkpoints" / "last.ckpt")["global_step"] == 6
+    assert safe_load(sweep / "0" / "checkpoints" / "last.ckpt")["global_step"] == 12
     assert f"sweep summary: {sweep / 'summary.md'} (2 jobs, 0 unstable, 0 diverged)" in proc.stdout
 
     proc = run_cli(*args, "resume=auto", cwd=tmp_path, timeout=240)

@@ -162,14 +162,15 @@ def run_ranks(cfg: DictConfig, n: int) -> Any:
 
 def ranks_stopped(cfg: DictConfig, name: str, started: float) -> None:
     """The job's ranks stopped for a signal: what rank 0 recorded (or, stopped before training, a preemption without a
-    checkpoint), then the line, the requeue and exit 75, as a job that trains in this process."""
+    checkpoint), then the line, the requeue, the summary so far and exit 75, as a job that trains in this process."""
     from steadylm.requeue import finish_preempted
 
     result = fresh_result(Path(cfg.paths.output_dir), started) or {}
     record = {k: result.get(k) for k in ("signal", "step", "checkpoint", "requeue")}
-    if result.get("status") != "preempted":
+    if result.get("status") != "preempted":  # the ranks finished first (their result stands), or never trained
         record = {"signal": name, "step": None, "checkpoint": None, "requeue": None}
-        finish_job(cfg, {}, preempted=record)
+        if not result:
+            finish_job(cfg, {}, preempted=record)
     finish_preempted(cfg, record)
 
 

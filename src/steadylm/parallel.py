@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -28,6 +30,7 @@ from steadylm.errors import ConfigError, exit_with, is_int
 log = logging.getLogger("steadylm")
 
 SLOT_ENV = "STEADYLM_PARALLEL_SLOT"  # set in a job of a parallel sweep: its slot, then its cores (`0:2,3`)
+SWEEP_PID_ENV = "STEADYLM_PARALLEL_SWEEP"  # and the sweep's pid: the job ends with it
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 PREEMPTED_EXIT = 75  # as steadylm.requeue (not imported: it loads the training stack)
 
@@ -95,11 +98,32 @@ def pin_job() -> None:
 
         torch.set_num_threads(int(threads))
 
+    die_with_sweep()
+
     def before_training(signum: int, frame: Any) -> None:
         raise SystemExit(PREEMPTED_EXIT)  # the Preemption callback replaces this once training starts
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, before_training)
+
+
+def die_with_sweep() -> None:
+    """A job ends when its sweep's process does, however it ends (a SIGKILL of the sweep leaves no job running, and
+    none writing a folder that `resume=auto` would start again): a thread waits on the sweep's pidfd (Linux), then
+    kills this process; its ranks die with it (jobs.py)."""
+    pid = int(os.environ.get(SWEEP_PID_ENV) or 0)
+    if not pid or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="die-with-sweep", daemon=True).start()
 
 
 class Stop:
@@ -126,11 +150,13 @@ class Stop:
 
 @contextmanager
 def job_env(slot: int, plan: dict[str, list], pin: bool) -> Iterator[None]:
-    """What a job started now inherits: its slot, its thread count and (`pin`) its cores, and SIGINT ignored (a
-    terminal's Ctrl-C reaches the whole process group; submitit's job controller would kill its job on it)."""
-    saved = {k: os.environ.get(k) for k in (SLOT_ENV, "OMP_NUM_THREADS")}
+    """What a job started now inherits: its slot, the sweep's pid, its thread count and (`pin`) its cores, and SIGINT
+    ignored (a terminal's Ctrl-C reaches the whole process group; submitit's job controller would kill its job on
+    it)."""
+    saved = {k: os.environ.get(k) for k in (SLOT_ENV, SWEEP_PID_ENV, "OMP_NUM_THREADS")}
     cpus = plan["cpus"]
     os.environ[SLOT_ENV] = f"{slot}:{','.join(map(str, cpus)) if pin else ''}"
+    os.environ[SWEEP_PID_ENV] = str(os.getpid())
     if cpus:
         threads = min(len(cpus), int(saved["OMP_NUM_THREADS"] or len(cpus)))
         os.environ["OMP_NUM_THREADS"] = str(threads)

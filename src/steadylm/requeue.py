@@ -62,8 +62,8 @@ def finish_preempted(cfg, record: dict[str, Any], submitit_handler: Callable | N
         script = "train.py" if os.environ.get("SUBMITIT_EXECUTOR") else sys.argv[0] or "train.py"  # not submitit's
         command = resume_command(str(cfg.paths.output_dir), overrides, script)
         saved = f"state saved in {record['checkpoint']}" if record["checkpoint"] else "no new checkpoint"
-        at = f"at step {record['step']}" if record["step"] is not None else "before training"
-        line = f"preempted: {record['signal']} {at}, {saved}; resume with: {command}"
+        at = f" at step {record['step']}" if record["step"] is not None else ""
+        line = f"preempted: {record['signal']}{at}, {saved}; resume with: {command}"
         print(line + requeue(record, dict(os.environ)), file=sys.stderr, flush=True)
         if in_multirun() and record["requeue"] != "submitit" and not os.environ.get(SLOT_ENV):
             config = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=True)})
