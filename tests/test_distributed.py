@@ -1,6 +1,6 @@
-"""Hydra + multi-process strategies: presets, one run dir and one writer, a multirun whose jobs run on 2 processes."""
+"""Hydra + multi-process strategies: presets, one run dir and one writer (a sweep's jobs on 2 processes:
+test_jobs.py)."""
 
-import json
 import os
 from pathlib import Path
 
@@ -70,32 +70,3 @@ def test_two_process_ddp_shares_rank0_run_dir_and_writes_once(shards_dir, tmp_pa
     assert len(list(run.rglob(".hydra"))) == 1 and len(list(run.rglob("*.log"))) == 1  # train.log, rank 0's
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step0000006.ckpt"]
     assert len(list(run.glob("result.json"))) == 1
-
-
-@pytest.mark.slow
-def test_a_multirun_runs_each_job_on_two_processes_of_its_own(shards_dir, tmp_path):
-    """`-m` with trainer=ddp_sim: each job's extra process runs that job (its overrides, its folder, no `.hydra` or log
-    of its own), jobs one after another; the diverging job is recorded and the sweep goes on to its summary."""
-    proc = run_cli(
-        "-m",
-        "trainer=ddp_sim",
-        "optim.lr=1e-3,1e6",
-        "optim.min_lr=0",
-        "trainer.gradient_clip_val=null",
-        f"data.dir={shards_dir}",
-        "+callbacks.probe._target_=test_distributed.RankProbe",
-        *CLI_TINY,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [p.name for p in (tmp_path / "logs" / "train").iterdir()] == ["multiruns"]  # no child made a run of its own
-    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
-    assert f"sweep summary: {sweep / 'summary.md'} (2 jobs, 0 unstable, 1 diverged)" in proc.stdout
-    for job, lr, status in (("0", 1e-3, "ok"), ("1", 1e6, "diverged")):
-        run = sweep / job
-        assert sorted(p.name for p in run.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
-        assert len(list(run.rglob(".hydra"))) == 1 and len(list(run.rglob("*.log"))) == 1  # rank 0's alone
-        assert len(list(run.rglob("events.out.tfevents.*"))) == 1
-        result = json.loads((run / "result.json").read_text())
-        assert (result["lr"], result["status"]) == (lr, status)
-    assert "| 1 | `trainer=ddp_sim` `optim.lr=1000000.0`" in (sweep / "summary.md").read_text()
