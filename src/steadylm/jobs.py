@@ -120,6 +120,15 @@ def job_failed(cfg: DictConfig, reason: str) -> float | None:
     return finish_job(cfg, {}, failed=reason)[0]
 
 
+def failed_here(cfg: DictConfig, err: Exception) -> float | None:
+    """A job that trained in this process raised: a user's mistake is its one line; anything else leaves its
+    traceback in the log and its last line in the row."""
+    if isinstance(err, SteadyError):
+        return job_failed(cfg, f"error: {one_line(err)}")
+    log.exception("job failed: %s", cfg.paths.output_dir)
+    return job_failed(cfg, f"{type(err).__name__}: {one_line(err)}")
+
+
 def run_ranks(cfg: DictConfig, n: int) -> Any:
     """Run the job on `n` processes of this machine under torch's elastic launcher and record how it ended."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException

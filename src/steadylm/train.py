@@ -3,7 +3,6 @@ composed config); `main` is the `@hydra.main` wrapper that turns a user's mistak
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from contextlib import nullcontext, suppress
@@ -23,16 +22,13 @@ from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.derived import val_check_batches
 from steadylm.distributed import in_multirun, is_job_rank, is_rank_zero_process, use_fsdp_clipping
-from steadylm.errors import ConfigError, SteadyError, exit_with, one_line
+from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
 from steadylm.stability.events import start_events
-
-log = logging.getLogger("steadylm")
-
 
 def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
@@ -112,19 +108,14 @@ def train_and_record(cfg: DictConfig) -> float | None:
     with copy_console(Path(run) / "train.log") if is_rank_zero_process() else nullcontext():
         try:
             metrics, objects = train(cfg)
-        except SteadyError as err:
-            if not in_multirun():
-                exit_with(err)
-            from steadylm.jobs import job_failed
-
-            return job_failed(cfg, f"error: {one_line(err)}")
         except Exception as err:
-            if not in_multirun():
-                raise
-            log.exception("job failed: %s", run)
-            from steadylm.jobs import job_failed
+            if in_multirun():  # one job of a sweep: its `failed` row, and the sweep goes on (jobs.py)
+                from steadylm.jobs import failed_here
 
-            return job_failed(cfg, f"{type(err).__name__}: {one_line(err)}")
+                return failed_here(cfg, err)
+            if isinstance(err, SteadyError):
+                exit_with(err)
+            raise
         preemption = next(c for c in objects["trainer"].callbacks if isinstance(c, Preemption))
         value, status, reason = finish_job(cfg, metrics, preempted=preemption.record)
         if preemption.record and not is_job_rank():  # a signal stopped the run: requeue.py, loaded only then, exits 75
