@@ -30,6 +30,7 @@ from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
 from steadylm.stability.events import start_events
 
+
 def instantiate_named(group: DictConfig | None, key: str) -> list[Any]:
     """Callbacks/loggers are named dict entries so `~callbacks.x` drops one; null entries are skipped."""
     entries = [(name, node) for name, node in (group or {}).items() if node is not None]
