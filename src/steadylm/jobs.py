@@ -29,7 +29,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from steadylm.distributed import JOB_PARENT_ENV, SWEEP_JOB_ENV
+from steadylm.distributed import JOB_PARENT_ENV, SWEEP_JOB_ENV, is_rank_zero_process
 from steadylm.errors import ConfigError, SteadyError, exit_with, one_line
 from steadylm.result import RESULT_FILE, finish_job, sweep_value
 
@@ -99,8 +99,10 @@ def run_job(cfg: DictConfig, train_here: Callable[[DictConfig], Any]) -> Any:
     if done := finished_job(cfg):  # `-m ... resume=auto` again: a finished job stays as it is
         print(f"resume=auto: {folder} finished ({done[1]}), skipped")
         return done[0]
+    lock = None
     try:
-        lock = lock_job(folder)
+        if is_rank_zero_process():  # SLURM's other tasks of this job (hydra/launcher=slurm) share rank 0's folder
+            lock = lock_job(folder)
     except SteadyError as err:  # another process writes this folder: this sweep must not touch it
         exit_with(err)
     try:
@@ -110,7 +112,8 @@ def run_job(cfg: DictConfig, train_here: Callable[[DictConfig], Any]) -> Any:
             return job_failed(cfg, f"error: {one_line(err)}")
         return train_here(cfg) if ranks == 1 else run_ranks(cfg, ranks)
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def job_failed(cfg: DictConfig, reason: str) -> float | None:
