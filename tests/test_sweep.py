@@ -172,9 +172,11 @@ def test_resume_auto_continues_the_newest_sweep_folder(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "status,expected", [("ok", (2.5, "ok")), ("diverged", "nan"), ("preempted", None), (None, None)]
+    "status,expected",
+    [("ok", (2.5, "ok")), ("diverged", "nan"), ("preempted", None), ("failed", None), (None, None)],
 )
 def test_resume_auto_skips_a_finished_job_with_the_number_it_gave(tmp_path, status, expected):
+    """A finished job is skipped with its number (NaN for diverged); a preempted or failed one runs again."""
     run = tmp_path / "0"
     run.mkdir()
     if status:
