@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from steadylm.diagnose import analyse, load_run, write_report
+from steadylm.run_config import write_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("loss", "lr", "grad_norm", "block_grad_norm", "update_ratio", "attn_logit")
@@ -32,8 +32,7 @@ def write_run(
         lines = [json.dumps({"step": s, "kind": k, "action": a, "detail": d, "time": 0.0}) for s, k, a, d in events]
         (run / "stability" / "events.jsonl").write_text("\n".join(lines) + ('\n{"step": 9' if torn else "\n"))
     if config is not None:
-        (run / ".hydra").mkdir(parents=True)
-        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        write_run_config(run, config)
     return run
 
 
@@ -123,12 +122,14 @@ def test_cli_on_an_empty_folder_and_a_missing_one(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0 and "no instability found" in proc.stdout
-    assert "no TensorBoard event files" in (tmp_path / "empty" / "report.md").read_text()
+    assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'empty'}: an empty folder, not a run; " + (
+        "pass the run's output dir, e.g. logs/train/runs/<time>\n"
+    )
+    assert not (tmp_path / "empty" / "report.md").exists()
     proc = subprocess.run(
         [sys.executable, "-m", "steadylm.diagnose", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not a folder" in proc.stderr
 
 
 # Each divergence preset, run for real on the tiny model: the report names the cause and its onset.

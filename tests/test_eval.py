@@ -107,7 +107,7 @@ def eval_run(shards_dir, tmp_path_factory):
             "data.batch_size=4",
             "trainer.max_steps=4",
             "trainer.val_check_interval=4",
-            "trainer.limit_val_batches=1",
+            "data.val_windows=4",
             "trainer.enable_progress_bar=false",
             "optim.warmup_steps=1",
             "callbacks=minimal",

@@ -219,7 +219,7 @@ def test_a_mixture_on_two_processes_trains_and_scores_each_source_as_one_process
         "trainer.max_steps=6",
         "trainer.val_check_interval=6",
         "trainer.precision=32-true",
-        "trainer.limit_val_batches=1.0",  # every val window of each source, on 1 rank or split over 2
+        "data.val_windows=null",  # every val window of each source, on 1 rank or split over 2
         "+callbacks.windows._target_=test_machine_size.WindowLog",
     ]
     results = {}

@@ -24,7 +24,7 @@ RESUME = [
     "optim.warmup_steps=3",
     "trainer.log_every_n_steps=1",
     "trainer.val_check_interval=4",
-    "trainer.limit_val_batches=2",
+    "data.val_windows=16",
     "callbacks.checkpoint.every_n_train_steps=4",
 ]
 

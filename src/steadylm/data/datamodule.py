@@ -87,6 +87,7 @@ class ShardDataModule(L.LightningDataModule):
         align: str = "none",
         pack: str = "none",
         sources: dict | None = None,
+        val_windows: int | None = 320,
     ):
         super().__init__()
         self.pack = check_pack(pack)
@@ -96,6 +97,7 @@ class ShardDataModule(L.LightningDataModule):
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.tokenizer, self.seed, self.align = tokenizer, int(seed), align
         self.shuffle, self.drop_last, self.pin_memory = bool(shuffle), bool(drop_last), bool(pin_memory)
+        self.val_windows = None if val_windows is None else int(val_windows)
         self.train_set = self.val_set = self._train_sampler = self._pending_state = None
         self.infos: dict[str, list[ShardInfo]] = {}
 
@@ -181,7 +183,8 @@ class ShardDataModule(L.LightningDataModule):
 
     def _sampler(self, dataset: TokenWindows, train: bool) -> EpochBatchSampler:
         """Train: whole optimizer steps of the Trainer's accumulation, so step k's windows follow from the seed;
-        with `sources`, the mixture's stream (data/mixture.py)."""
+        with `sources`, the mixture's stream (data/mixture.py). Val: the split's first `val_windows` windows in order,
+        split across ranks, so any machine and micro-batch size validates the same windows."""
         rank, world = self._world()
         accumulate = int(self.trainer.accumulate_grad_batches) if train and self.trainer is not None else 1
         order = {"shuffle": self.shuffle, "drop_last": self.drop_last, "step_batches": accumulate}
@@ -189,7 +192,8 @@ class ShardDataModule(L.LightningDataModule):
         kw = {"rank": rank, "world_size": world, "seed": self.seed, **order}
         if train and self.sources:
             return MixtureBatchSampler(self.order, self.batch_size, **kw)
-        return EpochBatchSampler(len(dataset), self.batch_size, **kw)
+        n = len(dataset) if train or self.val_windows is None else min(len(dataset), self.val_windows)
+        return EpochBatchSampler(n, self.batch_size, **kw)  # val: its first windows, whatever the ranks and batch
 
     def _loader(self, dataset: TokenWindows, train: bool) -> DataLoader:
         sampler = self._sampler(dataset, train)
