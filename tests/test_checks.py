@@ -151,7 +151,12 @@ class TailLoss(Check):
     wants_token_losses = True  # the loss keeps each position's CE for this check's steps
 
     def __init__(
-        self, positions: int = 8, factor: float = 1.5, window: int = 32, warmup: int = 4, lr_backoff: float | None = None
+        self,
+        positions: int = 8,
+        factor: float = 1.5,
+        window: int = 32,
+        warmup: int = 4,
+        lr_backoff: float | None = None,
     ) -> None:
         self.positions, self.factor, self.window, self.warmup = int(positions), float(factor), int(window), int(warmup)
         self.history: list[float] = []

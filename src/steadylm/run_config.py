@@ -16,7 +16,9 @@ RUN_CONFIG = "config.yaml"
 
 def write_run_config(run_dir: str | Path, config: dict) -> None:
     path = Path(run_dir) / RUN_CONFIG
-    header = "# The values this run resolved (what diagnose and the other tools read); .hydra/ has the composed config\n"
+    header = (
+        "# The values this run resolved (what diagnose and the other tools read); .hydra/ has the composed config\n"
+    )
     path.write_text(header + yaml.safe_dump(config, sort_keys=False))
 
 
