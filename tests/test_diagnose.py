@@ -14,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from steadylm.diagnose import analyse, load_run, write_report
 from steadylm.run_config import write_run_config
+from tests.helpers import CLI_TINY, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("loss", "lr", "grad_norm", "block_grad_norm", "update_ratio", "attn_logit")
@@ -209,3 +210,23 @@ def test_a_forecast_whose_horizon_outlived_the_run_is_named_live(tmp_path):
     summary = diagnosis.primary.summary if diagnosis.primary else " ".join(f.summary for f in diagnosis.findings)
     assert "forecast at step 90 (31, doubling every 9 steps, level 100 expected at step 105)" in summary
     assert "still live when the run ended at step 99" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [[], ["optim=muon"], ["model.parametrization=mup"]], ids=["adamw", "muon", "mup"])
+def test_the_tools_read_the_values_a_default_run_resolved(shards_dir, tmp_path, setting):
+    """optim.lr is the width rule's interpolation in every preset: diagnose and generate read the number the run
+    trained with (config.yaml, the checkpoint), never the expression."""
+    run = tmp_path / "run"
+    done = run_cli(
+        *CLI_TINY, *setting, "trainer.max_steps=4", f"data.dir={shards_dir}", f"hydra.run.dir={run}", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lr = json.loads((run / "result.json").read_text())["lr"]
+    assert "${" in (run / ".hydra" / "config.yaml").read_text()  # what Hydra saved still holds the rule
+    done = run_cli(str(run), cwd=tmp_path, module="steadylm.diagnose")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"optim.lr={lr}," in (run / "report.md").read_text()
+    ckpt = run / "checkpoints" / "last.ckpt"
+    done = run_cli(f"ckpt={ckpt}", "max_new_tokens=4", cwd=tmp_path, module="steadylm.generate")
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-3000:]

@@ -1,12 +1,12 @@
 """The README's "Everyday commands", run as a newcomer runs them: every line as written, in order, in one fresh folder,
 each exiting 0 with no traceback and leaving what it promises. Editing a README line changes what runs here.
 
-`small()` is the only thing added to a line, and only what makes it small: a step count and a 1-layer model (a
-line's own preset and settings stay), 2 CPU processes (`trainer=ddp_sim`) where the line asks for N GPUs, the
-embedded corpus for a recipe's own dataset, and no compile (its warmup and
-validation interval made for the short run). Before the block, the folder gets what a newcomer's
-`make demo` / `make data` and their own files give: the prepared embedded corpus, a folder of text (`corpus/`) and
-an eval task file; `logs/demo` (make demo's run, which a tool line reads) is the run the resume line made.
+`small()` is the only thing added to a line, and only what makes it small: a step count, 16 val windows and a
+1-layer model (a line's own preset and settings stay), 2 CPU processes (`trainer=ddp_sim`) where the line asks for
+N GPUs, and for a recipe the embedded corpus instead of its own dataset, no compile, and a warmup and validation
+interval made for the short run. Before the block, the folder gets what a newcomer's `make demo` / `make data` and
+their own files give: the prepared embedded corpus, a folder of text (`corpus/`) and an eval task file;
+`logs/demo` (make demo's run, which a tool line reads) is the run the resume line made.
 `tests/test_docs_runs.py` does the same for the commands of docs/.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from tests.helpers import ROOT, run_cli
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32"]
-SHORT = ["data.batch_size=4", "trainer.max_steps=4", "trainer.log_every_n_steps=2"]
+SHORT = ["data.batch_size=4", "trainer.max_steps=4", "trainer.log_every_n_steps=2", "data.val_windows=16"]
 RECIPE = ["data.tokenizer=null", "data.dir=data/stdlib-bytes", "data.global_batch_tokens=256", "compile=false"]
 RECIPE += ["optim.warmup_steps=1", "trainer.val_check_interval=2"]  # its own are for 19,073 steps
 GPU_RECIPES = ("experiment=gpt2_124m", "experiment=llama_124m")  # their own dataset (FineWeb) and compile

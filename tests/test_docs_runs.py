@@ -1,0 +1,63 @@
+"""The commands of docs/*.md that a user would copy, run as tests/test_readme_runs.py runs the README's: in order, in
+one fresh folder, made small the same way. A command the README block already runs, or one that cannot run here,
+is listed in `NOT_RUN` with the reason; a docs command in neither list fails the first test."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers import ROOT, run_cli
+from tests.test_readme_runs import everyday_commands, newcomer_folder, promised, small
+
+NOT_RUN = {
+    "python -m steadylm.doctor model=small trainer.devices=4": "the README's doctor line runs the same checks on 1 device",
+    "make tensorboard": "starts a server that runs until stopped; test_tensorboard.py reads the files it serves",
+    "python -m steadylm.eval.fetch": "downloads HellaSwag (no network in tests); test_eval.py covers its refusal",
+    "make bench": "the benchmarks take minutes; test_model_bench.py and test_perf.py run their quick forms",
+    "benchmarks/gpu.sh": "needs a CUDA GPU; test_gpu_bench.py runs its CPU form",
+    "python train.py -m optim.lr=1e-3,2e-3,3e-3,4e-3 hydra/launcher=parallel  ": "",
+    "python benchmarks/parallel_sweep_bench.py": "a benchmark of minutes; test_parallel.py runs the parallel sweep",
+    "python train.py -m model=small model.parametrization=mup": "12 jobs of the sweep path the README runs",
+    "python train.py -m hydra/launcher=slurm": "needs a SLURM cluster",
+    "srun ": "needs a SLURM cluster",
+}
+
+
+def docs_commands() -> list[tuple[str, str]]:
+    """(page, line) of every fenced bash line of docs/, comments cut, in page order."""
+    out = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            out += [(page.name, line.split("  #")[0].strip()) for line in block.splitlines()]
+    return [(page, line) for page, line in out if line and not line.startswith("#")]
+
+
+def to_run() -> list[tuple[str, str]]:
+    readme = set(everyday_commands((ROOT / "README.md").read_text()))
+    skipped = lambda line: line in readme or any(line.startswith(p) for p in NOT_RUN)
+    return [(page, line) for page, line in docs_commands() if not skipped(line)]
+
+
+def test_every_docs_command_is_run_or_skipped_with_a_reason():
+    runs = [line for _, line in to_run()]
+    assert all(line.startswith("python ") for line in runs), runs  # what is left is ours to run
+    assert len(runs) >= 8, runs
+
+
+@pytest.mark.slow
+def test_every_docs_command_runs_in_order(tmp_path):
+    newcomer_folder(tmp_path)
+    for name in ("notes", "code"):  # data.md's mixture reads two folders of the user's own text
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.txt").write_text(f"{name}: the quick brown fox jumps over the lazy dog.\n" * 600)
+    args, _ = small("python train.py hydra.run.dir=logs/demo")  # make demo's run, which the tool lines read
+    assert run_cli(*args, cwd=tmp_path).returncode == 0
+    for page, line in to_run():
+        args, module = small(line)
+        before = {p.parent for p in tmp_path.glob("logs/**/result.json")}
+        done = run_cli(*args, cwd=tmp_path, module=module, timeout=600)
+        console = done.stdout + done.stderr
+        assert done.returncode == 0 and "Traceback" not in console, f"{page}: {line}\n{console[-3000:]}"
+        promised(tmp_path, line, before)
