@@ -17,6 +17,7 @@ from steadylm.eval.score import correct, encode_pair, score
 from steadylm.eval.tasks import load_task
 from steadylm.generate import load_checkpoint, load_model
 from steadylm.model.gpt import chunked_token_losses
+from tests.helpers import run_cli
 
 HELLASWAG_ROW = {
     "activity_label": "Removing ice from car",
@@ -161,3 +162,15 @@ def test_lm_eval_on_a_checkpoint_equals_our_scorer(eval_run, tmp_path, monkeypat
     assert results["acc,none"] == pytest.approx(acc)
     assert results["acc_norm,none"] == pytest.approx(acc_norm)
     assert "mc" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_lm_eval_refuses_a_choice_longer_than_the_context_in_one_line(eval_run, tmp_path):
+    """lm-eval asserts (a traceback) on a choice that does not fit the model's 32 positions: one line, exit 2."""
+    pytest.importorskip("lm_eval")
+    _, ckpt, _ = eval_run
+    row = {"context": "Pick one:", "choices": ["short", "x" * 40], "label": 0}
+    (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
+    done = run_cli(f"ckpt={ckpt}", f"tasks=[{tmp_path / 'long.jsonl'}]", cwd=tmp_path, module="steadylm.eval")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "error: eval task long, item 1: a choice is 41 tokens, and the model sees 32 at once" in done.stderr

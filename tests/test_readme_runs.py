@@ -30,7 +30,7 @@ NOT_RUN = {"make tensorboard": "starts a server that runs until stopped; test_te
 HELLASWAG = {
     "ctx_a": "A man is sitting on a roof.",
     "ctx_b": "he",
-    "endings": ["is using wrap to wrap a pair of skis.", "starts pulling up roofing on a roof.", "runs.", "eats."],
+    "endings": ["wraps skis.", "pulls up the roof.", "runs.", "eats."],  # each choice inside the 32 positions
     "label": "1",
     "activity_label": "Roof shingle removal",
 }
