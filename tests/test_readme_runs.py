@@ -98,6 +98,16 @@ def promised(tmp: Path, line: str, before: set[Path]) -> None:
         assert (tmp / line.split()[-1] / "report.md").is_file()
 
 
+def run_as_written(tmp: Path, line: str, where: str = "README") -> None:
+    """`line`, made small, in `tmp`: exit 0, no traceback, and what it promises on disk."""
+    args, module = small(line)
+    before = {p.parent for p in tmp.glob("logs/**/result.json")}
+    done = run_cli(*args, cwd=tmp, module=module, timeout=600)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in console, f"{where}: {line}\n{console[-3000:]}"
+    promised(tmp, line, before)
+
+
 @pytest.mark.slow
 def test_every_readme_command_runs_in_order(tmp_path):
     lines = everyday_commands((ROOT / "README.md").read_text())
@@ -108,11 +118,6 @@ def test_every_readme_command_runs_in_order(tmp_path):
         if any(line.startswith(prefix) for prefix in NOT_RUN):
             continue
         line = line.replace("logs/demo", "logs/run1")  # make demo's run: the resume line's run stands in for it
-        args, module = small(line)
-        before = {p.parent for p in tmp_path.glob("logs/**/result.json")}
-        done = run_cli(*args, cwd=tmp_path, module=module, timeout=600)
-        console = done.stdout + done.stderr
-        assert done.returncode == 0 and "Traceback" not in console, f"{line}\n{console[-3000:]}"
-        promised(tmp_path, line, before)
+        run_as_written(tmp_path, line)
         ran.append(line)
     assert any("hydra/launcher=parallel" in line for line in ran) and any("data.sources" in line for line in ran)
