@@ -120,10 +120,19 @@ def test_a_mixture_resumes_bitwise(make_cfg, two_sources, tmp_path):
 @pytest.mark.parametrize(
     "spec, error, message",
     [
+        *[
+            (
+                f"{{a: {{dir: /nowhere, weight: {w}}}}}",
+                ConfigError,
+                rf"^data\.sources\.a\.weight={shown} is not allowed; it must be a finite number >= 0$",
+            )
+            for w, shown in (("-1", "-1"), ("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"))
+        ],
         (
-            "{a: {dir: /nowhere, weight: -1}}",
+            "{a: {dir: /nowhere, weight: 1}, b: {dir: /nowhere, weight: 0.0004}}",
             ConfigError,
-            r"^data\.sources\.a\.weight=-1 is not allowed; it must be a number >= 0$",
+            r"^data\.sources\.b\.weight=0\.0004 is 0\.040% of the total, under the 0\.1% of one position in 1,000, so "
+            r"b would never be drawn; raise it to at least 0\.00101, or set it to 0 to only validate on it$",
         ),
         ("{a: {dir: /nowhere, weight: 0}}", ConfigError, r"^data\.sources: every weight is 0"),
         ("{a: {dir: /nowhere, wieght: 1}}", ConfigError, r"^data\.sources\.a\.wieght is not a source key"),
@@ -135,6 +144,37 @@ def test_a_bad_source_is_one_line(make_cfg, spec, error, message, tmp_path):
     with pytest.raises(error, match=message):
         train(make_cfg(f"data.sources={spec}"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_source_with_no_val_window_is_one_line_at_startup(make_cfg, two_sources, tmp_path):
+    """30 val tokens under a 64-token context: `val/loss/tiny` would read 0 and pull `val/loss` down by its weight."""
+    tiny = tmp_path / "tiny"
+    prepare(input=None, out_dir=tiny, max_bytes=60_000, val_fraction=0.0005, progress=False)
+    spec = f"data.sources={{big: {{dir: {two_sources['big']}, weight: 0.7}}, tiny: {{dir: {tiny}, weight: 0.3}}}}"
+    with pytest.raises(DataError) as refused:
+        train(make_cfg(spec))
+    assert str(refused.value) == (
+        f"{tiny / 'val-00000.h5'}: source 'tiny' has no val window: its longest val shard has 30 tokens, fewer than "
+        "model.context_length + 1 = 65, so val/loss/tiny would read 0; prepare it with a larger data.val_fraction or "
+        "more text, or lower model.context_length"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_weight_of_0_validates_on_a_source_it_never_draws(make_cfg, two_sources):
+    """The fix the too-small weight's line offers: 0 is never drawn, scored on its own, and left out of val/loss."""
+    metrics, objects = train(
+        make_cfg(
+            sources(two_sources, big=1, small=0),
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "optim.warmup_steps=1",
+        )
+    )
+    dm = objects["datamodule"]
+    trained = {dm.window_location(w)["source"] for step in range(4) for w in dm._train_sampler.batch_windows(step)}
+    assert trained == {"big"} and metrics["val/loss/small"] > 0
+    assert metrics["val/loss"] == pytest.approx(metrics["val/loss/big"], rel=1e-6)
 
 
 def test_sources_with_different_tokenizers_are_refused(make_cfg, two_sources, tmp_path):

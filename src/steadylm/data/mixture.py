@@ -16,9 +16,13 @@ source's shards, so reading, checking and the suspects' locations work as for on
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 
 from steadylm.data.sampler import PAD_INDEX, EpochBatchSampler, FeistelPermutation, _mix64
+from steadylm.errors import ConfigError
 
 BLOCK = 1000  # positions per repeat of the source table: a weight is rounded to 1/BLOCK (0.1 %) at most
 
@@ -40,6 +44,49 @@ def block_table(quota: np.ndarray) -> np.ndarray:
         table[r] = s = int(np.argmax(current))
         current[s] -= len(table)
     return table
+
+
+def check_sources(sources) -> dict[str, tuple[Path, float]] | None:
+    """`data.sources` as {name: (folder, weight)}: one line for an unknown key, a missing dir, a weight that is not a
+    finite number >= 0, weights that are all 0, or a weight > 0 too small for one position of the table (never drawn:
+    0 says "validate on it only" on purpose)."""
+    if not sources:
+        return None
+    out = {}
+    for name, spec in dict(sources).items():
+        spec = dict(spec or {})
+        if unknown := sorted(set(spec) - {"dir", "weight"}):
+            raise ConfigError(f"data.sources.{name}.{unknown[0]} is not a source key; a source has dir and weight")
+        if spec.get("dir") is None:
+            raise ConfigError(f"data.sources.{name}.dir is not set: the folder of that source's prepared shards")
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ConfigError(f"data.sources.{name}.weight={weight!r} is not allowed; it must be a finite number >= 0")
+        out[str(name)] = (Path(str(spec["dir"])).expanduser(), float(weight))
+    weights = [w for _, w in out.values()]
+    if not sum(weights) > 0:
+        raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
+    for (name, (_, weight)), quota in zip(out.items(), quotas(weights)):
+        if weight > 0 and not quota:
+            least = (sum(weights) - weight) / (BLOCK - 1)  # the weight whose share is one position of the table
+            unit = 10.0 ** (math.floor(math.log10(least)) - 2)
+            least = math.ceil(least / unit) * unit  # 3 digits, rounded up
+            raise ConfigError(
+                f"data.sources.{name}.weight={weight:g} is {weight / sum(weights):.3%} of the total, under the "
+                f"{1 / BLOCK:.1%} of one position in {BLOCK:,}, so {name} would never be drawn; raise it to at least "
+                f"{least:.3g}, or set it to 0 to only validate on it"
+            )
+    return out
+
+
+def no_val_window(name: str, val: list, context_length: int) -> str:
+    """The line for a source whose val shards hold no window (`val: ShardInfo`s): it would score nothing."""
+    longest = max(val, key=lambda i: i.n_tokens)
+    return (
+        f"{longest.path}: source {name!r} has no val window: its longest val shard has {longest.n_tokens} tokens, "
+        f"fewer than model.context_length + 1 = {context_length + 1}, so val/loss/{name} would read 0; prepare it "
+        f"with a larger data.val_fraction or more text, or lower model.context_length"
+    )
 
 
 class MixtureOrder:
