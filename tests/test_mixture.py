@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,68 @@ def test_a_mixture_resumes_bitwise(make_cfg, two_sources, tmp_path):
     train(make_cfg(*RESUME, mix, f"trainer.max_steps={2 * K}", "resume=auto", out=split))
     expected, got = step_losses(full), step_losses(split)
     assert len(expected) == 2 * K and got == expected
+
+
+def _windows(objects, steps) -> list[list[int]]:
+    """The windows each of `steps` trained on (one micro-batch a step), from the run's own sampler."""
+    return [objects["datamodule"]._train_sampler.batch_windows(step) for step in steps]
+
+
+def test_a_resume_at_other_weights_applies_them_from_its_step_and_repeats_nothing(
+    make_cfg, two_sources, tmp_path, caplog
+):
+    """8 steps at 70/30, resumed to 16 at 50/50 (an annealing phase): one line says so; steps 8..15 draw 50/50 and
+    read no window that steps 0..7 read (counted from the start at the new shares, big would repeat 13 windows); a
+    second resume from step 12 goes on exactly as the run that did not stop."""
+    run, again = tmp_path / "run", tmp_path / "again"
+    keep = ["optim.total_steps=16", "optim.warmup_steps=2", "callbacks.checkpoint.every_n_train_steps=4"]
+    keep += ["callbacks.checkpoint.save_top_k=-1", "trainer.val_check_interval=8"]
+    _, first = train(make_cfg(*keep, sources(two_sources), "trainer.max_steps=8", out=run))
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        _, second = train(
+            make_cfg(*keep, sources(two_sources, 0.5, 0.5), "trainer.max_steps=16", "resume=auto", out=run)
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: data.sources")]
+    assert lines == [
+        "resume: data.sources differ from the checkpoint's (big 70.0% -> 50.0%, small 30.0% -> 50.0%): the new "
+        "shares apply from step 8, each source going on with the next window of its own order that it has not read "
+        "(nothing repeated or skipped); the checkpoint's data.sources keep the old stream"
+    ]
+    dm = second["datamodule"]
+    before = [w for batch in _windows(first, range(8)) for w in batch]
+    after = [w for batch in _windows(second, range(8, 16)) for w in batch]
+    assert [dm.window_location(w)["source"] for w in after].count("small") == 32  # 64 windows at 50 %
+    assert not set(before) & set(after) and len(set(after)) == len(after)  # both sources in their first epoch
+    naive = MixtureOrder(dm.order.sizes.tolist(), [0.5, 0.5], dm.order.seed, names=dm.order.names)(np.arange(64, 128))
+    assert len(set(before) & set(naive.tolist())) == 13  # the stream at 50/50 from step 0: big's windows 32..44 again
+    ckpt = next((run / "checkpoints").glob("step0000012*.ckpt"))
+    _, third = train(
+        make_cfg(*keep, sources(two_sources, 0.5, 0.5), "trainer.max_steps=16", f"ckpt_path={ckpt}", out=again)
+    )
+    assert _windows(third, range(12, 16)) == _windows(second, range(12, 16))
+
+
+def test_a_resume_with_a_source_of_another_size_is_refused_and_a_new_name_starts_its_order(
+    make_cfg, two_sources, tmp_path, caplog
+):
+    keep = ["optim.total_steps=8", "optim.warmup_steps=1", "trainer.val_check_interval=4"]
+    train(make_cfg(*keep, sources(two_sources), "trainer.max_steps=4"))
+    other = {"big": two_sources["big"], "small": two_sources["big"]}  # `small` now names 300 KB, not 60 KB
+    with pytest.raises(ConfigError) as refused:
+        train(make_cfg(*keep, sources(other), "trainer.max_steps=6", "resume=auto"))
+    message = str(refused.value)
+    assert re.fullmatch(
+        r"data\.sources\.small\.dir holds [\d,]+ train windows, and the checkpoint's small held [\d,]+: its order "
+        r"cannot go on \(windows would repeat or be skipped\); point data\.sources\.small\.dir at the data it trained "
+        r"on, or give the source a new name to start its order",
+        message,
+    ), message
+    renamed = f"data.sources={{big: {{dir: {two_sources['big']}, weight: 0.7}}, more: {{dir: {two_sources['big']}, weight: 0.3}}}}"
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        _, objects = train(make_cfg(*keep, renamed, "trainer.max_steps=6", "resume=auto"))
+    assert objects["trainer"].global_step == 6
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: data.sources"))
+    assert line.startswith("resume: data.sources differ from the checkpoint's (more new at 30.0%, small dropped): ")
 
 
 @pytest.mark.parametrize(

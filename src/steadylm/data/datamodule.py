@@ -147,7 +147,7 @@ class ShardDataModule(L.LightningDataModule):
                 shard = self.shards_of[name]["train"][0].path
                 raise DataError(f"{shard}: source {name!r} has no train window of model.context_length + 1 tokens")
         weights = [w for _, w in self.sources.values()]
-        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle)
+        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle, names=list(self.sources))
         self.val_sets = {
             name: TokenWindows([i.path for i in s["val"]], self.context_length, infos=s["val"], model_vocab_size=V)
             for name, s in self.shards_of.items()
@@ -261,7 +261,7 @@ class ShardDataModule(L.LightningDataModule):
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:
             done = {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}
-            return {"train_sampler": {**done, **self._train_sampler.shape()}}
+            return {"train_sampler": self._train_sampler.state_at(**done, step=int(trainer.global_step))}
         return {"train_sampler": self._train_sampler.state_dict()}
 
     def align_resume(self, checkpoint: dict) -> None:

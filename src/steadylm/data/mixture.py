@@ -7,8 +7,12 @@ windows can be recomputed, a resume continues exactly, and every rank agrees wit
   share of each block (largest remainder), spread evenly through it (smooth weighted round robin). Over any run of
   positions the shares are off by at most a window or two per source, far under 1 % of a 100-step span.
 - Which window of s it draws is s's own count of draws before q: draw c is window `perm(s, e)(c mod size)` of s's
-  epoch e = c // size, a keyed Feistel order per (seed, source, epoch). A small source starts its next epoch on its
-  own while a large one is still in its first.
+  epoch e = c // size, a keyed Feistel order per (seed, source name, epoch). A small source starts its next epoch on
+  its own while a large one is still in its first.
+
+A resume whose `data.sources` differ from the checkpoint's (weights, sources added or dropped) anchors the stream
+where the checkpoint left it: from there the table restarts at the new shares and each source's count goes on from
+its draws so far, so no source repeats or skips a window (data/mixture_resume.py).
 
 Windows of all sources live in one id space (source s's ids start at `offsets[s]`), one `TokenWindows` over every
 source's shards, so reading, checking and the suspects' locations work as for one source.
@@ -17,6 +21,7 @@ source's shards, so reading, checking and the suspects' locations work as for on
 from __future__ import annotations
 
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +97,8 @@ def no_val_window(name: str, val: list, context_length: int) -> str:
 class MixtureOrder:
     """Global stream position -> window id (in the sources' joint id space)."""
 
-    def __init__(self, sizes: list[int], weights: list[float], seed: int, shuffle: bool = True):
+    def __init__(self, sizes: list[int], weights: list[float], seed: int, shuffle: bool = True, names=None):
+        self.names = [str(n) for n in names] if names is not None else [str(s) for s in range(len(sizes))]
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.quota = quotas(weights)
@@ -102,15 +108,24 @@ class MixtureOrder:
             self.before[s, 1:] = np.cumsum(self.table == s)
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self._perms: dict[tuple[int, int], FeistelPermutation] = {}
+        # (position, each source's draws before it): a resume under other sources (data/mixture_resume.py); None: 0
+        self.anchor: tuple[int, np.ndarray] | None = None
 
-    def sources(self, positions: np.ndarray) -> np.ndarray:
-        return self.table[np.asarray(positions, dtype=np.int64) % BLOCK]
+    def _from_anchor(self, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whole tables since the anchor, the place in the table, and the anchor's draws per source."""
+        start, drawn = self.anchor if self.anchor is not None else (0, np.zeros(len(self.sizes), dtype=np.int64))
+        block, r = np.divmod(np.asarray(positions, dtype=np.int64) - start, BLOCK)
+        return block, r, drawn
+
+    def drawn(self, position: int) -> list[int]:
+        """Each source's draws before stream position `position` (what a checkpoint records)."""
+        block, r, drawn = self._from_anchor(position)
+        return (drawn + block * self.quota + self.before[:, r]).tolist()
 
     def __call__(self, positions) -> np.ndarray:
-        q = np.asarray(positions, dtype=np.int64)
-        block, r = np.divmod(q, BLOCK)
+        block, r, drawn = self._from_anchor(positions)
         s = self.table[r]
-        draw = block * self.quota[s] + self.before[s, r]  # s's draws before q
+        draw = drawn[s] + block * self.quota[s] + self.before[s, r]  # s's draws before q
         epoch, i = np.divmod(draw, self.sizes[s])
         local = i.copy()
         if self.shuffle:
@@ -123,7 +138,8 @@ class MixtureOrder:
         if (source, epoch) not in self._perms:
             if len(self._perms) > 64:
                 self._perms.clear()
-            key = _mix64(_mix64(self.seed) ^ _mix64(source + 1)) ^ epoch
+            name = zlib.crc32(self.names[source].encode())  # by name: a source keeps its order among others
+            key = _mix64(_mix64(self.seed) ^ _mix64(name + 1)) ^ epoch
             self._perms[(source, epoch)] = FeistelPermutation(int(self.sizes[source]), key)
         return self._perms[(source, epoch)]
 
@@ -146,3 +162,20 @@ class MixtureBatchSampler(EpochBatchSampler):
         real = pos < self.n_windows
         out[real] = self.order(self.epoch * self.n_windows + pos[real])
         return out
+
+    def state_at(self, epoch: int, batches_done: int, step: int | None = None) -> dict:
+        """The base's, and the mixture it was read from: each source's name, size, share of the table and draws
+        before this position, the anchor, and the optimizer `step` (a resume compares them, data/mixture_resume.py)."""
+        order, at = self.order, int(epoch) * self.n_windows + int(batches_done) * self.global_batch
+        anchor = None
+        if order.anchor is not None:  # as (epoch, position in it): the base counts a position so
+            anchor = [*divmod(int(order.anchor[0]), self.n_windows), order.anchor[1].tolist()]
+        mixture = {"names": order.names, "sizes": order.sizes.tolist(), "quota": order.quota.tolist()}
+        mixture |= {"anchor": anchor, "drawn": order.drawn(at), "step": step}
+        return {**super().state_at(epoch, batches_done, step), "mixture": mixture}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        from steadylm.data.mixture_resume import continue_mixture  # loaded only by a resume
+
+        continue_mixture(self, state.get("mixture"))

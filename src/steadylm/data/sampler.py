@@ -142,8 +142,12 @@ class EpochBatchSampler(Sampler[list[int]]):
         """What a batch count means: windows per micro-batch and micro-batches per step (saved beside it)."""
         return {"global_batch": self.global_batch, "step_batches": self.step_batches}
 
+    def state_at(self, epoch: int, batches_done: int, step: int | None = None) -> dict:
+        """The state of a position: `batches_done` batches of `epoch` (before optimizer `step`, when known)."""
+        return {"epoch": int(epoch), "batches_done": int(batches_done), **self.shape()}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done, **self.shape()}
+        return self.state_at(self.epoch, self.batches_done)
 
     def resume_batch(self, state: dict) -> tuple[int, str | None]:
         from steadylm.data.position import resume_batch  # loaded only by a resume
