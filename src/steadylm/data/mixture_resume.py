@@ -12,7 +12,6 @@ import logging
 
 import numpy as np
 
-from steadylm.data.mixture import BLOCK
 from steadylm.errors import ConfigError
 
 log = logging.getLogger("steadylm")
@@ -44,7 +43,7 @@ def continue_mixture(sampler, record: dict | None) -> None:
                 f"data.sources.{name}.dir at the data it trained on, or give the source a new name to start its order"
             )
     order.anchor = (here, np.asarray([old[n][2] if n in old else 0 for n in order.names], dtype=np.int64))
-    share = lambda q: f"{q / BLOCK:.1%}"  # noqa: E731
+    share = lambda q: f"{q / len(order.table):.1%}"  # noqa: E731  (positions of the table held)
     changes = [
         f"{n} {share(old[n][1])} -> {share(q)}" if n in old else f"{n} new at {share(q)}"
         for n, q in zip(order.names, order.quota.tolist())
