@@ -172,6 +172,7 @@ def test_a_resume_with_a_source_of_another_size_is_refused_and_a_new_name_starts
         r"on, or give the source a new name to start its order",
         message,
     ), message
+    assert not (tmp_path / "run" / "checkpoints" / "exception.ckpt").exists()  # refused before training: no save
     renamed = f"data.sources={{big: {{dir: {two_sources['big']}, weight: 0.7}}, more: {{dir: {two_sources['big']}, weight: 0.3}}}}"
     with caplog.at_level(logging.INFO, logger="steadylm"):
         _, objects = train(make_cfg(*keep, renamed, "trainer.max_steps=6", "resume=auto"))
