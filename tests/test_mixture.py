@@ -307,6 +307,23 @@ def test_a_mixture_checkpoint_resumes_on_another_number_of_ranks():
     assert sorted(first) == sorted(two[0].batch_windows(5) + two[1].batch_windows(5))
 
 
+def test_a_resume_between_one_source_and_a_mixture_says_where_it_goes_on(caplog):
+    """A checkpoint of data.sources resumed on one data.dir, and one of a data.dir resumed under data.sources: each
+    says in one line that it goes on at the checkpoint's position of its own order."""
+    from steadylm.data.sampler import EpochBatchSampler
+
+    mixed = MixtureBatchSampler(MixtureOrder([5_000, 300], [0.6, 0.4], seed=4, names=["web", "code"]), 16)
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        EpochBatchSampler(5_300, 16).load_state_dict(mixed.state_at(0, 5, step=5))
+        mixed.load_state_dict(EpochBatchSampler(5_300, 16).state_at(0, 7))
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: the checkpoint read data.sources (web, code); this run's one source goes on at window position 80 of "
+        "epoch 0 of its own order, as if it had been read from step 0",
+        "resume: the checkpoint records no data.sources (a run on one data.dir, or an older steadylm); the mixture "
+        "goes on at its position 112 as if it had been read from step 0",
+    ]
+
+
 @pytest.mark.slow  # two `python train.py` runs, one of them 2 DDP processes on CPU (gloo): ~60 s
 def test_a_mixture_on_two_processes_trains_and_scores_each_source_as_one_process_does(two_sources, tmp_path):
     """The same mixture on 1 rank and on 2 (8 windows a step either way): step k's windows are the same, each

@@ -175,7 +175,7 @@ class MixtureBatchSampler(EpochBatchSampler):
         return {**super().state_at(epoch, batches_done, step), "mixture": mixture}
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        super().load_state_dict({k: v for k, v in state.items() if k != "mixture"})
         from steadylm.data.mixture_resume import continue_mixture  # loaded only by a resume
 
         continue_mixture(self, state.get("mixture"))
