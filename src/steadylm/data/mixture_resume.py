@@ -43,9 +43,9 @@ def continue_mixture(sampler, record: dict | None) -> None:
                 f"data.sources.{name}.dir at the data it trained on, or give the source a new name to start its order"
             )
     order.anchor = (here, np.asarray([old[n][2] if n in old else 0 for n in order.names], dtype=np.int64))
-    share = lambda q: f"{q / len(order.table):.1%}"  # noqa: E731  (positions of the table held)
+    T = len(order.table)  # a share: the positions of the table a source holds
     changes = [
-        f"{n} {share(old[n][1])} -> {share(q)}" if n in old else f"{n} new at {share(q)}"
+        f"{n} {old[n][1] / T:.1%} -> {q / T:.1%}" if n in old else f"{n} new at {q / T:.1%}"
         for n, q in zip(order.names, order.quota.tolist())
         if n not in old or old[n][1] != q
     ]
