@@ -41,6 +41,23 @@ def fill_derived(cfg: DictConfig) -> Any | None:
     return dm
 
 
+def check_epoch(cfg: DictConfig, datamodule: Any, world_size: int, accumulate: int) -> None:
+    """`data.drop_last=true` drops an epoch's last partial optimizer step, so an epoch shorter than one step would
+    run none (Lightning's "No training batches"): refused here, where the step's windows are known. A mixture's
+    epoch is whole steps already (data/mixture.py)."""
+    windows, batch = getattr(datamodule, "n_train_windows", None), int(datamodule.batch_size)
+    if not getattr(datamodule, "drop_last", False) or getattr(datamodule, "sources", None) or windows is None:
+        return
+    if windows < (step := batch * world_size * accumulate):
+        tokens = cfg.data.get("global_batch_tokens")
+        by, lower = (f" from data.global_batch_tokens={tokens}", "data.global_batch_tokens") if tokens else ("", KEY)
+        raise ConfigError(
+            f"data.drop_last=true drops an epoch's last partial optimizer step, and the {windows:,} train windows are "
+            f"fewer than one step's {step:,} (data.batch_size={batch} x {world_size} device(s) x {KEY}={accumulate}"
+            f"{by}), so no step would run; set data.drop_last=false, or lower data.batch_size or {lower}"
+        )
+
+
 def check_environment(cfg: DictConfig, devices: Devices, precision: str, batch_size: int) -> MemoryPlan:
     """Refuse what Lightning would run quietly otherwise (`auto` devices without a GPU: CPU processes; fp16 off CUDA:
     bf16), a run that does not fit, an output folder that cannot be written; the memory plan that fits."""
@@ -82,6 +99,7 @@ def resolve(cfg: DictConfig) -> Resolved:
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size, datamodule.batch_size)
     fill(cfg, {KEY: accumulate, **val_interval(cfg)})
+    check_epoch(cfg, datamodule, devices.world_size, accumulate)
     precision = resolve_precision(cfg.trainer.precision, devices.accelerator)
     memory = check_environment(cfg, devices, precision, datamodule.batch_size)
     OmegaConf.set_readonly(cfg, True)

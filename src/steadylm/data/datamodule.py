@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
-from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder
+from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder, check_sources, no_val_window
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.data.source import check_pack
-from steadylm.errors import ConfigError, DataError
+from steadylm.errors import DataError
 from steadylm.model.config import GPTConfig
 
 log = logging.getLogger("steadylm")
@@ -27,27 +27,6 @@ log = logging.getLogger("steadylm")
 def _bytes_per_token(val: list[ShardInfo]) -> float | None:
     n_bytes = [i.n_bytes for i in val]
     return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
-
-
-def check_sources(sources) -> dict[str, tuple[Path, float]] | None:
-    """`data.sources` as {name: (folder, weight)}: one line for an unknown key, a missing dir, a weight that is not a
-    number >= 0, or weights that are all 0."""
-    if not sources:
-        return None
-    out = {}
-    for name, spec in dict(sources).items():
-        spec = dict(spec or {})
-        if unknown := sorted(set(spec) - {"dir", "weight"}):
-            raise ConfigError(f"data.sources.{name}.{unknown[0]} is not a source key; a source has dir and weight")
-        if spec.get("dir") is None:
-            raise ConfigError(f"data.sources.{name}.dir is not set: the folder of that source's prepared shards")
-        weight = spec.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-            raise ConfigError(f"data.sources.{name}.weight={weight!r} is not allowed; it must be a number >= 0")
-        out[str(name)] = (Path(str(spec["dir"])).expanduser(), float(weight))
-    if not sum(w for _, w in out.values()) > 0:
-        raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
-    return out
 
 
 def _same_tokenizer(recorded: str, configured) -> bool:
@@ -156,11 +135,6 @@ class ShardDataModule(L.LightningDataModule):
         self.infos, self.train_set, self.val_set = infos, sets["train"], sets["val"]
         if self.sources:
             self._mixture_sets(V)
-        if self.drop_last and len(self.train_set) < self.batch_size * (world := self._world()[1]):
-            raise DataError(
-                f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch ({self.batch_size}"
-                f" x {world} ranks) with drop_last=True; lower data.batch_size or set drop_last=False"
-            )
 
     def _world(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)
@@ -175,11 +149,14 @@ class ShardDataModule(L.LightningDataModule):
                 shard = self.shards_of[name]["train"][0].path
                 raise DataError(f"{shard}: source {name!r} has no train window of model.context_length + 1 tokens")
         weights = [w for _, w in self.sources.values()]
-        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle)
+        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle, names=list(self.sources))
         self.val_sets = {
             name: TokenWindows([i.path for i in s["val"]], self.context_length, infos=s["val"], model_vocab_size=V)
             for name, s in self.shards_of.items()
         }
+        for name, val in self.val_sets.items():  # an empty one would read 0.0 and pull val/loss down by its weight
+            if not len(val):
+                raise DataError(no_val_window(name, self.shards_of[name]["val"], self.context_length))
 
     def _sampler(self, dataset: TokenWindows, train: bool) -> EpochBatchSampler:
         """Train: whole optimizer steps of the Trainer's accumulation, so step k's windows follow from the seed;
@@ -288,7 +265,7 @@ class ShardDataModule(L.LightningDataModule):
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:
             done = {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}
-            return {"train_sampler": {**done, **self._train_sampler.shape()}}
+            return {"train_sampler": self._train_sampler.state_at(**done, step=int(trainer.global_step))}
         return {"train_sampler": self._train_sampler.state_dict()}
 
     def align_resume(self, checkpoint: dict) -> None:
