@@ -18,6 +18,7 @@ from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.data.source import check_pack
+from steadylm.data.tokenizer import same_tokenizer
 from steadylm.errors import ConfigError, DataError
 from steadylm.model.config import GPTConfig
 
@@ -48,14 +49,6 @@ def check_sources(sources) -> dict[str, tuple[Path, float]] | None:
     if not sum(w for _, w in out.values()) > 0:
         raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
     return out
-
-
-def _same_tokenizer(recorded: str, configured) -> bool:
-    """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently."""
-    if recorded == str(configured):
-        return True
-    a, b = Path(recorded).expanduser(), Path(str(configured)).expanduser()
-    return a.suffix == ".json" and a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 class ShardDataModule(L.LightningDataModule):
@@ -125,7 +118,7 @@ class ShardDataModule(L.LightningDataModule):
                     f"{info.path}: shard vocab_size {info.vocab_size} exceeds model.vocab_size "
                     f"{V}; set model.vocab_size >= {info.vocab_size}"
                 )
-            if self.tokenizer is not None and not _same_tokenizer(info.tokenizer, self.tokenizer):
+            if self.tokenizer is not None and not same_tokenizer(info.tokenizer, self.tokenizer):
                 raise DataError(
                     f"{info.path}: written by tokenizer {info.tokenizer!r} but data.tokenizer is "
                     f"{self.tokenizer!r}; set data.tokenizer={info.tokenizer} or re-run prepare"

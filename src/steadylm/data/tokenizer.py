@@ -3,7 +3,7 @@
 `data.tokenizer` is one of
 - `bytes`: UTF-8 bytes 0..255 plus end-of-text 256; nothing to train, works offline everywhere;
 - `bpe`: a byte-level BPE trained by `prepare` on the input (Hugging Face `tokenizers`, `data.vocab_size`);
-- a path to any `tokenizer.json`;
+- a path to any `tokenizer.json`, or to the folder holding it (a Hugging Face model's);
 - a tiktoken encoding name such as `gpt2` (the `tiktoken` extra; needs network once).
 
 Shards record that spec; `generate`, export and the eval load the tokenizer from `tokenizer.json` in the shard
@@ -233,6 +233,8 @@ def get_tokenizer(spec) -> Tokenizer:
             "load_tokenizer(data.dir) (run `python -m steadylm.data.prepare data.tokenizer=bpe` first)"
         )
     p = Path(s).expanduser()
+    if p.is_dir() and (p / TOKENIZER_FILE).is_file():  # a Hugging Face model's folder: its tokenizer.json
+        return load_tokenizer(p)
     if s.endswith(".json") or p.is_file():
         if not p.is_file():
             raise SteadyError(f"{p}: tokenizer file not found (data.tokenizer); give an existing tokenizer.json")
@@ -317,6 +319,16 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
     if isinstance(obj, dict) and _is_bytes_spec(obj):
         return ByteTokenizer(path=p)
     return HFTokenizer.from_file(p, name=str(p))
+
+
+def same_tokenizer(recorded: str, configured) -> bool:
+    """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently, name the folder
+    holding the file (a Hugging Face model's), or be a copy of it (the same bytes)."""
+    if recorded == str(configured):
+        return True
+    a, b = (Path(str(s)).expanduser() for s in (recorded, configured))
+    a, b = (p / TOKENIZER_FILE if p.is_dir() else p for p in (a, b))
+    return a.is_file() and b.is_file() and (a.resolve() == b.resolve() or a.read_bytes() == b.read_bytes())
 
 
 def tokenizer_of_run(meta: dict) -> Tokenizer:
