@@ -323,12 +323,19 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
 
 def same_tokenizer(recorded: str, configured) -> bool:
     """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently, name the folder
-    holding the file (a Hugging Face model's), or be a copy of it (the same bytes)."""
+    holding the file (a Hugging Face model's), or be a copy of it (the same JSON)."""
     if recorded == str(configured):
         return True
     a, b = (Path(str(s)).expanduser() for s in (recorded, configured))
     a, b = (p / TOKENIZER_FILE if p.is_dir() else p for p in (a, b))
-    return a.is_file() and b.is_file() and (a.resolve() == b.resolve() or a.read_bytes() == b.read_bytes())
+    if not (a.is_file() and b.is_file()):
+        return False
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return json.loads(a.read_text(encoding="utf-8")) == json.loads(b.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 def tokenizer_of_run(meta: dict) -> Tokenizer:
