@@ -16,6 +16,7 @@ from steadylm.config import compose
 from steadylm.data.prepare import prepare
 from steadylm.data.shards import read_shard_info
 from steadylm.train import train
+from tests.helpers import run_cli
 from tests.test_bad_inputs import assert_one_clear_error, run_main
 from tests.test_import_hf import make_folder
 
@@ -74,7 +75,9 @@ def test_a_continued_run_logs_the_imported_models_loss_at_step_0_and_no_check_al
     data, trained, first, _ = published
     run = tmp_path / "run"
     args = ["experiment=continue", "optim.lr=1e-3", "trainer.max_steps=40", "trainer.val_check_interval=40"]
-    metrics_, _ = train(compose([*RUN, *args, f"model.init_from={trained}", f"data.dir={data}", f"paths.output_dir={run}"]))
+    metrics_, _ = train(
+        compose([*RUN, *args, f"model.init_from={trained}", f"data.dir={data}", f"paths.output_dir={run}"])
+    )
     start, made = val_losses(run)[0], val_losses(first)[59]  # Lightning logs the last step's validation at 59
     assert start == pytest.approx(made, abs=1e-5)
     assert start < 0.85 * math.log(json.loads((trained / "config.json").read_text())["vocab_size"])
@@ -117,7 +120,9 @@ def test_doctor_and_its_lr_probe_run_on_an_imported_model(published, tmp_path, c
         (["init_from=x.ckpt"], r"both init_from=x\.ckpt and model\.init_from=.* are set"),
     ],
 )
-def test_a_model_key_against_the_checkpoint_is_refused_in_one_line(published, tmp_path, monkeypatch, capsys, extra, pattern):
+def test_a_model_key_against_the_checkpoint_is_refused_in_one_line(
+    published, tmp_path, monkeypatch, capsys, extra, pattern
+):
     data, trained, _, _ = published
     args = [*RUN, f"model.init_from={trained}", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}", *extra]
     assert_one_clear_error(*run_main(monkeypatch, capsys, *args), pattern)
@@ -137,3 +142,47 @@ def test_a_lower_context_length_trains_on_the_first_positions(published, tmp_pat
                    f"data.dir={data}", f"paths.output_dir={tmp_path}"])  # fmt: skip
     _, objects = train(cfg)
     assert objects["module"].net.wpe.weight.shape[0] == 32
+
+
+def test_a_sweep_over_an_imported_model_and_diagnose_of_its_jobs(published, tmp_path, capsys):
+    """`-m` over the LR from the trained model (real Hydra multirun, one process a job): every job starts at the
+    imported model's loss (its step-0 val/loss), ends ok, and `diagnose` reads a job's folder as any run's."""
+    from steadylm.diagnose.cli import main as diagnose
+
+    data, trained, first, _ = published
+    steps = ["trainer.max_steps=6", "trainer.val_check_interval=6", "optim.warmup_steps=1"]
+    proc = run_cli(
+        "-m", *RUN, "optim.lr=3e-4,1e-3", *steps, f"model.init_from={trained}", f"data.dir={data}", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = next((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    made = val_losses(first)[59]
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "result.json").read_text())["status"] == "ok"
+        assert val_losses(sweep / job)[0] == pytest.approx(made, abs=1e-5)
+    diagnose([str(sweep / "0")])
+    assert capsys.readouterr().out.startswith("no instability found\nreport: ")
+
+
+def test_doctor_refuses_a_model_key_against_the_checkpoint_in_one_line(published, capsys):
+    from steadylm.doctor.cli import main
+
+    data, trained, _, _ = published
+    with pytest.raises(SystemExit) as exit_info:
+        main(["trainer=cpu", f"model.init_from={trained}", f"data.dir={data}", "model.d_model=64"])
+    assert_one_clear_error(
+        exit_info.value.code, capsys.readouterr().err, r"model\.d_model=64 contradicts model\.init_from"
+    )
+
+
+def test_data_whose_ids_do_not_fit_the_embedding_is_refused_in_one_line(shards_dir, tmp_path, monkeypatch, capsys):
+    """A folder without a tokenizer.json is trusted to the vocabulary check alone: the bytes shards' 257 ids do not
+    fit a 200-row embedding."""
+    import transformers
+
+    folder = tmp_path / "small-vocab"
+    config = transformers.GPT2Config(vocab_size=200, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    args = [*RUN, f"model.init_from={folder}", f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_main(monkeypatch, capsys, *args)
+    assert_one_clear_error(code, err, r"shard vocab_size 257 exceeds model\.vocab_size 200; .*model\.init_from")

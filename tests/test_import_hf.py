@@ -26,7 +26,9 @@ FAMILIES = {
     "gpt2": ("GPT2", dict(n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT)),
     "gpt2-untied-exact-gelu": (
         "GPT2",
-        dict(n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT, activation_function="gelu", tie_word_embeddings=False),
+        dict(
+            n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT, activation_function="gelu", tie_word_embeddings=False
+        ),
     ),
     "llama-gqa-untied": (
         "Llama",
@@ -142,7 +144,10 @@ def write_config(tmp_path: Path, **changes) -> Path:
         ({"hidden_act": "gelu"}, r'hidden_act="gelu", which steadylm cannot represent \(it has silu\)'),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, r'rope_scaling.rope_type="yarn", which steadylm cannot'),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, r'rope_parameters.rope_type="dynamic"'),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types=\[.*\], which steadylm's llama cannot"),
+        (
+            {"layer_types": ["full_attention", "sliding_attention"]},
+            r"layer_types=\[.*\], which steadylm's llama cannot",
+        ),
         ({"mlp_bias": True}, r"mlp_bias=true, unlike attention_bias=false: steadylm's model.bias sets both"),
         ({"head_dim": 16}, r"head_dim=16, not hidden_size / num_attention_heads"),
         ({"model_type": "gpt2", "activation_function": "relu"}, r'activation_function="relu", which steadylm cannot'),

@@ -11,8 +11,10 @@ GPT-2 has LayerNorm, a GELU MLP, one k/v head per query head and no QK-norm; Lla
 and SwiGLU; Qwen3 has no MLP biases. What each class does express is mapped exactly: `bias=false` into
 GPT-2 as zero biases, untied embeddings as `tie_word_embeddings=false`, grouped k/v heads and biases
 (`attention_bias`, `mlp_bias`) into Llama, and `model.parametrization=mup` folded into the weights (its
-logit factor into the final norm, its attention factor into the queries: `sp_state_dict`). Our checkpoint stays
-the source of truth (as litgpt's does); this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
+logit factor into the final norm, its attention factor into the queries: `sp_state_dict`). The names, ours and
+theirs, are model/hf.py's, which `model.init_from` reads the other way; `ckpt=` may be such a folder itself. Our
+checkpoint stays the source of truth (as litgpt's does); this is the only module that imports `transformers`, and a
+test holds the exported logits equal to ours.
 A model trained with `data.pack=doc` is exported as it is, with a note: a Hugging Face model given one document per
 sequence (after its end-of-text id, or none) computes what training did, and only documents packed into one sequence,
 which it cannot mask apart, would differ.

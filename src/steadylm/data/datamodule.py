@@ -116,7 +116,8 @@ class ShardDataModule(L.LightningDataModule):
             if V is not None and info.vocab_size > V:
                 raise DataError(
                     f"{info.path}: shard vocab_size {info.vocab_size} exceeds model.vocab_size "
-                    f"{V}; set model.vocab_size >= {info.vocab_size}"
+                    f"{V}; set model.vocab_size >= {info.vocab_size} (with model.init_from: prepare the data with "
+                    "the model's tokenizer)"
                 )
             if self.tokenizer is not None and not same_tokenizer(info.tokenizer, self.tokenizer):
                 raise DataError(
