@@ -74,11 +74,10 @@ class LMModule(L.LightningModule):
         self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
-        if model.get("init_from") is not None:  # a published model's weights (a resume then loads its own over them)
-            from steadylm.model.hf import load_pretrained  # loaded only by a run that starts from one
+        if model.get("init_from") is not None:  # a published model's weights (model/hf.py, loaded only then)
+            from steadylm.model.hf import load_pretrained
 
-            load_pretrained(self.net, model["init_from"])
-            self.weights_from = model["init_from"]
+            self.weights_from = load_pretrained(self.net, model["init_from"])  # a resume loads its own over them
 
     def setup(self, stage: str) -> None:
         if self.net.doc_separator is not None:  # data.pack=doc: the attention kernel, chosen once for the device
@@ -184,27 +183,10 @@ class LMModule(L.LightningModule):
             self.log(key, value, prog_bar=key == "val/loss", sync_dist=False)
 
     def on_train_start(self) -> None:
-        """A run from trained weights (`model.init_from`, `init_from`) first validates them: their `val/loss` at step
-        0, before any update, is the number the run has to beat (a resumed run has it already)."""
-        trainer = self.trainer
-        if self.weights_from is None or trainer.global_step or not trainer.limit_val_batches:
-            return
-        loaders = getattr(trainer.datamodule, "val_dataloader", lambda: None)()
-        if not loaders:
-            return
-        self.on_validation_epoch_start()
-        self.eval()
-        for i, loader in enumerate(loaders if isinstance(loaders, (list, tuple)) else [loaders]):
-            limit = trainer.limit_val_batches  # a count, or a fraction of the loader
-            limit = limit if isinstance(limit, int) else math.ceil(limit * len(loader))
-            for b, batch in zip(range(limit), loader):
-                self.validation_step(self.transfer_batch_to_device(batch, self.device, i), b, i)
-        self.train()
-        results = self.val_results()
-        write_metrics(trainer, results, step=0)
-        log.info(
-            "val/loss %.4f at step 0, before any update: the loss of %s to beat", results["val/loss"], self.weights_from
-        )
+        if self.weights_from is not None and not self.trainer.global_step:  # trained weights: their loss, to beat
+            from steadylm.start_loss import log_start_loss  # loaded only by a run that starts from them
+
+            log_start_loss(self)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """The LR of this update, after every callback judged the step: `Schedule.lr_of` the applied steps (at least

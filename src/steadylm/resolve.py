@@ -34,18 +34,13 @@ def fill(cfg: DictConfig, values: dict[str, Any]) -> None:
             set_key(cfg, key, value)
 
 
-def fill_pretrained(cfg: DictConfig) -> None:
-    """A published model's shape (`model.init_from`'s config.json) as the `model.*` keys; a key set against it is
-    refused. First of all: its vocabulary is the one the data must fit."""
+def fill_derived(cfg: DictConfig) -> Any | None:
+    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None.
+    First a published model's shape (`model.init_from`), whose vocabulary is the one the data must fit."""
     if cfg.model.get("init_from") is not None:
         from steadylm.model.hf import pretrained_shape  # loaded only by a run that starts from a published model
 
         fill(cfg, pretrained_shape(cfg))
-
-
-def fill_derived(cfg: DictConfig) -> Any | None:
-    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None."""
-    fill_pretrained(cfg)
     dm = data_source(cfg) if cfg.model.get("vocab_size") is None else None
     fill(cfg, {**from_data(cfg, dm), **from_run_length(cfg)})
     return dm
@@ -89,7 +84,7 @@ def resolve(cfg: DictConfig) -> Resolved:
     dm = fill_derived(cfg)
     validate_config(cfg)
     datamodule = dm if dm is not None else data_source(cfg)
-    if cfg.model.get("init_from") is not None:
+    if cfg.model.get("init_from") is not None:  # the data tokenized as the published model reads
         from steadylm.model.hf import check_tokenizer
 
         check_tokenizer(cfg.model.init_from, datamodule.tokenizer_name)

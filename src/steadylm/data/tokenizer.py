@@ -233,10 +233,8 @@ def get_tokenizer(spec) -> Tokenizer:
             "load_tokenizer(data.dir) (run `python -m steadylm.data.prepare data.tokenizer=bpe` first)"
         )
     p = Path(s).expanduser()
-    if p.is_dir() and (p / TOKENIZER_FILE).is_file():  # a Hugging Face model's folder: its tokenizer.json
-        return load_tokenizer(p)
-    if s.endswith(".json") or p.is_file():
-        if not p.is_file():
+    if s.endswith(".json") or p.is_file() or (p / TOKENIZER_FILE).is_file():  # a folder: a Hugging Face model's
+        if not (p.is_file() or (p / TOKENIZER_FILE).is_file()):
             raise SteadyError(f"{p}: tokenizer file not found (data.tokenizer); give an existing tokenizer.json")
         return load_tokenizer(p)
     if s in _tiktoken_names():
@@ -324,18 +322,12 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
 def same_tokenizer(recorded: str, configured) -> bool:
     """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently, name the folder
     holding the file (a Hugging Face model's), or be a copy of it (the same JSON)."""
-    if recorded == str(configured):
-        return True
-    a, b = (Path(str(s)).expanduser() for s in (recorded, configured))
-    a, b = (p / TOKENIZER_FILE if p.is_dir() else p for p in (a, b))
-    if not (a.is_file() and b.is_file()):
-        return False
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        return json.loads(a.read_text(encoding="utf-8")) == json.loads(b.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    a, b = (
+        p / TOKENIZER_FILE if p.is_dir() else p for p in (Path(str(s)).expanduser() for s in (recorded, configured))
+    )
+    if recorded == str(configured) or not (a.is_file() and b.is_file()):
+        return recorded == str(configured)
+    return a.resolve() == b.resolve() or json.loads(a.read_bytes()) == json.loads(b.read_bytes())  # read by now
 
 
 def tokenizer_of_run(meta: dict) -> Tokenizer:

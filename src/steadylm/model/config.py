@@ -68,7 +68,9 @@ class GPTConfig:
             raise ConfigError(
                 f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)"
             )
-        if self.rope_scaling is not None:
+        if self.rope_scaling is not None:  # Llama 3's (model/llama3_rope.py, loaded only then)
+            from steadylm.model.llama3_rope import check_rope_scaling
+
             check_rope_scaling(self.rope_scaling, self.pos)
         for key in (k for k, t in get_type_hints(GPTConfig).items() if t is bool):
             if not isinstance(getattr(self, key), bool):
@@ -84,12 +86,8 @@ class GPTConfig:
                 f"model.mup_output_mult={self.mup_output_mult!r} must be a number > 0 (1: the logits / width_mult)"
             )
         mup = self.parametrization == "mup"
-        if mup and self.init_from is not None:
-            raise ConfigError(
-                f"model.parametrization=mup cannot start from model.init_from={self.init_from}: a published model was "
-                "trained in the standard parametrisation, and muP would rescale what its weights compute; use "
-                "model.parametrization=sp"
-            )
+        if mup and self.init_from is not None:  # muP's multipliers would change what the published weights compute
+            raise ConfigError(f"model.parametrization=mup cannot start from model.init_from={self.init_from}: use sp")
         if mup and self.init != "gpt2" and self.d_model != self.mup_base_width:
             raise ConfigError(
                 f"model.parametrization=mup needs model.init=gpt2 off its base width, got {self.init!r} at d_model="
@@ -118,26 +116,3 @@ class GPTConfig:
         """`mlp_hidden`, else 4·d (SwiGLU: 2/3 of it, a GELU MLP's parameter count), rounded up to `mlp_multiple_of`."""
         h = self.mlp_hidden or (int(2 * 4 * self.d_model / 3) if self.mlp == "swiglu" else 4 * self.d_model)
         return -(-h // self.mlp_multiple_of) * self.mlp_multiple_of
-
-
-LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def check_rope_scaling(scaling, pos: str) -> None:
-    """`model.rope_scaling`: null, or Llama 3's rescaled rotary frequencies (`rope_type: llama3` and its four numbers,
-    as its config.json writes them; `gpt.rope_tables` applies them)."""
-    example = "{rope_type: llama3, factor: 32, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192}"
-    if pos != "rope":
-        raise ConfigError(f"model.rope_scaling is set but model.pos={pos}: rotary scaling needs model.pos=rope")
-    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
-        raise ConfigError(f"model.rope_scaling={scaling!r} is not allowed; it must be null or Llama 3's {example}")
-    if unknown := sorted(set(scaling) - {"rope_type", *LLAMA3_ROPE}):
-        raise ConfigError(f"model.rope_scaling.{unknown[0]} is not a llama3 rope key; it has {', '.join(LLAMA3_ROPE)}")
-    for key in LLAMA3_ROPE:
-        if not number(scaling.get(key)) > 0:
-            raise ConfigError(f"model.rope_scaling.{key}={scaling.get(key)!r} must be a number > 0 ({example})")
-    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise ConfigError(
-            f"model.rope_scaling.high_freq_factor={scaling['high_freq_factor']} must exceed low_freq_factor="
-            f"{scaling['low_freq_factor']} (Llama 3: 4 and 1)"
-        )

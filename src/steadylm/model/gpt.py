@@ -24,24 +24,14 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # the target of a padding position: the loss leaves it out (torch's cross_entropy default)
 
 
-def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3's rotary frequencies (`model.rope_scaling`): wavelengths longer than the original context / low_freq_factor
-    slowed by `factor`, shorter than it / high_freq_factor kept, those between blended linearly (as transformers)."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    slowed = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    between = (wavelen >= old / high) & (wavelen <= old / low)
-    return torch.where(between, (1 - smooth) * slowed / factor + smooth * slowed, slowed)
-
-
 def rope_tables(
     head_dim: int, context_length: int, theta: float, scaling: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (context_length, 1, head_dim), fp32; sin's first half negated: applying them is a roll."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is not None:
+    if scaling is not None:  # `model.rope_scaling`
+        from steadylm.model.llama3_rope import llama3_frequencies
+
         inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(context_length, dtype=torch.int64).float(), inv_freq).repeat(1, 2)
     sin = angles.sin()
@@ -176,8 +166,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2; exact, or as published GPT-2 its tanh form) or SwiGLU (Llama), whose gate and up projections are
-    one `fc` (export splits it)."""
+    """GELU (GPT-2, exact or tanh) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -192,8 +181,7 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.dropout(self.proj(F.silu(gate) * up))
-        # exact (erf) by default: on a CPU the tanh form costs 1.7x
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))  # tanh: 1.7x on a CPU
 
 
 class Block(nn.Module):

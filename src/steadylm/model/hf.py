@@ -139,7 +139,7 @@ def _rope(folder: Path, raw: dict) -> tuple[float, dict | None]:
         return float(theta), None
     if kind != "llama3":
         raise _refuse(folder, f"{key}.rope_type", kind, "which steadylm cannot represent (it has default and llama3)")
-    from steadylm.model.config import LLAMA3_ROPE
+    from steadylm.model.llama3_rope import LLAMA3_ROPE
 
     if unknown := sorted(set(scaling) - set(LLAMA3_ROPE)):
         raise _refuse(folder, f"{key}.{unknown[0]}", scaling[unknown[0]], "which llama3 rotary scaling does not have")
@@ -348,8 +348,9 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_pretrained(net: torch.nn.Module, folder: str | Path) -> None:
-    """Copy `folder`'s weights into `net`, a GPT built from `model_values(folder)` (checked to fit exactly)."""
+def load_pretrained(net: torch.nn.Module, folder: str | Path) -> str:
+    """Copy `folder`'s weights into `net`, a GPT built from `model_values(folder)` (checked to fit exactly); the
+    folder, as `LMModule.weights_from` records it."""
     family = "gpt2" if net.cfg.pos == "learned" else "llama"
     sd = from_hf(read_weights(folder), net.cfg, family, f"model.init_from={folder}")
     ours = net.state_dict()
@@ -359,3 +360,4 @@ def load_pretrained(net: torch.nn.Module, folder: str | Path) -> None:
             f"makes it {tuple(ours[wrong[0]].shape)}; the folder's config.json and weights disagree"
         )
     net.load_state_dict(sd)
+    return str(folder)
