@@ -186,3 +186,10 @@ def test_data_whose_ids_do_not_fit_the_embedding_is_refused_in_one_line(shards_d
     args = [*RUN, f"model.init_from={folder}", f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}"]
     code, err = run_main(monkeypatch, capsys, *args)
     assert_one_clear_error(code, err, r"shard vocab_size 257 exceeds model\.vocab_size 200; .*model\.init_from")
+
+
+def test_init_from_given_a_model_folder_points_to_model_init_from(published, tmp_path, monkeypatch, capsys):
+    data, trained, _, _ = published
+    args = [*RUN, "trainer.max_steps=2", f"init_from={trained}", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'r'}"]
+    code, err = run_main(monkeypatch, capsys, *args)
+    assert_one_clear_error(code, err, r"init_from=.* is a folder: .* is model\.init_from=")

@@ -180,3 +180,32 @@ def test_a_folder_that_is_not_one_is_refused_in_one_line(tmp_path):
         model_values(tmp_path / "last.ckpt")
     with pytest.raises(ConfigError, match=r"no config.json there"):
         model_values(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8}},
+            r"rope_scaling is set but model.pos=learned",
+        ),
+        ({"pos": "rope", "rope_scaling": {"rope_type": "yarn", "factor": 4}}, r"must be null or Llama 3's"),
+        (
+            {"pos": "rope", "rope_scaling": LLAMA3},
+            r"rope_scaling.original_max_position_embeddings=None must be a number",
+        ),
+        (
+            {"pos": "rope", "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8, "beta": 1}},
+            r"\.beta is not",
+        ),
+        (
+            {"init_from": "m", "parametrization": "mup"},
+            r"model.parametrization=mup cannot start from model.init_from=m",
+        ),
+    ],
+)
+def test_the_new_fields_refuse_a_bad_value_in_one_line(kw, message):
+    from steadylm.model import GPTConfig
+
+    with pytest.raises(ConfigError, match=message):
+        GPTConfig(**kw)
