@@ -102,7 +102,6 @@ UNREPRESENTED = (
     "final_logit_softcapping",
     "rope_interleaved",
 )
-OURS_FREE = ("dropout", "init")  # model.* keys the run sets freely over a published model
 
 
 def _refuse(folder: Path, key: str, value: Any, why: str) -> ConfigError:
