@@ -27,7 +27,7 @@ RUN = [
     "trainer=cpu",
     "trainer.precision=32-true",
     "data.batch_size=8",
-    "trainer.limit_val_batches=4",
+    "data.val_windows=32",
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
     "logger=csv",
@@ -68,7 +68,7 @@ def test_prepare_encodes_with_the_folders_tokenizer_and_the_shards_record_it(pub
     assert info.vocab_size == json.loads((random / "config.json").read_text())["vocab_size"]
 
 
-def test_a_continued_run_logs_the_imported_models_loss_at_step_0_and_no_check_alarms(published, tmp_path):
+def test_a_continued_run_logs_the_imported_models_loss_at_step_0_and_no_check_alarms(published, tmp_path, capsys):
     """The recipe (experiment=continue) from the trained model: its val/loss at step 0 is the one the run that made
     it ended with (the same weights on the same val batches), well below ln(V), and the full stability suite,
     watching from there, records no event; the loss then goes below the number to beat."""
@@ -84,6 +84,11 @@ def test_a_continued_run_logs_the_imported_models_loss_at_step_0_and_no_check_al
     assert metrics_["val/loss"] < start
     events = run / "stability" / "events.jsonl"
     assert not events.exists() or events.read_text() == ""
+    from steadylm.generate import main as generate  # the worked example's last step: the run's checkpoint samples
+
+    capsys.readouterr()  # the run's own console
+    generate([f"ckpt={run / 'checkpoints' / 'last.ckpt'}", "prompt='def '", "temperature=0", "max_new_tokens=8"])
+    assert capsys.readouterr().out.startswith("def ")
 
 
 def test_resume_auto_continues_an_imported_run_from_its_own_checkpoint(published, tmp_path):

@@ -5,7 +5,6 @@ already (its checkpoint's step is past 0)."""
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -16,8 +15,8 @@ log = logging.getLogger("steadylm")
 
 @torch.no_grad()
 def log_start_loss(module) -> None:
-    """Run `module`'s own validation steps over the val loaders (`trainer.limit_val_batches` of each, as Lightning
-    would) and write `val/loss` (and `val/bpb`, per source too) at step 0."""
+    """Run `module`'s own validation steps over the val loaders (the windows every validation reads) and write
+    `val/loss` (and `val/bpb`, per source too) at step 0."""
     trainer = module.trainer
     loaders = getattr(trainer.datamodule, "val_dataloader", lambda: None)()
     if not loaders or not trainer.limit_val_batches:
@@ -25,9 +24,7 @@ def log_start_loss(module) -> None:
     module.on_validation_epoch_start()
     module.eval()
     for i, loader in enumerate(loaders if isinstance(loaders, (list, tuple)) else [loaders]):
-        limit = trainer.limit_val_batches  # a count, or a fraction of the loader
-        limit = limit if isinstance(limit, int) else math.ceil(limit * len(loader))
-        for b, batch in zip(range(limit), loader):
+        for b, batch in enumerate(loader):
             module.validation_step(module.transfer_batch_to_device(batch, module.device, i), b, i)
     module.train()
     results = module.val_results()
