@@ -207,7 +207,8 @@ def pretrained_shape(cfg) -> dict[str, Any]:
             values[key] = mine
         elif mine != values[key]:
             raise ConfigError(
-                f"model.{key}={mine} contradicts model.init_from={folder}, whose config.json gives "
+                f"model.{key}={json.dumps(mine) if isinstance(mine, bool) else mine} contradicts model.init_from="
+                f"{folder}, whose config.json gives "
                 f"{json.dumps(values[key])}; drop model.{key} (the checkpoint sets the model's shape"
                 + (", and a context_length may only be lowered)" if key == "context_length" else ")")
             )
