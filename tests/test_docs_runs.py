@@ -27,6 +27,10 @@ NOT_RUN = {
     "python train.py -m model=small model.parametrization=mup": "12 jobs of the sweep path the README runs",
     "python train.py -m hydra/launcher=slurm": "needs a SLURM cluster",
     "srun": "needs a SLURM cluster",
+    "python -m steadylm.data.prepare data.input=my_texts/ data.tokenizer=models/gpt2": "needs a published model "
+    "folder (no network in tests); test_continue_pretraining.py runs prepare -> train -> generate on a random GPT-2",
+    "python train.py experiment=continue model.init_from=models/gpt2": "the published model, as above",
+    "python -m steadylm.generate ckpt=logs/mine/checkpoints/last.ckpt": "the run above",
 }
 
 

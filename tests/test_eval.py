@@ -174,3 +174,22 @@ def test_lm_eval_refuses_a_choice_longer_than_the_context_in_one_line(eval_run, 
     done = run_cli(f"ckpt={ckpt}", f"tasks=[{tmp_path / 'long.jsonl'}]", cwd=tmp_path, module="steadylm.eval")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "error: eval task long, item 1: a choice is 41 tokens, and the model sees 32 at once" in done.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_on_a_hugging_face_folder_equals_our_scorer(tmp_path, monkeypatch):
+    """`ckpt=` a Hugging Face folder (a random GPT-2 saved by transformers): lm-eval on it, through the export, scores
+    what our scorer gives the imported model."""
+    pytest.importorskip("lm_eval")
+    from steadylm.eval.harness import main
+    from tests.test_import_hf import make_folder
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    folder, task = make_folder(tmp_path / "gpt2", "gpt2"), write_generic(tmp_path / "mc.jsonl")
+    main([f"ckpt={folder}", f'tasks=["mc={task}"]', "device=cpu", f"out={tmp_path / 'r.json'}"])
+    results = json.loads((tmp_path / "r.json").read_text())["mc"]
+    acc, acc_norm = own_score(folder, task)
+    assert results["acc,none"] == pytest.approx(acc)
+    assert results["acc_norm,none"] == pytest.approx(acc_norm)

@@ -35,7 +35,12 @@ def fill(cfg: DictConfig, values: dict[str, Any]) -> None:
 
 
 def fill_derived(cfg: DictConfig) -> Any | None:
-    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None."""
+    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None.
+    First a published model's shape (`model.init_from`), whose vocabulary is the one the data must fit."""
+    if cfg.model.get("init_from") is not None:
+        from steadylm.model.hf import pretrained_shape  # loaded only by a run that starts from a published model
+
+        fill(cfg, pretrained_shape(cfg))
     dm = data_source(cfg) if cfg.model.get("vocab_size") is None else None
     fill(cfg, {**from_data(cfg, dm), **from_run_length(cfg)})
     return dm
@@ -96,6 +101,10 @@ def resolve(cfg: DictConfig) -> Resolved:
     dm = fill_derived(cfg)
     validate_config(cfg)
     datamodule = dm if dm is not None else data_source(cfg)
+    if cfg.model.get("init_from") is not None:  # the data tokenized as the published model reads
+        from steadylm.model.hf import check_tokenizer
+
+        check_tokenizer(cfg.model.init_from, datamodule.tokenizer_name)
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size, datamodule.batch_size)
     fill(cfg, {KEY: accumulate, **val_interval(cfg)})

@@ -18,6 +18,7 @@ from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder, chec
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.data.source import check_pack
+from steadylm.data.tokenizer import same_tokenizer
 from steadylm.errors import DataError
 from steadylm.model.config import GPTConfig
 
@@ -29,12 +30,6 @@ def _bytes_per_token(val: list[ShardInfo]) -> float | None:
     return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
 
 
-def _same_tokenizer(recorded: str, configured) -> bool:
-    """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently."""
-    if recorded == str(configured):
-        return True
-    a, b = Path(recorded).expanduser(), Path(str(configured)).expanduser()
-    return a.suffix == ".json" and a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 class ShardDataModule(L.LightningDataModule):
@@ -102,9 +97,10 @@ class ShardDataModule(L.LightningDataModule):
             if V is not None and info.vocab_size > V:
                 raise DataError(
                     f"{info.path}: shard vocab_size {info.vocab_size} exceeds model.vocab_size "
-                    f"{V}; set model.vocab_size >= {info.vocab_size}"
+                    f"{V}; set model.vocab_size >= {info.vocab_size} (with model.init_from: prepare the data with "
+                    "the model's tokenizer)"
                 )
-            if self.tokenizer is not None and not _same_tokenizer(info.tokenizer, self.tokenizer):
+            if self.tokenizer is not None and not same_tokenizer(info.tokenizer, self.tokenizer):
                 raise DataError(
                     f"{info.path}: written by tokenizer {info.tokenizer!r} but data.tokenizer is "
                     f"{self.tokenizer!r}; set data.tokenizer={info.tokenizer} or re-run prepare"

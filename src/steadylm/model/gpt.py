@@ -24,9 +24,15 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # the target of a padding position: the loss leaves it out (torch's cross_entropy default)
 
 
-def rope_tables(head_dim: int, context_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, context_length: int, theta: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (context_length, 1, head_dim), fp32; sin's first half negated: applying them is a roll."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is not None:  # `model.rope_scaling`
+        from steadylm.model.llama3_rope import llama3_frequencies
+
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(context_length, dtype=torch.int64).float(), inv_freq).repeat(1, 2)
     sin = angles.sin()
     sin[:, : head_dim // 2] *= -1
@@ -164,11 +170,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
+    """GELU (GPT-2, exact or tanh) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
+        self.approximate = "tanh" if cfg.mlp == "gelu_tanh" else "none"
         self.fc = layer(nn.Linear, cfg.init, cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
         self.proj = layer(nn.Linear, cfg.init, cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_proj = True
@@ -178,7 +185,7 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.dropout(self.proj(F.silu(gate) * up))
-        return self.dropout(self.proj(F.gelu(self.fc(x))))  # exact (erf): on a CPU the tanh form costs 1.7x
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))  # tanh: 1.7x on a CPU
 
 
 class Block(nn.Module):
@@ -201,7 +208,7 @@ class GPT(nn.Module):
         self.wte = layer(nn.Embedding, cfg.init, cfg.vocab_size, cfg.d_model)
         self.wpe = layer(nn.Embedding, cfg.init, cfg.context_length, cfg.d_model) if cfg.pos == "learned" else None
         if self.wpe is None:
-            cos, sin = rope_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
