@@ -36,7 +36,7 @@ def fit(out: Path, steps: int, compiled: bool, data: Path) -> float:
         "trainer.precision=32-true",
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
-        "trainer.limit_val_batches=4",
+        "data.val_windows=${mul:4,${data.batch_size}}",
         "trainer.enable_progress_bar=false",
         f"compile={str(compiled).lower()}",
     ]

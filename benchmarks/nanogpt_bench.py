@@ -210,7 +210,7 @@ def to_loss(checkout: Path, steps: int, rounds: int, eval_every: int, overrides:
                 "trainer=cpu", f"data.dir={work / 'shards'}", f"paths.output_dir={work / f'fast{r}'}", "logger=none",
                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                 "trainer.num_sanity_val_steps=0", f"trainer.max_steps={steps}",
-                f"trainer.val_check_interval={eval_every}", "trainer.limit_val_batches=1.0", "~callbacks.checkpoint",
+                f"trainer.val_check_interval={eval_every}", "data.val_windows=null", "~callbacks.checkpoint",
                 "experiment=fast", f"seed={r + 1}", *SHAPE, *overrides,
             ]
         )  # fmt: skip

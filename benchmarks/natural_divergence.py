@@ -70,7 +70,12 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = ["model.qk_norm=false", f"trainer.max_steps={args.steps}", "trainer.enable_progress_bar=false"]
     if args.quick:
-        base += ["model.d_model=32", "model.n_head=2", "model.context_length=32", "trainer.limit_val_batches=2"]
+        base += [
+            "model.d_model=32",
+            "model.n_head=2",
+            "model.context_length=32",
+            "data.val_windows=${mul:2,${data.batch_size}}",
+        ]
         base += [f"optim.warmup_steps={args.steps // 4}", f"trainer.val_check_interval={args.steps}"]
     columns = {"default": [], "unmitigated": UNMITIGATED}
     for v in args.variant:

@@ -62,7 +62,7 @@ def run(data: Path, work: Path, variant: list[str], seed: int, steps: int, shape
             f"paths.output_dir={work}",
             f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={steps}",
-            "trainer.limit_val_batches=1.0",
+            "data.val_windows=null",
             "logger=none",
             "~callbacks.checkpoint",
             "trainer.enable_progress_bar=false",

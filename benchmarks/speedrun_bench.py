@@ -65,7 +65,7 @@ def one_run(work: str, name: str, seed: int, args: dict) -> dict:
             "trainer.num_sanity_val_steps=0",
             f"trainer.max_steps={args['steps']}",
             f"trainer.val_check_interval={args['eval_every']}",
-            f"trainer.limit_val_batches={args['val_batches']}",
+            f"data.val_windows=${{mul:{args['val_batches']},${{data.batch_size}}}}",
             "~callbacks.checkpoint",
             *([] if preset else BASELINE),
             *args["shape"],

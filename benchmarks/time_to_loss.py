@@ -94,7 +94,7 @@ def config(work: Path, steps: int, eval_every: int, val_batches: int, overrides:
             "trainer.num_sanity_val_steps=0",
             f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={eval_every}",
-            f"trainer.limit_val_batches={val_batches}",
+            f"data.val_windows=${{mul:{val_batches},${{data.batch_size}}}}",
             f"optim.warmup_steps={max(1, steps // 10)}",
             "~callbacks.checkpoint",
             *SIZE,
@@ -111,13 +111,11 @@ def steadylm_run(cfg) -> list[Point]:
     return clock.curve
 
 
-def val_loss(module, loader, batches: int) -> float:
-    """Token-weighted mean cross-entropy over the first `batches` val batches, as `val/loss` counts it."""
+def val_loss(module, loader) -> float:
+    """Token-weighted mean cross-entropy over the val loader (its `data.val_windows`), as `val/loss` counts it."""
     ce, n = 0.0, 0
     with torch.no_grad():
-        for i, (x, y) in enumerate(loader):
-            if i == batches:
-                break
+        for x, y in loader:
             ce, n = ce + float(module.target_losses(x, y).sum()), n + int((y != IGNORE_INDEX).sum())
     return ce / max(n, 1)
 
@@ -144,7 +142,7 @@ def plain_run(cfg) -> list[Point]:
             step += 1
             if step % every == 0:
                 module.eval()
-                loss = val_loss(module, dm.val_dataloader(), cfg.trainer.limit_val_batches)
+                loss = val_loss(module, dm.val_dataloader())
                 curve.append((step, wall, cpu, loss))
                 module.train()
             if step == steps:

@@ -34,7 +34,7 @@ CLI_TINY = [
     "trainer.max_steps=6",
     "optim.warmup_steps=2",
     "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=2",
+    "data.val_windows=8",
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
 ]

@@ -149,7 +149,7 @@ def test_train_py_fits_with_doc_windows(shards_dir, tmp_path, ranks):
         "trainer=cpu" if ranks == 1 else "trainer=ddp_sim",
         *CLI_TINY,
         "trainer.max_steps=3",
-        "trainer.limit_val_batches=1",
+        "data.val_windows=4",
         "logger=none",
         f"data.dir={shards_dir}",
         "data.align=doc",

@@ -282,7 +282,16 @@ VALUE_CASES = {
     "pack_unknown": (["data.pack=window"], r"data\.pack='window' is not allowed; it must be none or doc"),
     "source_weight_negative": (
         ["data.sources={web: {dir: /nowhere, weight: -0.5}}"],
-        r"data\.sources\.web\.weight=-0\.5 is not allowed; it must be a number >= 0",
+        r"data\.sources\.web\.weight=-0\.5 is not allowed; it must be a finite number >= 0",
+    ),
+    "source_weight_inf": (
+        ["data.sources={web: {dir: /nowhere, weight: inf}}"],
+        r"data\.sources\.web\.weight=inf is not allowed; it must be a finite number >= 0",
+    ),
+    "drop_last_epoch_under_a_step": (
+        ["data.drop_last=true", "trainer.accumulate_grad_batches=100000"],
+        r"data\.drop_last=true drops an epoch's last partial optimizer step, and the [\d,]+ train windows are fewer "
+        r"than one step's 400,000 .*, so no step would run",
     ),
     "cpu_processes_by_accident": (
         ["trainer.accelerator=auto", "trainer.devices=4"],

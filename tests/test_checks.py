@@ -11,6 +11,7 @@ import torch
 
 from steadylm.errors import ConfigError
 from steadylm.stability import read_events
+from steadylm.stability.backoff import Backoff
 from steadylm.stability.check import Check
 from steadylm.stability.signals import Precursors
 from steadylm.stability.verdict import OK, Verdict
@@ -149,10 +150,19 @@ class TailLoss(Check):
 
     wants_token_losses = True  # the loss keeps each position's CE for this check's steps
 
-    def __init__(self, positions: int = 8, factor: float = 1.5, window: int = 32, warmup: int = 4) -> None:
+    def __init__(
+        self,
+        positions: int = 8,
+        factor: float = 1.5,
+        window: int = 32,
+        warmup: int = 4,
+        lr_backoff: float | None = None,
+    ) -> None:
         self.positions, self.factor, self.window, self.warmup = int(positions), float(factor), int(window), int(warmup)
         self.history: list[float] = []
         self.restored_from: dict | None = None
+        # lr_backoff: also lower the LR by this factor (once), through the suite's one backoff mechanism
+        self.backoff = Backoff("tail_loss", lr_backoff, max_backoffs=1, rewind=False, rewarm_steps=0)
 
     def measure(self, view):
         tails = torch.stack([t[:, -self.positions :].mean() for t in view.token_losses])
@@ -167,7 +177,11 @@ class TailLoss(Check):
         self.history.append(tail)
         if median is None or tail <= self.factor * median:
             return OK
-        return Verdict("log", self.name, {"tail": tail, "median": median, "factor": self.factor}, onset=m.step)
+        evidence = {"tail": tail, "median": median, "factor": self.factor}
+        if (granted := self.backoff.ask(m.step)) is None:
+            return Verdict("log", self.name, evidence, onset=m.step)
+        context = {"backoff": granted, "policy": self.backoff, "cause": self.name, "why": "the tail loss jumped"}
+        return Verdict("backoff", self.name, evidence, onset=m.step, context=context)
 
     # what it has seen of the weights: copied with each snapshot, given back by a rollback
     def window_state(self) -> dict:
@@ -186,12 +200,15 @@ class TailLoss(Check):
     @staticmethod
     def explain(events, lr, cut):
         """The run's `unstable` line from this check's events (any: the tail of a window should never jump)."""
-        if not events:
+        alarms = [e for e in events if e["kind"] == "tail_loss"]
+        if not alarms:
             return None
-        d = events[0]["detail"]
+        d = alarms[0]["detail"]
+        lowered = [e for e in events if e["kind"] == "lr_backoff"]
+        acted = f"; the LR lowered to x{lowered[-1]['detail']['lr_scale']:g}" if lowered else ""
         return (
             f"the loss on the last positions of a window rose above {d['factor']:g}x its running median on "
-            f"{len(events)} step(s) from step {events[0]['step']} ({d['tail']:.3g} against {d['median']:.3g}); "
+            f"{len(alarms)} step(s) from step {alarms[0]['step']} ({d['tail']:.3g} against {d['median']:.3g}){acted}; "
             "fix: read the windows of those steps (python -m steadylm.diagnose.window) for documents cut badly"
         )
 
@@ -232,6 +249,28 @@ def test_a_forkers_check_sees_the_per_position_loss_ends_the_run_unstable_and_is
     assert [(f.onset, f.fix) for f in found] == [(24, "read those windows")]
     assert found[0].summary.startswith("tail loss ") and ", train/loss " in found[0].summary  # it read the run's log
     assert f"unstable: {line}" in diagnosis.facts  # the line result.json gives, read from the same place
+
+
+def test_a_forkers_check_that_backs_off_keeps_its_own_line(make_cfg, tmp_path):
+    """The backoff goes through the suite's mechanism (an `lr_backoff` event whose cause is the check); result.json
+    and diagnose read it as the check's own, never as a built-in's (the signals check claimed every backoff)."""
+    from steadylm.diagnose.findings import analyse
+    from steadylm.diagnose.runlog import load_run
+    from steadylm.result import finish_job
+
+    labels = faults({"kind": "corrupt_labels", "step": 24})
+    tail = TAIL.replace("window: 8}", "window: 8, lr_backoff: 0.5}")
+    cfg = make_cfg(*FAST, "trainer.max_steps=30", "optim.lr=1e-2", tail, labels)
+    objs = fit(cfg)
+    events = read_events(tmp_path / "run")
+    (backoff,) = [e for e in events if e["kind"] == "lr_backoff"]
+    assert backoff["step"] == 24 and backoff["detail"]["cause"] == "tail_loss" and objs["module"].lr_scale == 0.5
+    _, status, reason = finish_job(cfg, {"train/loss": 3.0, "val/loss": 3.0})
+    assert status == "unstable" and reason == TailLoss.explain(events, None, None)
+    assert reason.startswith("the loss on the last positions") and "the LR lowered to x0.5" in reason
+    diagnosis = analyse(load_run(tmp_path / "run"))
+    assert f"unstable: {reason}" in diagnosis.facts
+    assert [f.cause for f in diagnosis.findings] == ["tail_loss"]  # no built-in finding made of its backoff
 
 
 def test_a_check_that_does_not_ask_costs_the_loss_nothing(make_cfg):

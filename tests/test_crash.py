@@ -93,7 +93,7 @@ def test_sigkill_mid_run_then_resume_auto_finishes(shards_dir, tmp_path):
         "trainer.max_steps=300",
         "optim.warmup_steps=5",
         "trainer.val_check_interval=50",
-        "trainer.limit_val_batches=2",
+        "data.val_windows=8",
         "trainer.log_every_n_steps=5",
         "trainer.enable_progress_bar=false",
         "callbacks.checkpoint.every_n_train_steps=10",

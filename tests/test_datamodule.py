@@ -55,6 +55,44 @@ def test_drop_last_drops_only_partial_global_batch():
     assert -1 not in seen and len(set(seen)) == 16
 
 
+@pytest.mark.slow  # `python train.py` to its refusal: ~8 s
+def test_drop_last_with_an_epoch_shorter_than_one_step_is_one_line(shards_dir, tmp_path):
+    """4,000 micro-batches of 4 windows a step (from data.global_batch_tokens) against the ~11,500 windows of the
+    shards: with drop_last no step would run (Lightning: "No training batches"); refused at startup, exit 2."""
+    from tests.helpers import CLI_TINY, run_cli
+
+    step = "data.global_batch_tokens=512000"  # 4 x 32 tokens x 4,000
+    proc = run_cli(*CLI_TINY, "trainer=cpu", f"data.dir={shards_dir}", "data.drop_last=true", step, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: data.drop_last=true drops an epoch's last partial optimizer step, and the ")
+    windows = int(proc.stderr.split("and the ")[1].split(" train windows")[0].replace(",", ""))
+    assert 10_000 < windows < 16_000
+    assert (
+        "fewer than one step's 16,000 (data.batch_size=4 x 1 device(s) x trainer.accumulate_grad_batches=4000 from "
+        "data.global_batch_tokens=512000), so no step would run; set data.drop_last=false, or lower data.batch_size "
+        "or data.global_batch_tokens" in proc.stderr
+    )
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_drop_last_names_the_accumulation_it_was_given(make_cfg):
+    from steadylm.errors import ConfigError
+    from steadylm.train import train
+
+    with pytest.raises(
+        ConfigError,
+        match=r"x trainer\.accumulate_grad_batches=1000\), so no step would run; .* or "
+        r"lower data\.batch_size or trainer\.accumulate_grad_batches$",
+    ):
+        train(make_cfg("data.drop_last=true", "trainer.accumulate_grad_batches=1000"))
+    metrics, objects = train(
+        make_cfg(
+            "data.drop_last=true", "trainer.accumulate_grad_batches=2", "trainer.max_steps=2", "optim.warmup_steps=1"
+        )
+    )
+    assert objects["trainer"].global_step == 2  # an epoch of whole steps: it trains
+
+
 def test_deterministic_and_epochs_differ():
     a = list(EpochBatchSampler(50, 5, seed=7))
     b = list(EpochBatchSampler(50, 5, seed=7))

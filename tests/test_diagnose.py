@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from steadylm.diagnose import analyse, load_run, write_report
+from steadylm.run_config import write_run_config
+from tests.helpers import CLI_TINY, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("loss", "lr", "grad_norm", "block_grad_norm", "update_ratio", "attn_logit")
@@ -32,8 +33,7 @@ def write_run(
         lines = [json.dumps({"step": s, "kind": k, "action": a, "detail": d, "time": 0.0}) for s, k, a, d in events]
         (run / "stability" / "events.jsonl").write_text("\n".join(lines) + ('\n{"step": 9' if torn else "\n"))
     if config is not None:
-        (run / ".hydra").mkdir(parents=True)
-        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        write_run_config(run, config)
     return run
 
 
@@ -123,12 +123,14 @@ def test_cli_on_an_empty_folder_and_a_missing_one(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0 and "no instability found" in proc.stdout
-    assert "no TensorBoard event files" in (tmp_path / "empty" / "report.md").read_text()
+    assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'empty'}: an empty folder, not a run; " + (
+        "pass the run's output dir, e.g. logs/train/runs/<time>\n"
+    )
+    assert not (tmp_path / "empty" / "report.md").exists()
     proc = subprocess.run(
         [sys.executable, "-m", "steadylm.diagnose", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not a folder" in proc.stderr
 
 
 # Each divergence preset, run for real on the tiny model: the report names the cause and its onset.
@@ -208,3 +210,23 @@ def test_a_forecast_whose_horizon_outlived_the_run_is_named_live(tmp_path):
     summary = diagnosis.primary.summary if diagnosis.primary else " ".join(f.summary for f in diagnosis.findings)
     assert "forecast at step 90 (31, doubling every 9 steps, level 100 expected at step 105)" in summary
     assert "still live when the run ended at step 99" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [[], ["optim=muon"], ["model.parametrization=mup"]], ids=["adamw", "muon", "mup"])
+def test_the_tools_read_the_values_a_default_run_resolved(shards_dir, tmp_path, setting):
+    """optim.lr is the width rule's interpolation in every preset: diagnose and generate read the number the run
+    trained with (config.yaml, the checkpoint), never the expression."""
+    run = tmp_path / "run"
+    done = run_cli(
+        *CLI_TINY, *setting, "trainer.max_steps=4", f"data.dir={shards_dir}", f"hydra.run.dir={run}", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lr = json.loads((run / "result.json").read_text())["lr"]
+    assert "${" in (run / ".hydra" / "config.yaml").read_text()  # what Hydra saved still holds the rule
+    done = run_cli(str(run), cwd=tmp_path, module="steadylm.diagnose")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"optim.lr={lr}," in (run / "report.md").read_text()
+    ckpt = run / "checkpoints" / "last.ckpt"
+    done = run_cli(f"ckpt={ckpt}", "max_new_tokens=4", cwd=tmp_path, module="steadylm.generate")
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-3000:]

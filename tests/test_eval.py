@@ -17,6 +17,7 @@ from steadylm.eval.score import correct, encode_pair, score
 from steadylm.eval.tasks import load_task
 from steadylm.generate import load_checkpoint, load_model
 from steadylm.model.gpt import chunked_token_losses
+from tests.helpers import run_cli
 
 HELLASWAG_ROW = {
     "activity_label": "Removing ice from car",
@@ -107,7 +108,7 @@ def eval_run(shards_dir, tmp_path_factory):
             "data.batch_size=4",
             "trainer.max_steps=4",
             "trainer.val_check_interval=4",
-            "trainer.limit_val_batches=1",
+            "data.val_windows=4",
             "trainer.enable_progress_bar=false",
             "optim.warmup_steps=1",
             "callbacks=minimal",
@@ -161,3 +162,34 @@ def test_lm_eval_on_a_checkpoint_equals_our_scorer(eval_run, tmp_path, monkeypat
     assert results["acc,none"] == pytest.approx(acc)
     assert results["acc_norm,none"] == pytest.approx(acc_norm)
     assert "mc" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_lm_eval_refuses_a_choice_longer_than_the_context_in_one_line(eval_run, tmp_path):
+    """lm-eval asserts (a traceback) on a choice that does not fit the model's 32 positions: one line, exit 2."""
+    pytest.importorskip("lm_eval")
+    _, ckpt, _ = eval_run
+    row = {"context": "Pick one:", "choices": ["short", "x" * 40], "label": 0}
+    (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
+    done = run_cli(f"ckpt={ckpt}", f"tasks=[{tmp_path / 'long.jsonl'}]", cwd=tmp_path, module="steadylm.eval")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "error: eval task long, item 1: a choice is 41 tokens, and the model sees 32 at once" in done.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_on_a_hugging_face_folder_equals_our_scorer(tmp_path, monkeypatch):
+    """`ckpt=` a Hugging Face folder (a random GPT-2 saved by transformers): lm-eval on it, through the export, scores
+    what our scorer gives the imported model."""
+    pytest.importorskip("lm_eval")
+    from steadylm.eval.harness import main
+    from tests.test_import_hf import make_folder
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    folder, task = make_folder(tmp_path / "gpt2", "gpt2"), write_generic(tmp_path / "mc.jsonl")
+    main([f"ckpt={folder}", f'tasks=["mc={task}"]', "device=cpu", f"out={tmp_path / 'r.json'}"])
+    results = json.loads((tmp_path / "r.json").read_text())["mc"]
+    acc, acc_norm = own_score(folder, task)
+    assert results["acc,none"] == pytest.approx(acc)
+    assert results["acc_norm,none"] == pytest.approx(acc_norm)

@@ -28,7 +28,7 @@ SMALL = [
     "trainer.max_steps=3",
     "optim.warmup_steps=1",
     "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1",
+    "data.val_windows=4",
     "trainer.enable_progress_bar=false",
     "callbacks=minimal",
 ]

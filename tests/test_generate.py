@@ -33,7 +33,7 @@ def ckpt(shards_dir, tmp_path_factory):
             "trainer.max_steps=4",
             "optim.warmup_steps=1",
             "trainer.val_check_interval=4",
-            "trainer.limit_val_batches=1",
+            "data.val_windows=4",
             "trainer.enable_progress_bar=false",
             f"data.dir={shards_dir}",
             f"paths.output_dir={out}",

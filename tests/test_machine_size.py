@@ -80,7 +80,7 @@ RUN = [
     "callbacks.checkpoint.every_n_train_steps=4",
     "callbacks.checkpoint.save_top_k=-1",
     "trainer.precision=32-true",
-    "trainer.limit_val_batches=1.0",  # the whole val split on 1 rank or 2 (a count of batches is per rank)
+    "data.val_windows=13",  # a bound that no batch divides: the same 13 windows on 1 rank or 2, at any micro-batch
     "+callbacks.windows._target_=test_machine_size.WindowLog",
 ]
 
@@ -105,6 +105,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_windows_a
     assert list(full) == list(range(8)) and all(len(w) == 8 == len(set(w)) for w in full.values())
     assert _windows(two) == full  # the same config on 1 and 2 ranks trains on the same global batches
     assert _val_loss(two) == pytest.approx(_val_loss(one), abs=1e-4)
+    wide, _ = _run(shards_dir, tmp_path, "wide", 1, "data.batch_size=8")  # 8 windows x 1 micro-batch, not 4 x 2
+    assert _windows(wide) == full and _val_loss(wide) == pytest.approx(_val_loss(one), abs=1e-4)
 
     ckpt = "checkpoints/step0000004.ckpt"
     down, _ = _run(shards_dir, tmp_path, "down", 1, f"ckpt_path={two / ckpt}")  # 2 ranks -> 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -117,13 +118,85 @@ def test_a_mixture_resumes_bitwise(make_cfg, two_sources, tmp_path):
     assert len(expected) == 2 * K and got == expected
 
 
+def _windows(objects, steps) -> list[list[int]]:
+    """The windows each of `steps` trained on (one micro-batch a step), from the run's own sampler."""
+    return [objects["datamodule"]._train_sampler.batch_windows(step) for step in steps]
+
+
+def test_a_resume_at_other_weights_applies_them_from_its_step_and_repeats_nothing(
+    make_cfg, two_sources, tmp_path, caplog
+):
+    """8 steps at 70/30, resumed to 16 at 50/50 (an annealing phase): one line says so; steps 8..15 draw 50/50 and
+    read no window that steps 0..7 read (counted from the start at the new shares, big would repeat 13 windows); a
+    second resume from step 12 goes on exactly as the run that did not stop."""
+    run, again = tmp_path / "run", tmp_path / "again"
+    keep = ["optim.total_steps=16", "optim.warmup_steps=2", "callbacks.checkpoint.every_n_train_steps=4"]
+    keep += ["callbacks.checkpoint.save_top_k=-1", "trainer.val_check_interval=8"]
+    _, first = train(make_cfg(*keep, sources(two_sources), "trainer.max_steps=8", out=run))
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        _, second = train(
+            make_cfg(*keep, sources(two_sources, 0.5, 0.5), "trainer.max_steps=16", "resume=auto", out=run)
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: data.sources")]
+    assert lines == [
+        "resume: data.sources differ from the checkpoint's (big 70.0% -> 50.0%, small 30.0% -> 50.0%): the new "
+        "shares apply from step 8, each source going on with the next window of its own order that it has not read "
+        "(nothing repeated or skipped); the checkpoint's data.sources keep the old stream"
+    ]
+    dm = second["datamodule"]
+    before = [w for batch in _windows(first, range(8)) for w in batch]
+    after = [w for batch in _windows(second, range(8, 16)) for w in batch]
+    assert [dm.window_location(w)["source"] for w in after].count("small") == 32  # 64 windows at 50 %
+    assert not set(before) & set(after) and len(set(after)) == len(after)  # both sources in their first epoch
+    naive = MixtureOrder(dm.order.sizes.tolist(), [0.5, 0.5], dm.order.seed, names=dm.order.names)(np.arange(64, 128))
+    assert len(set(before) & set(naive.tolist())) == 13  # the stream at 50/50 from step 0: big's windows 32..44 again
+    ckpt = next((run / "checkpoints").glob("step0000012*.ckpt"))
+    _, third = train(
+        make_cfg(*keep, sources(two_sources, 0.5, 0.5), "trainer.max_steps=16", f"ckpt_path={ckpt}", out=again)
+    )
+    assert _windows(third, range(12, 16)) == _windows(second, range(12, 16))
+
+
+def test_a_resume_with_a_source_of_another_size_is_refused_and_a_new_name_starts_its_order(
+    make_cfg, two_sources, tmp_path, caplog
+):
+    keep = ["optim.total_steps=8", "optim.warmup_steps=1", "trainer.val_check_interval=4"]
+    train(make_cfg(*keep, sources(two_sources), "trainer.max_steps=4"))
+    other = {"big": two_sources["big"], "small": two_sources["big"]}  # `small` now names 300 KB, not 60 KB
+    with pytest.raises(ConfigError) as refused:
+        train(make_cfg(*keep, sources(other), "trainer.max_steps=6", "resume=auto"))
+    message = str(refused.value)
+    assert re.fullmatch(
+        r"data\.sources\.small\.dir holds [\d,]+ train windows, and the checkpoint's small held [\d,]+: its order "
+        r"cannot go on \(windows would repeat or be skipped\); point data\.sources\.small\.dir at the data it trained "
+        r"on, or give the source a new name to start its order",
+        message,
+    ), message
+    assert not (tmp_path / "run" / "checkpoints" / "exception.ckpt").exists()  # refused before training: no save
+    renamed = f"data.sources={{big: {{dir: {two_sources['big']}, weight: 0.7}}, more: {{dir: {two_sources['big']}, weight: 0.3}}}}"
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        _, objects = train(make_cfg(*keep, renamed, "trainer.max_steps=6", "resume=auto"))
+    assert objects["trainer"].global_step == 6
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: data.sources"))
+    assert line.startswith("resume: data.sources differ from the checkpoint's (more new at 30.0%, small dropped): ")
+
+
 @pytest.mark.parametrize(
     "spec, error, message",
     [
+        *[
+            (
+                f"{{a: {{dir: /nowhere, weight: {w}}}}}",
+                ConfigError,
+                rf"^data\.sources\.a\.weight={shown} is not allowed; it must be a finite number >= 0$",
+            )
+            for w, shown in (("-1", "-1"), ("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"))
+        ],
         (
-            "{a: {dir: /nowhere, weight: -1}}",
+            "{a: {dir: /nowhere, weight: 1}, b: {dir: /nowhere, weight: 0.0004}}",
             ConfigError,
-            r"^data\.sources\.a\.weight=-1 is not allowed; it must be a number >= 0$",
+            r"^data\.sources\.b\.weight=0\.0004 is 0\.040% of the total, under the 0\.1% of one position in 1,000, so "
+            r"b would never be drawn; raise it to at least 0\.00101, or set it to 0 to only validate on it$",
         ),
         ("{a: {dir: /nowhere, weight: 0}}", ConfigError, r"^data\.sources: every weight is 0"),
         ("{a: {dir: /nowhere, wieght: 1}}", ConfigError, r"^data\.sources\.a\.wieght is not a source key"),
@@ -135,6 +208,37 @@ def test_a_bad_source_is_one_line(make_cfg, spec, error, message, tmp_path):
     with pytest.raises(error, match=message):
         train(make_cfg(f"data.sources={spec}"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_source_with_no_val_window_is_one_line_at_startup(make_cfg, two_sources, tmp_path):
+    """30 val tokens under a 64-token context: `val/loss/tiny` would read 0 and pull `val/loss` down by its weight."""
+    tiny = tmp_path / "tiny"
+    prepare(input=None, out_dir=tiny, max_bytes=60_000, val_fraction=0.0005, progress=False)
+    spec = f"data.sources={{big: {{dir: {two_sources['big']}, weight: 0.7}}, tiny: {{dir: {tiny}, weight: 0.3}}}}"
+    with pytest.raises(DataError) as refused:
+        train(make_cfg(spec))
+    assert str(refused.value) == (
+        f"{tiny / 'val-00000.h5'}: source 'tiny' has no val window: its longest val shard has 30 tokens, fewer than "
+        "model.context_length + 1 = 65, so val/loss/tiny would read 0; prepare it with a larger data.val_fraction or "
+        "more text, or lower model.context_length"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_weight_of_0_validates_on_a_source_it_never_draws(make_cfg, two_sources):
+    """The fix the too-small weight's line offers: 0 is never drawn, scored on its own, and left out of val/loss."""
+    metrics, objects = train(
+        make_cfg(
+            sources(two_sources, big=1, small=0),
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "optim.warmup_steps=1",
+        )
+    )
+    dm = objects["datamodule"]
+    trained = {dm.window_location(w)["source"] for step in range(4) for w in dm._train_sampler.batch_windows(step)}
+    assert trained == {"big"} and metrics["val/loss/small"] > 0
+    assert metrics["val/loss"] == pytest.approx(metrics["val/loss/big"], rel=1e-6)
 
 
 def test_sources_with_different_tokenizers_are_refused(make_cfg, two_sources, tmp_path):
@@ -203,6 +307,23 @@ def test_a_mixture_checkpoint_resumes_on_another_number_of_ranks():
     assert sorted(first) == sorted(two[0].batch_windows(5) + two[1].batch_windows(5))
 
 
+def test_a_resume_between_one_source_and_a_mixture_says_where_it_goes_on(caplog):
+    """A checkpoint of data.sources resumed on one data.dir, and one of a data.dir resumed under data.sources: each
+    says in one line that it goes on at the checkpoint's position of its own order."""
+    from steadylm.data.sampler import EpochBatchSampler
+
+    mixed = MixtureBatchSampler(MixtureOrder([5_000, 300], [0.6, 0.4], seed=4, names=["web", "code"]), 16)
+    with caplog.at_level(logging.INFO, logger="steadylm"):
+        EpochBatchSampler(5_300, 16).load_state_dict(mixed.state_at(0, 5, step=5))
+        mixed.load_state_dict(EpochBatchSampler(5_300, 16).state_at(0, 7))
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: the checkpoint read data.sources (web, code); this run's one source goes on at window position 80 of "
+        "epoch 0 of its own order, as if it had been read from step 0",
+        "resume: the checkpoint records no data.sources (a run on one data.dir, or an older steadylm); the mixture "
+        "goes on at its position 112 as if it had been read from step 0",
+    ]
+
+
 @pytest.mark.slow  # two `python train.py` runs, one of them 2 DDP processes on CPU (gloo): ~60 s
 def test_a_mixture_on_two_processes_trains_and_scores_each_source_as_one_process_does(two_sources, tmp_path):
     """The same mixture on 1 rank and on 2 (8 windows a step either way): step k's windows are the same, each
@@ -219,7 +340,7 @@ def test_a_mixture_on_two_processes_trains_and_scores_each_source_as_one_process
         "trainer.max_steps=6",
         "trainer.val_check_interval=6",
         "trainer.precision=32-true",
-        "trainer.limit_val_batches=1.0",  # every val window of each source, on 1 rank or split over 2
+        "data.val_windows=null",  # every val window of each source, on 1 rank or split over 2
         "+callbacks.windows._target_=test_machine_size.WindowLog",
     ]
     results = {}

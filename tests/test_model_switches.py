@@ -87,7 +87,7 @@ def test_mlp_hidden_size_rounds_up_to_the_stated_multiple():
         ({"n_kv_head": 0}, "model.n_kv_head=0 must be a whole number > 0"),
         ({"pos": "alibi"}, "model.pos='alibi' is not allowed; use one of: learned, rope"),
         ({"norm": "batchnorm"}, "model.norm='batchnorm' is not allowed; use one of: layernorm, rmsnorm"),
-        ({"mlp": "relu"}, "model.mlp='relu' is not allowed; use one of: gelu, swiglu"),
+        ({"mlp": "relu"}, "model.mlp='relu' is not allowed; use one of: gelu, gelu_tanh, swiglu"),
         ({"init": "he"}, "model.init='he' is not allowed"),
         ({"d_model": 30}, "model.d_model=30 is not divisible by model.n_head=4"),
         ({"n_layer": 0}, "model.n_layer=0 must be a whole number > 0"),
@@ -306,7 +306,7 @@ def test_export_refuses_each_speedrun_switch_in_one_line(key, value):
 @pytest.mark.parametrize(
     "kw,message",
     [
-        ({"mlp": "relu3"}, "model.mlp='relu3' is not allowed; use one of: gelu, swiglu"),
+        ({"mlp": "relu3"}, "model.mlp='relu3' is not allowed; use one of: gelu, gelu_tanh, swiglu"),
         ({"logit_softcap": 0}, "model.logit_softcap=0 must be a number > 0 (e.g. 15), or null"),
         ({"logit_softcap": "big"}, "model.logit_softcap='big' must be a number > 0"),
         ({"qk_norm": "yes"}, "model.qk_norm='yes' must be true or false"),

@@ -1,6 +1,7 @@
 """Throughput/MFU logging, the peak-FLOPs table, and the benchmark script's quick mode."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -131,14 +132,13 @@ def test_benchmark_refuses_too_few_rounds_or_steps():
 
 @pytest.mark.slow
 def test_gpu_script_cpu_form_times_both_recipes_to_the_default_loss():
-    """gpu.sh's time-to-loss part in its CPU form: both recipes' throughput and each one's steps and time to the
-    default recipe's final val loss (which the default recipe reaches at its last step by definition)."""
+    """gpu.sh's time-to-loss part in its CPU form: both recipes' throughput, and experiment=fast's steps to the
+    default recipe's final val loss (or that it did not reach it)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--cpu", "--to-loss", "--steps", "16", "--every", "8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "default: device cpu" in out and "experiment=fast: device cpu" in out and "tokens/s" in out
-    assert "  default: step 16 (1.000x the steps)" in out, out
     assert re.search(r"  experiment=fast: (step \d+ \([\d.]+x the steps\)|not reached)", out), out
 
 
@@ -154,4 +154,5 @@ def test_speedrun_bench_quick_prints_a_row_per_switch(tmp_path):
     from speedrun_bench import SWITCHES
 
     assert set(table) == set(SWITCHES)
-    assert table["baseline"]["steps_x"] == 1.0 and table["baseline"]["final_delta_pct"] == [0.0]  # its own target
+    others = [row for name, row in table.items() if name != "baseline"]
+    assert all(len(row["final_delta_pct"]) == 1 and math.isfinite(row["final_delta_pct"][0]) for row in others), table

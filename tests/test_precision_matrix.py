@@ -21,7 +21,7 @@ def test_trains_validates_checkpoints_and_resumes(make_cfg, tmp_path, precision,
         f"trainer.precision={precision}",
         f"callbacks={callbacks}",
         "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=2",
+        "data.val_windows=16",
         "optim.warmup_steps=2",
         "optim.total_steps=8",  # one schedule for the 4 steps and their resume to 8
     )

@@ -52,6 +52,38 @@ def test_clipped_heads_end_at_tau_and_the_others_keep_their_logits(shape):
     assert policy.step(8, [torch.full((4,), tau)], [attn]) is None  # at tau: nothing to do
 
 
+@pytest.mark.parametrize("kernel", ["mask", "flex"])
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_logits_across_documents_never_clip_under_pack_doc(kernel):
+    """Only token A's query meets token B's key with a large logit, and B ends the document before A's: under
+    data.pack=doc attention never uses that pair, so the max logit QK-clip and the stats read stays small and nothing
+    clips (on either kernel); without packing the pair is used, and it clips."""
+    SEP, B, A, FILL = 0, 1, 2, 5
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(n_layer=1, n_head=1, d_model=32, context_length=12, vocab_size=16, dropout=0.0))
+    attn, D = net.blocks[0].attn, net.blocks[0].attn.head_dim
+    with torch.no_grad():
+        net.wpe.weight.zero_()
+        net.wte.weight.copy_(torch.eye(16, 32))  # token t: along axis t, so after ln_1 about sqrt(31) there
+        attn.qkv.weight.zero_()
+        attn.qkv.bias.zero_()
+        attn.qkv.weight[0, A] = attn.qkv.weight[D, B] = 10.0  # q = 10·h[A] e0, k = 10·h[B] e0
+    x = torch.tensor([[FILL, B, FILL, SEP, A, FILL, A, FILL, FILL, A, FILL, FILL]])
+    policy = QKClip(tau=100.0)
+    with torch.no_grad():
+        net.doc_separator, net.doc_kernel = SEP, kernel
+        (packed,) = head_maxima(net, x)
+        assert float(attn.max_logit) == float(packed[0]) < 5.0  # the stats' number is the same one
+        before = attn.qkv.weight.clone()
+        assert policy.step(0, [packed], [attn]) is None and torch.equal(attn.qkv.weight, before)
+        net.doc_separator = None  # one sequence: A's queries see B's key
+        (plain,) = head_maxima(net, x)
+        assert float(plain[0]) > 500.0
+        evidence = policy.step(1, [plain], [attn])
+    assert evidence["clips"] == 1 and evidence["max_logit"] == pytest.approx(float(plain[0]))
+    assert not torch.equal(attn.qkv.weight, before)
+
+
 def test_the_policy_is_bounded_and_its_state_round_trips():
     attn = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, context_length=8, vocab_size=16)).blocks[0].attn
     policy = QKClip(tau=10.0, min_factor=0.5, max_clips=3, backoff_after=2, lr_backoff=0.5, max_backoffs=1)

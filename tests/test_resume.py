@@ -24,7 +24,7 @@ RESUME = [
     "optim.warmup_steps=3",
     "trainer.log_every_n_steps=1",
     "trainer.val_check_interval=4",
-    "trainer.limit_val_batches=2",
+    "data.val_windows=16",
     "callbacks.checkpoint.every_n_train_steps=4",
 ]
 
@@ -104,7 +104,7 @@ def test_resume_auto_in_an_empty_run_dir_starts_fresh(make_cfg, tmp_path):
 def test_init_from_starts_a_new_schedule_from_another_runs_weights(make_cfg, tmp_path):
     """`init_from`: the weights only. The optimizer, the LR schedule (warmup again from step 0), the step count and
     the data position start fresh; a changed schedule, which `ckpt_path` refuses, is the point."""
-    _, first = train(make_cfg("trainer.max_steps=4", "optim.warmup_steps=1", out=tmp_path / "a"))
+    done, first = train(make_cfg("trainer.max_steps=4", "optim.warmup_steps=1", out=tmp_path / "a"))
     ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
     trained = {k: v.clone() for k, v in first["module"].state_dict().items()}
     restart = ["optim.lr=0.02", "optim.warmup_steps=0", "trainer.log_every_n_steps=1", f"init_from={ckpt}"]
@@ -128,6 +128,8 @@ def test_init_from_starts_a_new_schedule_from_another_runs_weights(make_cfg, tmp
     lrs = EventAccumulator(str(tmp_path / "b" / "tensorboard"))
     lrs.Reload()
     assert [e.value for e in lrs.Scalars("optim/lr")][0] == pytest.approx(0.02)  # no warmup: the new schedule's
+    start = lrs.Scalars("val/loss")[0]  # the loaded weights' own, before any update: the one the first run ended at
+    assert start.step == 0 and start.value == pytest.approx(done["val/loss"], abs=1e-5)
 
 
 def test_init_from_under_resume_auto_continues_the_runs_own_checkpoint(make_cfg, tmp_path):

@@ -118,7 +118,7 @@ ANNEAL = [
     "model.dropout=0.1",  # the loss depends on the RNG stream: a resume that lost it shows
     "trainer.log_every_n_steps=1",
     "trainer.val_check_interval=6",
-    "trainer.limit_val_batches=2",
+    "data.val_windows=16",
     "callbacks.checkpoint.every_n_train_steps=12",
 ]
 

@@ -133,7 +133,7 @@ def test_an_unmitigated_persisting_signal_makes_the_run_unstable_with_cause_and_
 @pytest.mark.slow
 def test_a_too_high_lr_with_qk_norm_is_flagged_backed_off_and_ends_unstable(make_cfg, tmp_path):
     """lr 0.3 with QK-norm: the attention logits stay bounded, the residual stream does not."""
-    cfg = make_cfg("model.qk_norm=true", "optim.lr=0.3", "trainer.max_steps=25", "trainer.limit_val_batches=1")
+    cfg = make_cfg("model.qk_norm=true", "optim.lr=0.3", "trainer.max_steps=25", "data.val_windows=8")
     train(cfg)
     events = read_events(tmp_path / "run")
     kinds = [e["kind"] for e in events]
@@ -284,7 +284,7 @@ def test_a_forecast_that_acts_lowers_the_lr_only_until_the_backoff_that_follows(
         "model.qk_norm=true",
         "optim.lr=0.06",
         "trainer.max_steps=60",
-        "trainer.limit_val_batches=1",
+        "data.val_windows=8",
         "callbacks.stability.signals.forecast_lr=0.5",
     )
     _, objects = train(cfg)

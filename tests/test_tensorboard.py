@@ -45,7 +45,7 @@ def test_tensorboard_server_serves_the_contract_tags(make_cfg, tmp_path):
             "trainer.max_steps=4",
             "optim.warmup_steps=2",
             "trainer.val_check_interval=4",
-            "trainer.limit_val_batches=1",
+            "data.val_windows=8",
             "trainer.log_every_n_steps=1",
         )
     )

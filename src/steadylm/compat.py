@@ -9,7 +9,7 @@ import torch
 
 
 def cpu_has_bf16() -> bool:
-    """oneDNN's own answer: the CPU has native bf16 units (AVX512-BF16/AMX); torch has no public query."""
+    """oneDNN's own answer: the CPU runs torch's bf16 kernels (AVX-512 BW/VL/DQ on x86); torch has no public query."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -79,6 +79,13 @@ def context_length_copies(cfg: DictConfig) -> list[tuple[str, int]]:
 _whole = lambda v, least: is_int(v) and v >= least
 
 
+# Lightning's count is of batches per rank, so val/loss would move with the ranks and the micro-batch size.
+LIMIT_VAL = (
+    "0 (no validation) or 1.0 (every window data.val_windows allows): a count of batches is per rank, so the "
+    "windows validated would change with the machine; bound validation with data.val_windows"
+)
+
+
 def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     """(key, value, ok, what is allowed) for every value a user sets that could not train."""
     d, t, o = cfg.data, cfg.trainer, cfg.optim
@@ -86,6 +93,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
     betas_ok = isinstance(betas, list) and len(betas) == 2 and all(0 <= number(b) < 1 for b in betas)
     clip, algorithm = t.get("gradient_clip_val"), t.get("gradient_clip_algorithm")
     accumulate, val_fraction, align = t.accumulate_grad_batches, d.get("val_fraction", 0.01), d.get("align", "none")
+    val_windows = d.get("val_windows")
     fused, name = o.get("fused", "auto"), o.get("name", "adamw")
     warmup_ok = is_int(o.warmup_steps) and 0 <= o.warmup_steps < number(o.total_steps)
     warmup = f"a whole number >= 0 and < optim.total_steps={o.total_steps} (lower it or raise trainer.max_steps)"
@@ -94,7 +102,9 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("data.num_workers", d.get("num_workers"), _whole(d.get("num_workers"), 0), "a whole number >= 0"),
         ("data.val_fraction", val_fraction, 0 < number(val_fraction) <= 0.5, "a fraction in (0, 0.5]"),
         ("data.align", align, align in ("none", "doc"), "none (a window every T tokens) or doc (per document)"),
+        ("data.val_windows", val_windows, val_windows is None or _whole(val_windows, 1), "a whole number > 0 or null"),
     ]
+    limit = t.get("limit_val_batches", 1.0)
     rules = [
         *(rule for rule in data if rule[0][len("data.") :] in d),
         ("trainer.precision", t.precision, str(t.precision) in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
@@ -103,6 +113,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ("trainer.log_every_n_steps", t.log_every_n_steps, _whole(t.log_every_n_steps, 1), "a whole number >= 1"),
         ("trainer.gradient_clip_val", clip, number(clip or 0) >= 0, "a norm >= 0 (1.0 is the default; 0 or null: off)"),
         ("trainer.gradient_clip_algorithm", algorithm, algorithm in ("norm", "value", None), "norm or value"),
+        ("trainer.limit_val_batches", limit, limit == 0 or (type(limit) is float and limit == 1.0), LIMIT_VAL),
         ("optim.lr", o.lr, number(o.lr) > 0, "a learning rate > 0"),
         ("optim.min_lr", o.min_lr, 0 <= number(o.min_lr) <= number(o.lr), f"between 0 and optim.lr={o.lr}"),
         ("optim.weight_decay", o.weight_decay, number(o.weight_decay) >= 0, "a number >= 0"),

@@ -11,8 +11,10 @@ GPT-2 has LayerNorm, a GELU MLP, one k/v head per query head and no QK-norm; Lla
 and SwiGLU; Qwen3 has no MLP biases. What each class does express is mapped exactly: `bias=false` into
 GPT-2 as zero biases, untied embeddings as `tie_word_embeddings=false`, grouped k/v heads and biases
 (`attention_bias`, `mlp_bias`) into Llama, and `model.parametrization=mup` folded into the weights (its
-logit factor into the final norm, its attention factor into the queries: `sp_state_dict`). Our checkpoint stays
-the source of truth (as litgpt's does); this is the only module that imports `transformers`, and a test holds the exported logits equal to ours.
+logit factor into the final norm, its attention factor into the queries: `sp_state_dict`). The names, ours and
+theirs, are model/hf.py's, which `model.init_from` reads the other way; `ckpt=` may be such a folder itself. Our
+checkpoint stays the source of truth (as litgpt's does); this is the only module that imports `transformers`, and a
+test holds the exported logits equal to ours.
 A model trained with `data.pack=doc` is exported as it is, with a note: a Hugging Face model given one document per
 sequence (after its end-of-text id, or none) computes what training did, and only documents packed into one sequence,
 which it cannot mask apart, would differ.
@@ -32,6 +34,7 @@ from steadylm.data.tokenizer import tokenizer_of_run
 from steadylm.errors import ConfigError, SteadyError
 from steadylm.generate import load_model
 from steadylm.model import GPT, GPTConfig, mup
+from steadylm.model.hf import CLASSES, CONFIG_NAMES, GELU, family_of, to_hf
 from steadylm.model.switches import require_understood
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,29 +62,26 @@ def hf_family(cfg: GPTConfig) -> str:
             "normalise queries and keys); with the Llama switches (model.pos=rope model.norm=rmsnorm model.mlp=swiglu "
             "model.bias=false) it exports as Qwen3ForCausalLM"
         )
-    if cfg.pos == "learned":
-        need = {"norm": ("layernorm", "LayerNorm"), "mlp": ("gelu", "a GELU MLP")}
-        cls, family = "GPT2LMHeadModel", "gpt2"
+    family = family_of(cfg)
+    cls = CLASSES[family]
+    if family == "gpt2":
+        need = {"norm": (("layernorm",), "LayerNorm"), "mlp": (("gelu", "gelu_tanh"), "a GELU MLP")}
         if cfg.n_kv_head != cfg.n_head:
             raise ConfigError(
                 f"model.n_kv_head={cfg.n_kv_head} cannot be exported as GPT2LMHeadModel (model.pos=learned picks "
                 f"GPT-2, which has one key/value head per query head); use model.n_kv_head=null, or the Llama "
                 "switches model.pos=rope model.norm=rmsnorm model.mlp=swiglu"
             )
-    elif cfg.qk_norm:
-        # Qwen3 is Llama plus an RMSNorm on each query and key head, applied before the rotation, as ours is.
-        need = {"norm": ("rmsnorm", "RMSNorm"), "mlp": ("swiglu", "a SwiGLU MLP"), "bias": (False, "no MLP biases")}
-        cls, family = "Qwen3ForCausalLM", "qwen3"
-    else:
-        need = {"norm": ("rmsnorm", "RMSNorm"), "mlp": ("swiglu", "a SwiGLU MLP")}
-        cls, family = "LlamaForCausalLM", "llama"
-    for key, (value, what) in need.items():
-        if getattr(cfg, key) != value:
+    else:  # Qwen3 is Llama plus an RMSNorm on each query and key head, applied before the rotation, as ours is.
+        need = {"norm": (("rmsnorm",), "RMSNorm"), "mlp": (("swiglu",), "a SwiGLU MLP")}
+        need |= {"bias": ((False,), "no MLP biases")} if family == "qwen3" else {}
+    for key, (values, what) in need.items():
+        if getattr(cfg, key) not in values:
             picked = f"model.pos={cfg.pos}" + (" model.qk_norm=true" if family == "qwen3" else "")
             show = lambda v: str(v).lower() if isinstance(v, bool) else v  # noqa: E731
             raise ConfigError(
                 f"model.{key}={show(getattr(cfg, key))} cannot be exported as {cls} ({picked} picks it, and it "
-                f"has {what} only); train with model.{key}={show(value)}, or "
+                f"has {what} only); train with model.{key}={show(values[0])}, or "
                 + ("model.pos=learned for GPT-2" if family == "gpt2" else "model.pos=rope for Llama")
                 + " with its other switches"
             )
@@ -122,110 +122,24 @@ def sp_state_dict(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _t(w: torch.Tensor) -> torch.Tensor:
-    """GPT-2's `Conv1D` stores a linear's weight transposed (in, out)."""
-    return w.t().contiguous()
-
-
-def gpt2_state(net: GPT) -> tuple[dict, dict]:
-    """(GPT2Config kwargs, GPT2LMHeadModel state_dict). `bias=false` becomes zero biases."""
-    c = net.cfg
-    sd = sp_state_dict(net)  # muP's multipliers folded in: neither class has them
-    zeros = lambda n: torch.zeros(n, dtype=sd["wte.weight"].dtype)  # noqa: E731
-    bias = lambda key, n: sd.get(key, zeros(n))  # noqa: E731
-    out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]}
-    for i in range(c.n_layer):
-        p, h = f"blocks.{i}.", f"transformer.h.{i}."
-        out.update(
-            {
-                h + "ln_1.weight": sd[p + "ln_1.weight"],
-                h + "ln_1.bias": bias(p + "ln_1.bias", c.d_model),
-                h + "attn.c_attn.weight": _t(sd[p + "attn.qkv.weight"]),
-                h + "attn.c_attn.bias": bias(p + "attn.qkv.bias", 3 * c.d_model),
-                h + "attn.c_proj.weight": _t(sd[p + "attn.proj.weight"]),
-                h + "attn.c_proj.bias": bias(p + "attn.proj.bias", c.d_model),
-                h + "ln_2.weight": sd[p + "ln_2.weight"],
-                h + "ln_2.bias": bias(p + "ln_2.bias", c.d_model),
-                h + "mlp.c_fc.weight": _t(sd[p + "mlp.fc.weight"]),
-                h + "mlp.c_fc.bias": bias(p + "mlp.fc.bias", c.hidden),
-                h + "mlp.c_proj.weight": _t(sd[p + "mlp.proj.weight"]),
-                h + "mlp.c_proj.bias": bias(p + "mlp.proj.bias", c.d_model),
-            }
-        )
-    out["transformer.ln_f.weight"] = sd["ln_f.weight"]
-    out["transformer.ln_f.bias"] = bias("ln_f.bias", c.d_model)
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    config = dict(
-        vocab_size=c.vocab_size,
-        n_positions=c.context_length,
-        n_embd=c.d_model,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        n_inner=c.hidden,
-        activation_function="gelu",  # = F.gelu (exact); "gelu_new" is the tanh form
-        resid_pdrop=c.dropout,
-        embd_pdrop=c.dropout,
-        attn_pdrop=c.dropout,
-        layer_norm_epsilon=c.norm_eps,
-        tie_word_embeddings=c.tie_embeddings,
-    )
-    return config, out
-
-
-def llama_state(net: GPT) -> tuple[dict, dict]:
-    """(LlamaConfig kwargs, LlamaForCausalLM state_dict): the fused qkv and gate/up matrices split by rows.
-
-    Our rotary layout is Llama's ("rotate half"), so q and k need no permutation. With QK-norm the same
-    names plus `self_attn.q_norm`/`k_norm` are Qwen3's (whose config has no `mlp_bias`).
-    """
-    c = net.cfg
-    sd = sp_state_dict(net)  # muP's multipliers folded in: neither class has them
-    H, KV, D = c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.hidden
-    out = {"model.embed_tokens.weight": sd["wte.weight"]}
-    for i in range(c.n_layer):
-        p, h = f"blocks.{i}.", f"model.layers.{i}."
-        for kind in ("weight", "bias") if c.bias else ("weight",):
-            q, k, v = sd[p + f"attn.qkv.{kind}"].split([H, KV, KV])
-            gate, up = sd[p + f"mlp.fc.{kind}"].split([D, D])
-            out.update(
-                {
-                    h + f"self_attn.q_proj.{kind}": q,
-                    h + f"self_attn.k_proj.{kind}": k,
-                    h + f"self_attn.v_proj.{kind}": v,
-                    h + f"self_attn.o_proj.{kind}": sd[p + f"attn.proj.{kind}"],
-                    h + f"mlp.gate_proj.{kind}": gate,
-                    h + f"mlp.up_proj.{kind}": up,
-                    h + f"mlp.down_proj.{kind}": sd[p + f"mlp.proj.{kind}"],
-                }
-            )
-        if c.qk_norm:
-            out[h + "self_attn.q_norm.weight"] = sd[p + "attn.q_norm.weight"]
-            out[h + "self_attn.k_norm.weight"] = sd[p + "attn.k_norm.weight"]
-        out[h + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
-    out["model.norm.weight"] = sd["ln_f.weight"]
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    config = dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.d_model,
-        intermediate_size=c.hidden,
-        num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head,
-        num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=c.context_length,
-        rms_norm_eps=c.norm_eps,
-        rope_theta=float(c.rope_theta),
-        tie_word_embeddings=c.tie_embeddings,
-        attention_bias=c.bias,
-        attention_dropout=c.dropout,
-    )
-    if c.qk_norm:
-        config["use_sliding_window"] = False
-    else:
-        config["mlp_bias"] = c.bias
-    return config, out
+def hf_config(c: GPTConfig, family: str) -> dict:
+    """The `family` config's kwargs for `c`: the names model/hf.py maps, and what each class needs besides."""
+    config = {
+        theirs: getattr(c, ours) for ours, theirs in CONFIG_NAMES["gpt2" if family == "gpt2" else "llama"].items()
+    }
+    if family == "gpt2":
+        config["n_inner"] = c.hidden
+        config.pop("tie_word_embeddings")  # added below for every family
+        act = next(theirs for theirs, ours in GELU.items() if ours == c.mlp)  # gelu_tanh: gelu_new, GPT-2's own
+        return config | {"activation_function": act, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+                         "attn_pdrop": c.dropout, "tie_word_embeddings": c.tie_embeddings}  # fmt: skip
+    config |= {"intermediate_size": c.hidden, "rope_theta": float(c.rope_theta), "head_dim": c.head_dim}
+    config |= {"hidden_act": "silu", "attention_dropout": c.dropout}
+    if c.rope_scaling is not None:
+        config["rope_scaling"] = dict(c.rope_scaling)
+    if family == "qwen3":
+        return config | {"use_sliding_window": False}
+    return config | {"mlp_bias": c.bias}
 
 
 # --- the folder ------------------------------------------------------------------------------------
@@ -246,7 +160,7 @@ def to_hf_model(net: GPT, eos_id: int | None = None, dtype: torch.dtype = torch.
     """The equivalent `transformers` model (GPT2LMHeadModel or LlamaForCausalLM), weights copied."""
     tf = _transformers()
     family = hf_family(net.cfg)
-    kwargs, state = (gpt2_state if family == "gpt2" else llama_state)(net)
+    kwargs, state = hf_config(net.cfg, family), to_hf(sp_state_dict(net), net.cfg, family)  # muP folded in
     # One end-of-text id serves as bos, eos and pad (GPT-2's convention): `generate` needs no pad warning.
     ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id} if eos_id is not None else {}
     names = {

@@ -1,7 +1,7 @@
 """Sample text from a checkpoint: `python -m steadylm.generate ckpt=PATH 'prompt="def "' max_new_tokens=200`.
 
 The checkpoint alone is enough: the model shape comes from `hyper_parameters.model` and the tokenizer
-from `steadylm.tokenizer`, both written by training. It is loaded with `weights_only=True`, so a
+from `steadylm.tokenizer`, both written by training; `ckpt=` may also be a Hugging Face GPT-2 or Llama folder. It is loaded with `weights_only=True`, so a
 checkpoint file can never run code. Same checkpoint, prompt and seed -> the same text.
 """
 
@@ -15,7 +15,7 @@ import torch
 from steadylm.checkpointing import CheckpointError, safe_load
 from steadylm.cli import run_command
 from steadylm.data.tokenizer import Tokenizer, tokenizer_of_run
-from steadylm.errors import SteadyError
+from steadylm.errors import ConfigError, SteadyError
 from steadylm.model import GPT, GPTConfig
 
 
@@ -31,8 +31,11 @@ class GenerateArgs:
 
 
 def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
-    """The one loader of a trained model (`generate`, `export`): (GPT in eval mode, `ckpt["steadylm"]`, which
-    holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`."""
+    """The one loader of a trained model (`generate`, `export`, `eval`): (GPT in eval mode, `ckpt["steadylm"]`, which
+    holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`. A Hugging Face folder
+    (GPT-2 or Llama, model/hf.py) is read as `model.init_from` reads it, its `tokenizer.json` as the tokenizer."""
+    if Path(path).is_dir():
+        return load_pretrained_folder(path, device)
     try:
         ckpt = safe_load(path, map_location=device)
     except CheckpointError as e:
@@ -48,6 +51,20 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     model.load_state_dict(state)
     model.doc_separator = ckpt["hyper_parameters"].get("doc_separator")  # data.pack=doc: as the run trained
     return model.to(device).eval(), meta
+
+
+def load_pretrained_folder(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+    """`load_model` of a Hugging Face folder: its meta names the folder's tokenizer.json, which it must have."""
+    from steadylm.model.hf import load_pretrained, model_values, tokenizer_file
+
+    try:
+        model = GPT(GPTConfig(**model_values(path), init_from=str(path)))
+    except ConfigError as e:
+        raise SteadyError(str(e).replace("model.init_from=", "ckpt=")) from None
+    if (tok := tokenizer_file(path)) is None:
+        raise SteadyError(f"ckpt={path}: no tokenizer.json there; the model's tokenizer must be beside its weights")
+    load_pretrained(model, path)
+    return model.to(device).eval(), {"tokenizer": str(tok)}
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:

@@ -74,6 +74,10 @@ class LMModule(L.LightningModule):
         self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
+        if model.get("init_from") is not None:  # a published model's weights (model/hf.py, loaded only then)
+            from steadylm.model.hf import load_pretrained
+
+            self.weights_from = load_pretrained(self.net, model["init_from"])  # a resume loads its own over them
 
     def setup(self, stage: str) -> None:
         if self.net.doc_separator is not None:  # data.pack=doc: the attention kernel, chosen once for the device
@@ -153,27 +157,36 @@ class LMModule(L.LightningModule):
         sums = torch.stack([self.target_losses(x, y).double().sum(), (y != IGNORE_INDEX).sum().double()])
         self._val_totals[dataloader_idx] += sums
 
-    def on_validation_epoch_end(self) -> None:
+    def val_results(self) -> dict[str, float]:
         """`val/loss`: sums across ranks, then one division, so every non-padding target weighs the same; `val/bpb`:
         bits per UTF-8 byte of the val split, so runs with different tokenizers compare. With `data.sources`, the
         same per source (`val/loss/<name>`, `val/bpb/<name>`), and `val/loss`, `val/bpb` their weighted means."""
         totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
         losses = [ce_sum / max(count, 1.0) for ce_sum, count in totals]
+        bits = lambda loss, per_token: loss / math.log(2) / per_token  # noqa: E731
         if not self.val_sources:
-            self.log("val/loss", losses[0], prog_bar=True, sync_dist=False)
-            if self.val_bytes_per_token:
-                self.log("val/bpb", losses[0] / math.log(2) / self.val_bytes_per_token, sync_dist=False)
-            return
-        bpb = {}
+            out = {"val/loss": losses[0]}
+            return out | ({"val/bpb": bits(losses[0], self.val_bytes_per_token)} if self.val_bytes_per_token else {})
+        out, bpb = {}, {}
         for source, loss in zip(self.val_sources, losses):
-            self.log(f"val/loss/{source['name']}", loss, sync_dist=False)
+            out[f"val/loss/{source['name']}"] = loss
             if source["bytes_per_token"]:
-                bpb[source["name"]] = loss / math.log(2) / source["bytes_per_token"]
-                self.log(f"val/bpb/{source['name']}", bpb[source["name"]], sync_dist=False)
+                out[f"val/bpb/{source['name']}"] = bpb[source["name"]] = bits(loss, source["bytes_per_token"])
         weights = [s["weight"] for s in self.val_sources]
-        self.log("val/loss", sum(w * v for w, v in zip(weights, losses)), prog_bar=True, sync_dist=False)
+        out["val/loss"] = sum(w * v for w, v in zip(weights, losses))
         if len(bpb) == len(losses):
-            self.log("val/bpb", sum(w * v for w, v in zip(weights, bpb.values())), sync_dist=False)
+            out["val/bpb"] = sum(w * v for w, v in zip(weights, bpb.values()))
+        return out
+
+    def on_validation_epoch_end(self) -> None:
+        for key, value in self.val_results().items():
+            self.log(key, value, prog_bar=key == "val/loss", sync_dist=False)
+
+    def on_train_start(self) -> None:
+        if self.weights_from is not None and not self.trainer.global_step:  # trained weights: their loss, to beat
+            from steadylm.start_loss import log_start_loss  # loaded only by a run that starts from them
+
+            log_start_loss(self)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """The LR of this update, after every callback judged the step: `Schedule.lr_of` the applied steps (at least

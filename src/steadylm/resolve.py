@@ -35,10 +35,32 @@ def fill(cfg: DictConfig, values: dict[str, Any]) -> None:
 
 
 def fill_derived(cfg: DictConfig) -> Any | None:
-    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None."""
+    """The vocabulary, tokenizer and warmup alone (doctor, tests); the DataModule built for the vocabulary, or None.
+    First a published model's shape (`model.init_from`), whose vocabulary is the one the data must fit."""
+    if cfg.model.get("init_from") is not None:
+        from steadylm.model.hf import pretrained_shape  # loaded only by a run that starts from a published model
+
+        fill(cfg, pretrained_shape(cfg))
     dm = data_source(cfg) if cfg.model.get("vocab_size") is None else None
     fill(cfg, {**from_data(cfg, dm), **from_run_length(cfg)})
     return dm
+
+
+def check_epoch(cfg: DictConfig, datamodule: Any, world_size: int, accumulate: int) -> None:
+    """`data.drop_last=true` drops an epoch's last partial optimizer step, so an epoch shorter than one step would
+    run none (Lightning's "No training batches"): refused here, where the step's windows are known. A mixture's
+    epoch is whole steps already (data/mixture.py)."""
+    windows, batch = getattr(datamodule, "n_train_windows", None), int(datamodule.batch_size)
+    if not getattr(datamodule, "drop_last", False) or getattr(datamodule, "sources", None) or windows is None:
+        return
+    if windows < (step := batch * world_size * accumulate):
+        tokens = cfg.data.get("global_batch_tokens")
+        by, lower = (f" from data.global_batch_tokens={tokens}", "data.global_batch_tokens") if tokens else ("", KEY)
+        raise ConfigError(
+            f"data.drop_last=true drops an epoch's last partial optimizer step, and the {windows:,} train windows are "
+            f"fewer than one step's {step:,} (data.batch_size={batch} x {world_size} device(s) x {KEY}={accumulate}"
+            f"{by}), so no step would run; set data.drop_last=false, or lower data.batch_size or {lower}"
+        )
 
 
 def check_environment(cfg: DictConfig, devices: Devices, precision: str, batch_size: int) -> MemoryPlan:
@@ -79,9 +101,14 @@ def resolve(cfg: DictConfig) -> Resolved:
     dm = fill_derived(cfg)
     validate_config(cfg)
     datamodule = dm if dm is not None else data_source(cfg)
+    if cfg.model.get("init_from") is not None:  # the data tokenized as the published model reads
+        from steadylm.model.hf import check_tokenizer
+
+        check_tokenizer(cfg.model.init_from, datamodule.tokenizer_name)
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size, datamodule.batch_size)
     fill(cfg, {KEY: accumulate, **val_interval(cfg)})
+    check_epoch(cfg, datamodule, devices.world_size, accumulate)
     precision = resolve_precision(cfg.trainer.precision, devices.accelerator)
     memory = check_environment(cfg, devices, precision, datamodule.batch_size)
     OmegaConf.set_readonly(cfg, True)

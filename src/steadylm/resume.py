@@ -116,6 +116,11 @@ def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
 def init_weights_from(path: str, module: torch.nn.Module) -> None:
     """`init_from=<file>`: the checkpoint's weights, checked to fit `module`; its optimizer state, LR schedule, step
     count and data position are left behind (a new schedule from step 0: a restart, a fine-tune)."""
+    if Path(path).is_dir():
+        raise CheckpointError(
+            f"init_from={path} is a folder: init_from takes a steadylm checkpoint file; a Hugging Face model folder "
+            f"is model.init_from={path}, which also sets the model's shape from its config.json"
+        )
     ckpt = safe_load(path, mmap=True)
     check_compatible(ckpt, path, module)
     module.load_state_dict(ckpt["state_dict"])

@@ -28,6 +28,7 @@ from steadylm.preemption import Preempted, Preemption, place_last
 from steadylm.progress import ProgressLines
 from steadylm.resolve import Resolved, resolve
 from steadylm.result import finish_job
+from steadylm.run_config import write_run_config
 from steadylm.stability.events import start_events
 
 
@@ -57,7 +58,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     data = {"tokenizer": dm.tokenizer_name, "val_bytes_per_token": dm.bytes_per_token}
     data["doc_separator"] = getattr(dm, "document_separator", None)  # data.pack=doc; a source without it: none
     data["val_sources"] = getattr(dm, "val_sources", None)  # data.sources: a val loader per source
-    module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, run_config=plain_config(cfg), **data)
+    data["run_config"] = plain_config(cfg)  # every checkpoint carries it; rank 0 writes it to the run folder too
+    module = LMModule(model=cfg.model, optim=cfg.optim, compile=cfg.compile, **data)
     return {"cfg": cfg, "run": run, "datamodule": dm, "module": module, "trainer": build_trainer(run)}
 
 
@@ -84,6 +86,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, objects["module"])
     if trainer.is_global_zero:
         start_events(trainer)  # the events log exists from the start, empty while nothing happened
+        write_run_config(cfg.paths.output_dir, objects["module"].run_config)
     with suppress(Preempted, SIGTERMException):  # a signal stopped every rank: see the Preemption callback
         trainer.fit(objects["module"], datamodule=objects["datamodule"], ckpt_path=ckpt_path, weights_only=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}, objects

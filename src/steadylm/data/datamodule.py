@@ -14,11 +14,12 @@ from torch.utils.data import DataLoader
 
 from steadylm.compat import batches_processed
 from steadylm.data.dataset import TokenWindows
-from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder
+from steadylm.data.mixture import BLOCK, MixtureBatchSampler, MixtureOrder, check_sources, no_val_window
 from steadylm.data.sampler import EpochBatchSampler
 from steadylm.data.shards import ShardInfo, read_shard_info
 from steadylm.data.source import check_pack
-from steadylm.errors import ConfigError, DataError
+from steadylm.data.tokenizer import same_tokenizer
+from steadylm.errors import DataError
 from steadylm.model.config import GPTConfig
 
 log = logging.getLogger("steadylm")
@@ -29,33 +30,6 @@ def _bytes_per_token(val: list[ShardInfo]) -> float | None:
     return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
 
 
-def check_sources(sources) -> dict[str, tuple[Path, float]] | None:
-    """`data.sources` as {name: (folder, weight)}: one line for an unknown key, a missing dir, a weight that is not a
-    number >= 0, or weights that are all 0."""
-    if not sources:
-        return None
-    out = {}
-    for name, spec in dict(sources).items():
-        spec = dict(spec or {})
-        if unknown := sorted(set(spec) - {"dir", "weight"}):
-            raise ConfigError(f"data.sources.{name}.{unknown[0]} is not a source key; a source has dir and weight")
-        if spec.get("dir") is None:
-            raise ConfigError(f"data.sources.{name}.dir is not set: the folder of that source's prepared shards")
-        weight = spec.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-            raise ConfigError(f"data.sources.{name}.weight={weight!r} is not allowed; it must be a number >= 0")
-        out[str(name)] = (Path(str(spec["dir"])).expanduser(), float(weight))
-    if not sum(w for _, w in out.values()) > 0:
-        raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
-    return out
-
-
-def _same_tokenizer(recorded: str, configured) -> bool:
-    """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently."""
-    if recorded == str(configured):
-        return True
-    a, b = Path(recorded).expanduser(), Path(str(configured)).expanduser()
-    return a.suffix == ".json" and a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 class ShardDataModule(L.LightningDataModule):
@@ -87,6 +61,7 @@ class ShardDataModule(L.LightningDataModule):
         align: str = "none",
         pack: str = "none",
         sources: dict | None = None,
+        val_windows: int | None = 320,
     ):
         super().__init__()
         self.pack = check_pack(pack)
@@ -96,6 +71,7 @@ class ShardDataModule(L.LightningDataModule):
         self.model_vocab_size = None if model_vocab_size is None else int(model_vocab_size)
         self.tokenizer, self.seed, self.align = tokenizer, int(seed), align
         self.shuffle, self.drop_last, self.pin_memory = bool(shuffle), bool(drop_last), bool(pin_memory)
+        self.val_windows = None if val_windows is None else int(val_windows)
         self.train_set = self.val_set = self._train_sampler = self._pending_state = None
         self.infos: dict[str, list[ShardInfo]] = {}
 
@@ -121,9 +97,10 @@ class ShardDataModule(L.LightningDataModule):
             if V is not None and info.vocab_size > V:
                 raise DataError(
                     f"{info.path}: shard vocab_size {info.vocab_size} exceeds model.vocab_size "
-                    f"{V}; set model.vocab_size >= {info.vocab_size}"
+                    f"{V}; set model.vocab_size >= {info.vocab_size} (with model.init_from: prepare the data with "
+                    "the model's tokenizer)"
                 )
-            if self.tokenizer is not None and not _same_tokenizer(info.tokenizer, self.tokenizer):
+            if self.tokenizer is not None and not same_tokenizer(info.tokenizer, self.tokenizer):
                 raise DataError(
                     f"{info.path}: written by tokenizer {info.tokenizer!r} but data.tokenizer is "
                     f"{self.tokenizer!r}; set data.tokenizer={info.tokenizer} or re-run prepare"
@@ -154,11 +131,6 @@ class ShardDataModule(L.LightningDataModule):
         self.infos, self.train_set, self.val_set = infos, sets["train"], sets["val"]
         if self.sources:
             self._mixture_sets(V)
-        if self.drop_last and len(self.train_set) < self.batch_size * (world := self._world()[1]):
-            raise DataError(
-                f"{self.dir}: {len(self.train_set)} train windows are fewer than one global batch ({self.batch_size}"
-                f" x {world} ranks) with drop_last=True; lower data.batch_size or set drop_last=False"
-            )
 
     def _world(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)
@@ -173,15 +145,19 @@ class ShardDataModule(L.LightningDataModule):
                 shard = self.shards_of[name]["train"][0].path
                 raise DataError(f"{shard}: source {name!r} has no train window of model.context_length + 1 tokens")
         weights = [w for _, w in self.sources.values()]
-        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle)
+        self.order = MixtureOrder(sizes.tolist(), weights, self.seed, self.shuffle, names=list(self.sources))
         self.val_sets = {
             name: TokenWindows([i.path for i in s["val"]], self.context_length, infos=s["val"], model_vocab_size=V)
             for name, s in self.shards_of.items()
         }
+        for name, val in self.val_sets.items():  # an empty one would read 0.0 and pull val/loss down by its weight
+            if not len(val):
+                raise DataError(no_val_window(name, self.shards_of[name]["val"], self.context_length))
 
     def _sampler(self, dataset: TokenWindows, train: bool) -> EpochBatchSampler:
         """Train: whole optimizer steps of the Trainer's accumulation, so step k's windows follow from the seed;
-        with `sources`, the mixture's stream (data/mixture.py)."""
+        with `sources`, the mixture's stream (data/mixture.py). Val: the split's first `val_windows` windows in order,
+        split across ranks, so any machine and micro-batch size validates the same windows."""
         rank, world = self._world()
         accumulate = int(self.trainer.accumulate_grad_batches) if train and self.trainer is not None else 1
         order = {"shuffle": self.shuffle, "drop_last": self.drop_last, "step_batches": accumulate}
@@ -189,7 +165,8 @@ class ShardDataModule(L.LightningDataModule):
         kw = {"rank": rank, "world_size": world, "seed": self.seed, **order}
         if train and self.sources:
             return MixtureBatchSampler(self.order, self.batch_size, **kw)
-        return EpochBatchSampler(len(dataset), self.batch_size, **kw)
+        n = len(dataset) if train or self.val_windows is None else min(len(dataset), self.val_windows)
+        return EpochBatchSampler(n, self.batch_size, **kw)  # val: its first windows, whatever the ranks and batch
 
     def _loader(self, dataset: TokenWindows, train: bool) -> DataLoader:
         sampler = self._sampler(dataset, train)
@@ -284,7 +261,7 @@ class ShardDataModule(L.LightningDataModule):
             return {"train_sampler": dict(self._pending_state)} if self._pending_state else {}
         if (trainer := self.trainer) is not None and trainer.training:
             done = {"epoch": int(trainer.current_epoch), "batches_done": batches_processed(trainer)}
-            return {"train_sampler": {**done, **self._train_sampler.shape()}}
+            return {"train_sampler": self._train_sampler.state_at(**done, step=int(trainer.global_step))}
         return {"train_sampler": self._train_sampler.state_dict()}
 
     def align_resume(self, checkpoint: dict) -> None:

@@ -8,6 +8,7 @@ tokens`) step k's windows are the same on 1 rank or 64, and a resume on another 
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch.utils.data import Sampler
 
 PAD_INDEX = -1
 _M64 = (1 << 64) - 1
+log = logging.getLogger("steadylm")
 _BLOCK = 1 << 13  # epoch positions `__iter__` computes at a time (a few global batches at least)
 
 
@@ -142,8 +144,12 @@ class EpochBatchSampler(Sampler[list[int]]):
         """What a batch count means: windows per micro-batch and micro-batches per step (saved beside it)."""
         return {"global_batch": self.global_batch, "step_batches": self.step_batches}
 
+    def state_at(self, epoch: int, batches_done: int, step: int | None = None) -> dict:
+        """The state of a position: `batches_done` batches of `epoch` (before optimizer `step`, when known)."""
+        return {"epoch": int(epoch), "batches_done": int(batches_done), **self.shape()}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done, **self.shape()}
+        return self.state_at(self.epoch, self.batches_done)
 
     def resume_batch(self, state: dict) -> tuple[int, str | None]:
         from steadylm.data.position import resume_batch  # loaded only by a resume
@@ -153,3 +159,11 @@ class EpochBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.batches_done = self.start_batch = self.resume_batch(state)[0]
+        if (mixture := state.get("mixture")) and self.rank == 0:  # a run on data.sources resumed on one data.dir
+            log.info(
+                "resume: the checkpoint read data.sources (%s); this run's one source goes on at window position %d of "
+                "epoch %d of its own order, as if it had been read from step 0",
+                ", ".join(mixture["names"]),
+                self.start_batch * self.global_batch,
+                self.epoch,
+            )

@@ -3,7 +3,7 @@
 `data.tokenizer` is one of
 - `bytes`: UTF-8 bytes 0..255 plus end-of-text 256; nothing to train, works offline everywhere;
 - `bpe`: a byte-level BPE trained by `prepare` on the input (Hugging Face `tokenizers`, `data.vocab_size`);
-- a path to any `tokenizer.json`;
+- a path to any `tokenizer.json`, or to the folder holding it (a Hugging Face model's);
 - a tiktoken encoding name such as `gpt2` (the `tiktoken` extra; needs network once).
 
 Shards record that spec; `generate`, export and the eval load the tokenizer from `tokenizer.json` in the shard
@@ -233,8 +233,8 @@ def get_tokenizer(spec) -> Tokenizer:
             "load_tokenizer(data.dir) (run `python -m steadylm.data.prepare data.tokenizer=bpe` first)"
         )
     p = Path(s).expanduser()
-    if s.endswith(".json") or p.is_file():
-        if not p.is_file():
+    if s.endswith(".json") or p.is_file() or (p / TOKENIZER_FILE).is_file():  # a folder: a Hugging Face model's
+        if not (p.is_file() or (p / TOKENIZER_FILE).is_file()):
             raise SteadyError(f"{p}: tokenizer file not found (data.tokenizer); give an existing tokenizer.json")
         return load_tokenizer(p)
     if s in _tiktoken_names():
@@ -317,6 +317,17 @@ def load_tokenizer(dir_or_file) -> Tokenizer:
     if isinstance(obj, dict) and _is_bytes_spec(obj):
         return ByteTokenizer(path=p)
     return HFTokenizer.from_file(p, name=str(p))
+
+
+def same_tokenizer(recorded: str, configured) -> bool:
+    """Shards record the `data.tokenizer` spec that made them; a path may be spelled differently, name the folder
+    holding the file (a Hugging Face model's), or be a copy of it (the same JSON)."""
+    a, b = (
+        p / TOKENIZER_FILE if p.is_dir() else p for p in (Path(str(s)).expanduser() for s in (recorded, configured))
+    )
+    if recorded == str(configured) or not (a.is_file() and b.is_file()):
+        return recorded == str(configured)
+    return a.resolve() == b.resolve() or json.loads(a.read_bytes()) == json.loads(b.read_bytes())  # read by now
 
 
 def tokenizer_of_run(meta: dict) -> Tokenizer:

@@ -15,8 +15,9 @@ from steadylm.errors import SteadyError
 
 def diagnose(cfg: DictConfig) -> None:
     run_dir = Path(cfg.run)
-    if not run_dir.is_dir():
-        raise SteadyError(f"{run_dir}: not a run folder; pass the run's output dir, e.g. logs/train/runs/<time>")
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        what = "an empty folder" if run_dir.is_dir() else "not a folder"
+        raise SteadyError(f"{run_dir}: {what}, not a run; pass the run's output dir, e.g. logs/train/runs/<time>")
     log = load_run(run_dir)
     diagnosis = analyse(log)
     report = write_report(log, diagnosis)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from steadylm.run_config import RUN_CONFIG, read_run_config
 from steadylm.stability.events import read_events
 from steadylm.stability.suspects import read_suspects
 
@@ -118,21 +118,6 @@ def _read_events(run_dir: Path, notes: list[str]) -> list[dict]:
     return sorted(read_events(run_dir, notes), key=lambda e: e.get("step", 0))
 
 
-def _read_config(run_dir: Path) -> dict | None:
-    """The composed config: Hydra's `.hydra/config.yaml`, else the one every checkpoint carries."""
-    hydra_cfg = run_dir / ".hydra" / "config.yaml"
-    if hydra_cfg.exists():
-        return yaml.safe_load(hydra_cfg.read_text())
-    from steadylm.checkpointing import CheckpointError, safe_load
-
-    for ckpt in sorted((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            return safe_load(ckpt, mmap=True)["steadylm"]["config"]
-        except (CheckpointError, KeyError, TypeError):
-            continue
-    return None
-
-
 def load_run(run_dir) -> RunLog:
     run_dir = Path(run_dir)
     log = RunLog(run_dir)
@@ -142,9 +127,9 @@ def load_run(run_dir) -> RunLog:
     log.events = _read_events(run_dir, log.notes)
     log.suspects = read_suspects(run_dir)
     try:
-        log.config = _read_config(run_dir)
+        log.config = read_run_config(run_dir)
     except Exception as err:  # an unreadable config only costs the report its clipping/warmup facts
         log.notes.append(f"run config unreadable ({type(err).__name__}: {err})")
     if log.config is None:
-        log.notes.append("no run config (.hydra/config.yaml or a checkpoint); clipping and warmup are unknown")
+        log.notes.append(f"no run config ({RUN_CONFIG} or a checkpoint); clipping and warmup are unknown")
     return log

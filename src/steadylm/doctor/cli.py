@@ -14,7 +14,7 @@ from steadylm.cli import run_command
 from steadylm.config import set_key
 from steadylm.doctor.check import FAIL, Check, guarded, render_markdown, render_text
 from steadylm.errors import SteadyError, one_line
-from steadylm.resolve import fill_derived
+from steadylm.resolve import fill, fill_derived
 
 # The rows whose FAIL leaves the probe nothing sound to train: a config train.py would refuse, data it cannot
 # read, a model that does not build or run. Any other FAIL (the coordinate check, memory, the schedule's plot)
@@ -29,6 +29,10 @@ def run_checks(cfg: DictConfig, *, out_dir: Path, deep: bool = False) -> list[Ch
     from steadylm.doctor.lr_probe import check_lr_probe
     from steadylm.doctor.model_checks import model_checks
 
+    if cfg.model.get("init_from") is not None:  # a key set against its shape: the user's mistake, one line, exit 2
+        from steadylm.model.hf import pretrained_shape
+
+        fill(cfg, pretrained_shape(cfg))
     try:
         fill_derived(cfg)  # null vocab, tokenizer and warmup as training fills them, before any row reads them
     except SteadyError as err:  # no data to take the vocabulary from: nothing else can be built

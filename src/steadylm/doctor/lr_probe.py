@@ -30,6 +30,8 @@ narrower would tolerate a larger LR and pass an LR too high for the model). The 
 token ids the probe batches use, which is what the output layer costs on a CPU and not what sets the LR.
 The batches are read as training reads them: a mixture's (`data.sources`) at the sources' shares, the first
 windows of the run's own stream, and under `data.pack=doc` with documents masked apart.
+A published model (`model.init_from`) is probed from its own weights while the probe runs the model itself; a proxy
+or a cut vocabulary starts fresh (`init_from=null` in the row), as its weights no longer fit.
 It never writes anything and never touches the data or a checkpoint.
 """
 
@@ -139,6 +141,9 @@ def proxy_model(model: dict, max_layers: int, max_width: int, max_context: int) 
     original = {**m, "n_kv_head": m.get("n_kv_head") or m["n_head"]}
     changed = {k: v for k, v in reduced.items() if original.get(k) != v}
     m.update(reduced)
+    if changed and m.get("init_from"):  # a published model's weights fit its own shape only: the proxy starts fresh
+        m["init_from"] = None
+        changed["init_from"] = "null"
     what = ", ".join(f"{k}={v}" for k, v in changed.items())
     return m, f"proxy ({what})" if changed else "the model itself"
 
@@ -149,7 +154,8 @@ def probe_vocab(model: dict, batches) -> tuple[dict, str]:
     vocab = min(model["vocab_size"], -(-used // 64) * 64)
     if vocab == model["vocab_size"]:
         return model, ""
-    return {**model, "vocab_size": vocab}, f"vocab_size={vocab}"
+    fresh = ", init_from=null" if model.get("init_from") else ""  # the published weights fit their vocabulary only
+    return {**model, "vocab_size": vocab, "init_from": None}, f"vocab_size={vocab}{fresh}"
 
 
 def anneal(step: int, steps: int, floor: float) -> float:
@@ -208,7 +214,7 @@ def run_probe(
         out.log_z.append(torch.logsumexp(logits.detach().float(), dim=-1).mean().item())
         out.update_ratio.append(((after - before).norm() / before.norm().clamp(min=1e-12)).item())
         values = {"residual_rms": module.net.residual_rms.item()}
-        if not model.get("qk_norm"):
+        if not model.get("qk_norm") and not model.get("init_from"):  # a published model has no q/k norm weights
             values["attn_logit"] = out.max_logit[-1]
         out.signal = out.signal or _signal(watch, step, values)
         if not out.finite or out.max_logit[-1] > tau or out.signal:
@@ -327,7 +333,7 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
     widen = []
     if first_bad is not None:
         tries = []
-        if not model.get("qk_norm"):
+        if not model.get("qk_norm") and not model.get("init_from"):  # a published model has no q/k norm weights
             tries.append(("model.qk_norm=true", {**model, "qk_norm": True}, optim, warmup))
         if not optim.get("z_loss"):
             tries.append(("optim.z_loss=1e-4", model, {**optim, "z_loss": 1e-4}, warmup))

@@ -71,6 +71,8 @@ def check_init_loss(module: LMModule, x: torch.Tensor, y: torch.Tensor) -> list[
         loss = module.loss(module(x), y)[0].item()
     expect = math.log(V)
     evidence = f"loss {loss:.3f} vs ln({V}) = {expect:.3f}"
+    if module.weights_from is not None:  # model.init_from: trained weights, no init to judge
+        return [Check(name, OK, f"{evidence}: the weights of {module.weights_from}, not an init (nothing to judge)")]
     if not abs(loss - expect) <= INIT_LOSS_TOL:
         return [
             Check(

@@ -55,6 +55,25 @@ def local_tasks(specs: list[str], folder: Path) -> list[str]:
     return names
 
 
+def check_fits(specs: list[str], limit: int | None, model_dir: Path) -> None:
+    """lm-eval scores each choice inside one window of the model and asserts (a traceback) when a choice's tokens
+    do not fit it: the first such item is one line here instead."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config, tok = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    window = getattr(config, "n_positions", None) or config.max_position_embeddings
+    for spec in specs:
+        task = load_task(spec, limit)
+        for n, item in enumerate(task.items, 1):
+            longest = max(len(tok.encode(" " + c, add_special_tokens=False)) for c in item.choices)
+            if longest >= window:
+                raise SteadyError(
+                    f"eval task {task.name}, item {n}: a choice is {longest} tokens, and the model sees {window} at "
+                    "once; lm-eval needs each choice inside the context: evaluate a model with a longer "
+                    "model.context_length, or a task with shorter choices"
+                )
+
+
 def run_lm_eval(
     ckpt: str, tasks: list[str], limit: int | None = None, batch_size: int = 16, device: str = "auto"
 ) -> dict:
@@ -78,6 +97,7 @@ def run_lm_eval(
         model_dir, task_dir = Path(tmp) / "hf", Path(tmp) / "tasks"
         task_dir.mkdir()
         export(ExportArgs(ckpt=ckpt, out=str(model_dir)))
+        check_fits([t for t in tasks if is_local(t)], limit, model_dir)
         names = local_tasks(tasks, task_dir)
         out = lm_eval.simple_evaluate(
             model="hf",

@@ -22,9 +22,10 @@ class GPTConfig:
     init: Literal["gpt2", "xavier", "torch_default"] = "gpt2"
     pos: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3's: {rope_type: llama3, factor, low_freq_factor, high_freq_factor, ...}
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"  # gelu_tanh: GPT-2's own tanh approximation (gelu_new)
     mlp_hidden: int | None = None  # null: 4·d_model (gelu), or Llama's 8/3·d_model (swiglu), rounded up
     mlp_multiple_of: int = 1  # the hidden size is rounded up to a multiple of this (256 in Llama)
     n_kv_head: int | None = None  # null: = n_head; fewer = grouped-query attention (must divide n_head)
@@ -34,6 +35,7 @@ class GPTConfig:
     mup_base_head_dim: int | None = None  # mup: that model's head size (null: this head size)
     mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
     logit_softcap: float | None = None  # c: logits = c·tanh(logits/c) (Gemma 2), so |logits| < c
+    init_from: str | None = None  # a Hugging Face folder: its config.json is this shape, its weights the start (hf.py)
 
     def __post_init__(self) -> None:
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -66,6 +68,10 @@ class GPTConfig:
             raise ConfigError(
                 f"model.rope_theta={self.rope_theta} must be > 0 (10000 in GPT-NeoX/Llama-2, 500000 in Llama-3)"
             )
+        if self.rope_scaling is not None:  # Llama 3's (model/llama3_rope.py, loaded only then)
+            from steadylm.model.llama3_rope import check_rope_scaling
+
+            check_rope_scaling(self.rope_scaling, self.pos)
         for key in (k for k, t in get_type_hints(GPTConfig).items() if t is bool):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} must be true or false")
@@ -80,6 +86,8 @@ class GPTConfig:
                 f"model.mup_output_mult={self.mup_output_mult!r} must be a number > 0 (1: the logits / width_mult)"
             )
         mup = self.parametrization == "mup"
+        if mup and self.init_from is not None:  # muP's multipliers would change what the published weights compute
+            raise ConfigError(f"model.parametrization=mup cannot start from model.init_from={self.init_from}: use sp")
         if mup and self.init != "gpt2" and self.d_model != self.mup_base_width:
             raise ConfigError(
                 f"model.parametrization=mup needs model.init=gpt2 off its base width, got {self.init!r} at d_model="

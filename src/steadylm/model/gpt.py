@@ -24,9 +24,15 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # the target of a padding position: the loss leaves it out (torch's cross_entropy default)
 
 
-def rope_tables(head_dim: int, context_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, context_length: int, theta: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (context_length, 1, head_dim), fp32; sin's first half negated: applying them is a roll."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is not None:  # `model.rope_scaling`
+        from steadylm.model.llama3_rope import llama3_frequencies
+
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(context_length, dtype=torch.int64).float(), inv_freq).repeat(1, 2)
     sin = angles.sin()
     sin[:, : head_dim // 2] *= -1
@@ -116,10 +122,10 @@ class CausalSelfAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None  # the layer's largest logit (a scalar)
         self.head_max_logit: torch.Tensor | None = None  # each query head's largest logit, (n_head,)
 
-    def forward(self, x: torch.Tensor, rope=None, docs=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, docs=None, block_mask=None) -> torch.Tensor:
         """x (B, T, C); `rope`: (cos, sin) for these positions, each (T, 1, D) or (B, T, 1, D), or None (learned
         positions); `docs` when documents are packed (no query sees another's keys): each position's document (B, T),
-        or on the flex kernel their block mask (`doc_block_mask`)."""
+        and on the flex kernel their block mask (`doc_block_mask`)."""
         (B, T, C), H, KV, D = x.shape, self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -134,10 +140,10 @@ class CausalSelfAttention(nn.Module):
         gqa = {"enable_gqa": True} if KV != H and not repeat else {}
         if self.track_max_logit:
             kk = k if k.shape[1] == H else k.repeat_interleave(H // KV, dim=1)
-            self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach())
+            self.head_max_logit = self._max_causal_logit(q.detach(), kk.detach(), None if docs is None else docs[0])
             self.max_logit = self.head_max_logit.amax()
-        if docs is not None and not isinstance(docs, torch.Tensor):  # the flex kernel (`doc_kernel`)
-            y = _flex(x.is_cuda)(q, k, v, block_mask=docs, scale=self.scale, enable_gqa=bool(gqa))
+        if block_mask is not None:  # the flex kernel (`doc_kernel`)
+            y = _flex(x.is_cuda)(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=bool(gqa))
             return self.proj(y.transpose(1, 2).reshape(B, T, C))
         # `is_causal` is `blocked("causal")` in the kernels (no mask in memory; a test holds the two equal).
         causal = self.pattern == "causal" and docs is None
@@ -148,23 +154,28 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=self.scale, **mask, **gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
-    def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, rows: int = 256) -> torch.Tensor:
-        """Each head's largest visible pre-softmax logit (n_head,), on the batch's first sequence, `rows` at a time."""
+    def _max_causal_logit(self, q: torch.Tensor, k: torch.Tensor, docs=None, rows: int = 256) -> torch.Tensor:
+        """Each head's largest pre-softmax logit that attention uses (n_head,), on the batch's first sequence, `rows`
+        at a time: QK-clip and the stats read it, so a pair the mask hides (the future; with `docs`, that sequence's
+        documents (T,), another document) never counts, however large."""
         q, k, T, best = q[0].float(), k[0].float(), q.shape[-2], []
         for start in range(0, T, rows):
             stop = min(start + rows, T)
             hidden = _additive(type(self).blocked, self.pattern, stop - start, stop, start, q.device)
+            if docs is not None:
+                hidden = hidden.masked_fill(docs[start:stop, None] != docs[None, :stop], float("-inf"))
             best.append(torch.baddbmm(hidden, q[:, start:stop], k[:, :stop].mT).amax(dim=(-2, -1)))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
         return torch.stack(best).amax(0) * scale  # scale > 0: the max of the scaled logits, without scaling each
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
+    """GELU (GPT-2, exact or tanh) or SwiGLU (Llama), whose gate and up projections are one `fc` (export splits it)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
+        self.approximate = "tanh" if cfg.mlp == "gelu_tanh" else "none"
         self.fc = layer(nn.Linear, cfg.init, cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
         self.proj = layer(nn.Linear, cfg.init, cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_proj = True
@@ -174,7 +185,7 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.dropout(self.proj(F.silu(gate) * up))
-        return self.dropout(self.proj(F.gelu(self.fc(x))))  # exact (erf): on a CPU the tanh form costs 1.7x
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))  # tanh: 1.7x on a CPU
 
 
 class Block(nn.Module):
@@ -185,8 +196,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, docs=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, docs)
+    def forward(self, x: torch.Tensor, rope=None, docs=None, block_mask=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, docs, block_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -197,7 +208,7 @@ class GPT(nn.Module):
         self.wte = layer(nn.Embedding, cfg.init, cfg.vocab_size, cfg.d_model)
         self.wpe = layer(nn.Embedding, cfg.init, cfg.context_length, cfg.d_model) if cfg.pos == "learned" else None
         if self.wpe is None:
-            cos, sin = rope_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
@@ -218,16 +229,16 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} > model.context_length={self.cfg.context_length}")
-        docs, pos, rows = None, torch.arange(T, device=idx.device), slice(T)
+        docs, block_mask, pos, rows = None, None, torch.arange(T, device=idx.device), slice(T)
         if self.doc_separator is not None:  # positions restart at each document
             docs, pos = documents(idx, self.doc_separator)
             rows = pos
             if self.doc_kernel == "flex":  # one block mask per batch, shared by every layer
-                docs = doc_block_mask(docs)
+                block_mask = doc_block_mask(docs)
         rope = None if self.wpe is not None else (self.rope_cos[rows], self.rope_sin[rows])
         x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x, rope, docs)
+            x = block(x, rope, docs, block_mask)
         if self.track_residual:
             self.residual_rms = x.detach().float().pow(2).mean().sqrt()
         x = self.ln_f(x)

@@ -42,9 +42,10 @@ SWITCHES: dict[str, Switch] = {
     "init": Switch("nothing: the weights carry it", "nothing", "nothing"),
     "pos": Switch("learned: GPT-2; rope: Llama or Qwen3", N + "; the position table is not multiplied", PARAMS),
     "rope_theta": Switch("rope_theta", NONE, "nothing"),
+    "rope_scaling": Switch("rope_scaling (Llama 3's)", NONE, "nothing"),
     "norm": Switch("must be the family's (refused otherwise)", NONE, PARAMS),
     "norm_eps": Switch("layer_norm_epsilon / rms_norm_eps", "nothing", "nothing"),
-    "mlp": Switch("must be the family's (refused otherwise)", N, PARAMS),
+    "mlp": Switch("must be the family's (refused otherwise); gelu_tanh: GPT-2's gelu_new", N, PARAMS),
     "mlp_hidden": Switch("n_inner / intermediate_size", N, PARAMS),
     "mlp_multiple_of": Switch("n_inner / intermediate_size", N, PARAMS),
     "n_kv_head": Switch("num_key_value_heads (Llama); refused for GPT-2", N + "; scores count query heads", PARAMS),
@@ -54,6 +55,7 @@ SWITCHES: dict[str, Switch] = {
     "mup_base_head_dim": MUP,
     "mup_output_mult": MUP,
     "logit_softcap": Switch(None, NONE, "8 more bytes a logit (its fp32 tanh)"),
+    "init_from": Switch("nothing: the weights carry it", "nothing", "nothing"),
 }
 
 

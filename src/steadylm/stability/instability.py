@@ -50,12 +50,17 @@ def _owner(target: str) -> Any:
 
 def interpreters(events: list[dict], checks: Mapping[str, str] | None = None) -> list[tuple[Any, list[dict], bool]]:
     """(the module or class that interprets them, the events it reads, whether it is the run's own) for every check
-    whose events the run has: the built-ins first, reading every event (a spike's cause may be an update-ratio
-    alarm), then the run's own, reading their kind alone; an owner is None where its code cannot be imported."""
-    kinds = {e.get("kind") for e in events}
-    out = [(import_module(m), events, False) for m, wake in BUILT_IN if kinds.intersection(wake)]
-    mine = [n for n in (checks or {}) if n in kinds]
-    return out + [(_owner(checks[n]), [e for e in events if e.get("kind") == n], True) for n in sorted(mine)]
+    whose events the run has. An event belongs to the run's own check `<name>` when its kind is `<name>` or it is an
+    action taken for it (`detail.cause == <name>`: its backoff, rollback, skip, stop); the built-ins read every other
+    event (a spike's cause may be an update-ratio alarm), the run's own checks theirs alone; an owner is None where
+    its code cannot be imported."""
+    names = set(checks or {})
+    owned = {n: [e for e in events if e.get("kind") == n or (e.get("detail") or {}).get("cause") == n] for n in names}
+    mine = {id(e) for own in owned.values() for e in own}
+    rest = [e for e in events if id(e) not in mine]
+    kinds = {e.get("kind") for e in rest}
+    out = [(import_module(m), rest, False) for m, wake in BUILT_IN if kinds.intersection(wake)]
+    return out + [(_owner(checks[n]), owned[n], True) for n in sorted(names) if owned[n]]
 
 
 def instability(run_dir: str | Path, lr: float | None = None, checks: Mapping[str, str] | None = None) -> str | None:
