@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from steadylm.distributed import JOB_PARENT_ENV, SWEEP_JOB_ENV, is_rank_zero_process
 from steadylm.errors import ConfigError, SteadyError, exit_with, one_line
-from steadylm.result import RESULT_FILE, finish_job, sweep_value
+from steadylm.result import RESULT_FILE, finish_job
 
 log = logging.getLogger("steadylm")
 
@@ -53,6 +53,16 @@ def finished_job(cfg: DictConfig) -> tuple[float | None, str] | None:
     if result.get("status") in ("preempted", "failed"):
         return None
     return sweep_value(cfg, result), result["status"]
+
+
+def sweep_value(cfg: DictConfig, result: dict) -> float | None:
+    """What a job hands a Hydra sweeper, from its result: `optimized_metric` (`val/loss` -> `val_loss`), NaN for a
+    job that diverged or failed (a sweeper records the trial as failed), None without a metric."""
+    if not (metric := cfg.get("optimized_metric")):
+        return None
+    if result["status"] in ("diverged", "failed"):
+        return float("nan")
+    return result.get(str(metric).replace("/", "_"))
 
 
 def lock_job(folder: Path) -> int:

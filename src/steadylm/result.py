@@ -1,7 +1,9 @@
-"""A run's outcome in `<run_dir>/result.json` (rank 0 writes it; `sweep.py` reads it) and the number `train.py` hands
-a Hydra sweeper. A run *diverged* when its loss went non-finite, a stability callback stopped it (`stability.recovery`)
-or `train()` raised; a run that finished is *unstable* when its events show persisting logit growth or a mitigation
-acting materially (`stability.instability`), *preempted* when a signal stopped it, and *ok* otherwise."""
+"""A run's outcome in `<run_dir>/result.json` (rank 0 writes it, or a sweep job's process; `sweep.py` reads it) and the
+number `train.py` hands a Hydra sweeper. A run *diverged* when its loss went non-finite or a stability callback stopped
+it (`stability.recovery`); a sweep job *failed* when it raised, a user's mistake stopped it, or one of its processes
+died (the reason: the first failing rank's own error); a run that finished is *unstable* when its events show
+persisting logit growth or a mitigation acting materially (`stability.instability`), *preempted* when a signal
+stopped it, and *ok* otherwise."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import math
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from steadylm.distributed import is_rank_zero_process
+from steadylm.errors import is_int
 from steadylm.stability.events import stop_event
 from steadylm.stability.instability import config_checks, instability
 
@@ -40,31 +43,15 @@ def val_loss_by_source(metrics: dict[str, float]) -> dict[str, float]:
     return {k[len("val/loss/") :]: v for k, v in sorted(metrics.items()) if k.startswith("val/loss/")}
 
 
-def learning_rate(cfg: DictConfig) -> float | None:
-    """`optim.lr` as a number; None when the value is not one (a failed job's row still gets written)."""
-    try:
-        return float(cfg.optim.lr)
-    except (TypeError, ValueError):
-        return None
-
-
-def sweep_value(cfg: DictConfig, result: dict) -> float | None:
-    """What a job hands a Hydra sweeper, from its result: `optimized_metric` (`val/loss` -> `val_loss`), NaN for a
-    job that diverged or failed (a sweeper records the trial as failed), None without a metric."""
-    if not (metric := cfg.get("optimized_metric")):
-        return None
-    if result["status"] in ("diverged", "failed"):
-        return float("nan")
-    return result.get(str(metric).replace("/", "_"))
-
-
 def finish_job(
     cfg: DictConfig, metrics: dict[str, float], failed: str | None = None, preempted: dict | None = None
 ) -> tuple[float | None, str, str | None]:
     """Record the job's outcome (rank 0; `failed`: why a sweep job failed; `preempted`: the Preemption callback's
     record); return the metric a sweeper optimises (NaN when diverged or failed: an unstable job keeps its metric,
     its loss is real), the status and its reason."""
-    run_dir, lr, model = Path(cfg.paths.output_dir), learning_rate(cfg), cfg.model
+    run_dir, model = Path(cfg.paths.output_dir), cfg.model
+    lr = OmegaConf.select(cfg, "optim.lr", throw_on_resolution_failure=False)  # a failed job's may be no number
+    lr = float(lr) if is_int(lr) or isinstance(lr, float) else None
     reason = failed or divergence(metrics, run_dir)
     status = "failed" if failed else "diverged" if reason else "ok"
     if preempted:
