@@ -30,8 +30,6 @@ def _bytes_per_token(val: list[ShardInfo]) -> float | None:
     return None if None in n_bytes or not sum(n_bytes) else sum(n_bytes) / sum(i.n_tokens for i in val)
 
 
-
-
 class ShardDataModule(L.LightningDataModule):
     """The shard `DataSource` (data/source.py), answered from the shards' attributes. `input` .. `on_bad_record`
     are prepare's keys and `global_batch_tokens` startup's, accepted so one `data:` config says it all.
