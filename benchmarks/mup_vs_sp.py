@@ -266,7 +266,7 @@ def table(rows: list[dict]) -> str:
         return f"({100 * (loss / ref - 1):+.1f} % [{each}])"
 
     alphas = sorted({arm for *_, arm in runs if arm.startswith("mup a")})
-    head = ["steps", "width", "seeds", "sp, best grid LR", "default: its LR", "mup at 2e-3 (its default)"]
+    head = ["steps", "width", "seeds", "sp, best grid LR", "2e-3·(d/128)^-1: its LR", "mup at 2e-3 (its default)"]
     head += ["mup, best grid LR"] + [f"mup, α {a[5:]}, best grid LR" for a in alphas]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for steps, width in sorted({k[:2] for k in runs} | set(default)):
@@ -302,7 +302,7 @@ def table(rows: list[dict]) -> str:
 # The LR rule's runs (`--shapes`): a shape is (width, layers, batch, context); rows saved before --shapes existed
 # are the muP table's, 4 layers x 8 x 32. The rule is fitted on every shape but HELD_OUT, and checked on those.
 OLD_SHAPE = {"layers": 4, "batch": 8, "context": 32}
-HELD_OUT = {(256, 2, 16, 128), (128, 2, 4, 512), (128, 4, 16, 128), (128, 2, 16, 512)}
+HELD_OUT = {(128, 2, 16, 32), (256, 2, 16, 128), (128, 2, 4, 512), (128, 4, 16, 128), (128, 2, 16, 512)}
 
 
 def shape_of(r: dict) -> tuple[int, int, int, int]:

@@ -97,6 +97,10 @@ def test_the_default_lr_follows_the_rule_through_every_shape_override_and_an_exp
     assert lr("model=tiny", "model.d_model=768", "model.context_length=1024") == lr("model=small")
     assert lr("model=small", "model.parametrization=mup") == at(128, 16 * 1024)  # muP: the LR at its base width
     assert lr("model=small", "optim.lr=1e-3") == 1e-3 and compose(["model=small", "optim.lr=1e-3"]).optim.min_lr == 1e-4
+    # docs/model.md's numbers: tiny at 64 x 128, and the rule carried to 524,288 tokens a step
+    assert lr("model=tiny", "data.batch_size=64") == 2.3e-3 and lr("model=small", "optim=muon") == 4.1e-3
+    assert lr("model=small", "data.global_batch_tokens=524288") == 5.8e-4
+    assert lr("model=llama_1b", "data.global_batch_tokens=524288") == pytest.approx(2.2e-4, rel=0.02)
     muon = compose(["optim=muon"]).optim.lr_rule
     assert lr("model=tiny", "optim=muon") == muon.lr == 2e-2
     assert lr("model=tiny", "optim=muon", "model.d_model=512") == float(f"{2e-2 * 4**muon.width_exponent:.3g}")
@@ -119,4 +123,4 @@ def test_the_docs_preset_table_states_each_presets_default_lr():
     rows = re.findall(r"^\| `(\w+)` \|.*\| ([\d.e-]+) \|$", (ROOT / "docs" / "model.md").read_text(), re.M)
     stated = {preset: float(lr) for preset, lr in rows if preset in PRESETS}
     assert set(stated) == set(PRESETS), stated
-    assert stated == {p: compose([f"model={p}"]).optim.lr for p in PRESETS}
+    assert stated == {p: compose([f"model={p}", "trainer.devices=1"]).optim.lr for p in PRESETS}
