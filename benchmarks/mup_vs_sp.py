@@ -340,8 +340,9 @@ def fit_rule(bests: dict[tuple, dict], steps: int = 300) -> tuple[float, float, 
 
 
 def rule_table(rows: list[dict]) -> str:
-    """The LR rule's fit on the shapes not held out, and per run length and shape: sp's best grid LR, the configs'
-    default LR (the rule) and its loss against that best, from the `default` runs at the rule's current LR."""
+    """The LR rule's fit on the 300-step shapes not held out, and per run length and shape: sp's best grid LR, the
+    configs' default LR (the rule) and its loss against that best, from the `default` runs at the rule's current LR
+    (or sp's own run where that LR is a grid point); every 1,000-step row is held out, the fit has no length term."""
     bests = sp_bests(rows)
     lr0, a, e = fit_rule(bests)
     lines = [
@@ -386,7 +387,7 @@ def rule_table(rows: list[dict]) -> str:
             cells.append(f"{loss:.4f} at {sci(lr)} ({100 * (loss / b['means'][b['best']] - 1):+.1f} % [{each}])")
         else:
             cells.append(f"not run (its LR {sci(lr)})")
-        cells.append("held out" if shape in HELD_OUT else "fit")
+        cells.append("held out" if shape in HELD_OUT else "fit" if steps == 300 else "held out (1,000 steps)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
