@@ -59,9 +59,9 @@ def rule_lr(rule: Any, width: float, tokens: float | None) -> float:
 
 def rule_width(cfg: DictConfig) -> float | None:
     """The width the rule reads: the model's, or under mup its base's (None: a width the model refuses next)."""
-    model = cfg.model
-    base = model.get("mup_base_width")
-    width = base if model.get("parametrization") == "mup" and base else model.get("d_model")
+    base = OmegaConf.select(cfg, "model.mup_base_width")
+    mup = OmegaConf.select(cfg, "model.parametrization") == "mup"
+    width = base if mup and base else OmegaConf.select(cfg, "model.d_model")
     return width if isinstance(width, (int, float)) and not isinstance(width, bool) and width > 0 else None
 
 
@@ -96,7 +96,7 @@ def explain(cfg: DictConfig) -> str:
     if width is None:
         return f"optim.lr {cfg.optim.lr:.3g}"
     ruled = rule_lr(rule, width, tokens)
-    mup = " (mup: its base width)" if cfg.model.get("parametrization") == "mup" else ""
+    mup = " (mup: its base width)" if OmegaConf.select(cfg, "model.parametrization") == "mup" else ""
     terms = (
         f"{rule.lr:g} × (width {width:g}{mup} / {rule.width:g})^{rule.width_exponent:g}"
         + (f" × ({tokens:,} / {rule.tokens:,} tokens)^{rule.tokens_exponent:g}" if tokens else "")
