@@ -3,6 +3,8 @@
 `python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--mup-alpha 4] [--json FILE]`
 `python benchmarks/mup_vs_sp.py --table FILE [FILE ...]` (no runs: the table of runs saved by --json)
 `python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0] [--parts 0,2,3] [--at 0]`
+`python benchmarks/mup_vs_sp.py --shapes 128x2@16x128,256x4@8x32 --arms sp,default [--steps 300] [--json FILE]`
+`python benchmarks/mup_vs_sp.py --rule-table FILE [FILE ...]` (no runs: the LR rule's fit and table, docs/model.md)
 
 Per width (GPT-2 family, `--layers` deep, `--heads` heads) and run length, on the embedded corpus (bytes), the
 same batches and init seeds for every point: `sp` and `mup` (based at tiny's 128/32, as every preset) walked over
@@ -12,6 +14,11 @@ grid's edge; and `default`, the model and optimizer exactly as `train.py` compos
 is the mean held-out loss over `--seeds`, trained through `lr_transfer.held_out_loss` (steadylm's `GPT`,
 `LMModule.loss` and `configure_optimizers`, warmup + cosine, clip 1.0). The bar: `default` within 2 % of `sp`'s
 best, at every width and length.
+
+`--shapes` runs the same arms at each WIDTHxLAYERS@BATCHxCONTEXT in turn, every run saved with its shape: the data
+`optim.lr_rule` is fitted to. `--rule-table` fits log2 of sp's best LR (the vertex) on log2 width and log2 tokens
+a step over the 300-step shapes not in `HELD_OUT`, and tables every shape: sp's best grid point against the
+configs' default LR there, the rule's, trained by the `default` arm.
 
 `--ablate` asks which part of muP costs the loss: muP with one part put back to SP at a time, each walked over
 the same grid (the readout multiplier, the tied matrix, the embedding LR, the attention scale, the hidden init,
