@@ -260,7 +260,7 @@ def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
     [
         (
             "optim.lrr=1",
-            "error: optim.lrr is not a config key; did you mean optim.lr? (to add a new key on purpose, write +optim.lrr=...)",
+            "error: optim.lrr is not a config key; did you mean optim.lr or optim.lr_rule? (to add a new key on purpose, write +optim.lrr=...)",
         ),
         (
             "model=smal",
