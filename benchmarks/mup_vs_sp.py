@@ -3,6 +3,8 @@
 `python benchmarks/mup_vs_sp.py [--widths 256,512,768] [--steps 300,1000] [--seeds 0,1] [--mup-alpha 4] [--json FILE]`
 `python benchmarks/mup_vs_sp.py --table FILE [FILE ...]` (no runs: the table of runs saved by --json)
 `python benchmarks/mup_vs_sp.py --ablate [--widths 512] [--steps 300] [--seeds 0] [--parts 0,2,3] [--at 0]`
+`python benchmarks/mup_vs_sp.py --shapes 128x2@16x128,256x4@8x32 --arms sp,default [--steps 300] [--json FILE]`
+`python benchmarks/mup_vs_sp.py --rule-table FILE [FILE ...]` (no runs: the LR rule's fit and table, docs/model.md)
 
 Per width (GPT-2 family, `--layers` deep, `--heads` heads) and run length, on the embedded corpus (bytes), the
 same batches and init seeds for every point: `sp` and `mup` (based at tiny's 128/32, as every preset) walked over
@@ -12,6 +14,11 @@ grid's edge; and `default`, the model and optimizer exactly as `train.py` compos
 is the mean held-out loss over `--seeds`, trained through `lr_transfer.held_out_loss` (steadylm's `GPT`,
 `LMModule.loss` and `configure_optimizers`, warmup + cosine, clip 1.0). The bar: `default` within 2 % of `sp`'s
 best, at every width and length.
+
+`--shapes` runs the same arms at each WIDTHxLAYERS@BATCHxCONTEXT in turn, every run saved with its shape: the data
+`optim.lr_rule` is fitted to. `--rule-table` fits log2 of sp's best LR (the vertex) on log2 width and log2 tokens
+a step over the 300-step shapes not in `HELD_OUT`, and tables every shape: sp's best grid point against the
+configs' default LR there, the rule's, trained by the `default` arm.
 
 `--ablate` asks which part of muP costs the loss: muP with one part put back to SP at a time, each walked over
 the same grid (the readout multiplier, the tied matrix, the embedding LR, the attention scale, the hidden init,
@@ -49,6 +56,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--val-windows", type=int, default=256)
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help="WIDTHxLAYERS@BATCHxCONTEXT list (128x2@16x128,...): each shape in turn, instead of --widths/--layers/...",
+    )
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--arms", default="sp,default,mup", help="sp | mup | default (the configs' own), comma list")
     ap.add_argument(
@@ -61,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--at", type=int, default=None, help="--ablate: each part at this log2(LR / 2e-3) only, no walk")
     ap.add_argument("--json", default=None, help="every run, appended as it ends (one JSON object a line)")
     ap.add_argument("--table", nargs="+", default=None, help="no runs: the table of these --json files' runs")
+    ap.add_argument(
+        "--rule-table", nargs="+", default=None, help="no runs: the LR rule's fit and table of --shapes runs"
+    )
     return ap.parse_args()
 
 
@@ -152,6 +167,7 @@ class Bench:
             losses.append(loss)
             row = dict(arm=arm, width=model["d_model"], steps=steps, lr=o["lr"], seed=seed, loss=loss)
             row["parametrization"] = model["parametrization"]
+            row.update(layers=model["n_layer"], heads=model["n_head"], batch=self.args.batch, context=self.args.context)
             self.rows.append(row)
             print(
                 f"  {arm:28} d{model['d_model']} {steps} steps lr {o['lr']:.3g} seed {seed}: {loss:.4f} "
@@ -180,12 +196,16 @@ def adamw() -> dict:
     return dict(name="adamw", lr=MUP_LR, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, fused=True)
 
 
-def default_config(width: int, heads: int, layers: int, context: int) -> tuple[dict, dict]:
-    """The model and optim `train.py` builds for `model=tiny` widened to `width` (the configs' own LR rule)."""
-    cfg = compose(["model=tiny", f"model.d_model={width}", f"model.n_head={heads}", f"model.n_layer={layers}"])
+def default_config(width: int, heads: int, layers: int, context: int, batch_size: int) -> tuple[dict, dict]:
+    """The model and optim `train.py` builds for `model=tiny` at this shape on one CPU process (the configs' own LR
+    rule, which reads the width and the tokens a step)."""
+    shape = [f"model.d_model={width}", f"model.n_head={heads}", f"model.n_layer={layers}"]
+    cfg = compose(
+        ["model=tiny", "trainer=cpu", f"model.context_length={context}", f"data.batch_size={batch_size}", *shape]
+    )
     model = OmegaConf.to_container(cfg.model, resolve=True)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    model.update(context_length=context, vocab_size=320)
+    model.update(vocab_size=320)
     keep = ("name", "lr", "weight_decay", "betas", "eps")
     return model, {**{k: optim[k] for k in keep}, "fused": True}
 
@@ -201,8 +221,9 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
     for steps in lengths:
         for width in widths:
             for arm in args.arms.split(","):
+                heads = bench.model(width, "sp")["n_head"]
                 if arm == "default":
-                    model, optim = default_config(width, args.heads, args.layers, args.context)
+                    model, optim = default_config(width, heads, args.layers, args.context, args.batch)
                     bench.point("default", model, optim, steps)
                     continue
                 model = bench.model(width, arm, **({"mup_output_mult": args.mup_alpha} if arm == "mup" else {}))
@@ -210,7 +231,7 @@ def compare(bench: Bench, widths: list[int], lengths: list[int]) -> None:
                 if arm == "mup" and args.mup_default_only:
                     bench.point(name, model, adamw(), steps)
                 else:  # sp from the default LR's octave (the width rule's) or --sp-start, mup from its own default
-                    lr = default_config(width, args.heads, args.layers, args.context)[1]["lr"]
+                    lr = default_config(width, heads, args.layers, args.context, args.batch)[1]["lr"]
                     first = round(math.log2(lr / MUP_LR)) if args.sp_start is None else args.sp_start
                     runs = bench.walked(name, model, steps, first if arm == "sp" else 0)
                     print(summary(f"{name} d{width} {steps} steps", runs), flush=True)
@@ -252,7 +273,7 @@ def table(rows: list[dict]) -> str:
         return f"({100 * (loss / ref - 1):+.1f} % [{each}])"
 
     alphas = sorted({arm for *_, arm in runs if arm.startswith("mup a")})
-    head = ["steps", "width", "seeds", "sp, best grid LR", "default: its LR", "mup at 2e-3 (its default)"]
+    head = ["steps", "width", "seeds", "sp, best grid LR", "2e-3·(d/128)^-1: its LR", "mup at 2e-3 (its default)"]
     head += ["mup, best grid LR"] + [f"mup, α {a[5:]}, best grid LR" for a in alphas]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for steps, width in sorted({k[:2] for k in runs} | set(default)):
@@ -281,6 +302,99 @@ def table(rows: list[dict]) -> str:
                 continue
             k, edge = best_of(means)
             cells.append(f"{means[k]:.4f} at {sci(MUP_LR * 2.0**k)} {gap(means[k], per[k], sp[best], sp_best)}{edge}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# The LR rule's runs (`--shapes`): a shape is (width, layers, batch, context); rows saved before --shapes existed
+# are the muP table's, 4 layers x 8 x 32. The rule is fitted on every shape but HELD_OUT, and checked on those.
+OLD_SHAPE = {"layers": 4, "batch": 8, "context": 32}
+HELD_OUT = {(128, 2, 16, 32), (256, 2, 16, 128), (128, 2, 4, 512), (128, 4, 16, 128), (128, 2, 16, 512)}
+
+
+def shape_of(r: dict) -> tuple[int, int, int, int]:
+    return (r["width"], *(r.get(k, v) for k, v in OLD_SHAPE.items()))
+
+
+def sp_bests(rows: list[dict]) -> dict[tuple, dict]:
+    """(steps, shape) -> sp's walk there: the grid's seed means, the best grid point, the vertex, each seed's best."""
+    per: dict[tuple, dict[int, dict[int, float]]] = {}
+    for r in rows:
+        if r["arm"] == "sp":
+            k = round(math.log2(r["lr"] / MUP_LR))
+            per.setdefault((r["steps"], shape_of(r)), {}).setdefault(k, {})[r["seed"]] = r["loss"]
+    out = {}
+    for key, grid in per.items():
+        seeds = set().union(*grid.values())
+        means = {k: sum(v.values()) / len(v) for k, v in sorted(grid.items()) if set(v) == seeds}
+        best = min(means, key=means.get)
+        edge = not (best - 1 in means and best + 1 in means)
+        own = {s: min(v[s] for v in grid.values() if s in v) for s in seeds}
+        out[key] = dict(means=means, best=best, vertex=best_log2_lr(means)[0], edge=edge, seeds=sorted(seeds), own=own)
+    return out
+
+
+def fit_rule(bests: dict[tuple, dict], steps: int = 300) -> tuple[float, float, float]:
+    """(lr at width 128 and 2,048 tokens a step, width exponent, tokens exponent): least squares of log2 of sp's
+    vertex on log2 width and log2 tokens, over the shapes not held out whose best has both neighbours."""
+    import numpy as np
+
+    keys = [k for k, b in bests.items() if k[0] == steps and k[1] not in HELD_OUT and not b["edge"]]
+    x = np.array([[1.0, math.log2(w / 128), math.log2(b * t / 2048)] for _, (w, _l, b, t) in keys])
+    y = np.array([bests[k]["vertex"] + math.log2(MUP_LR) for k in keys])
+    (c, a, e), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return 2.0**c, a, e
+
+
+def rule_table(rows: list[dict]) -> str:
+    """The LR rule's fit on the 300-step shapes not held out, and per run length and shape: sp's best grid LR, the
+    configs' default LR (the rule) and its loss against that best, from the `default` runs at the rule's current LR
+    (or sp's own run where that LR is a grid point); every 1,000-step row is held out, the fit has no length term."""
+    bests = sp_bests(rows)
+    lr0, a, e = fit_rule(bests)
+    lines = [
+        f"fit (300 steps, the shapes not held out): lr = {lr0:.3g} x (width / 128)^{a:.2f} x (tokens / 2048)^{e:.2f}",
+        "",
+        "| steps | width x layers | batch x context (tokens) | seeds | sp, best grid LR | default: its LR | shape |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    default: dict[tuple, dict[float, dict[int, float]]] = {}
+    for r in rows:
+        if r["arm"] == "default":
+            default.setdefault((r["steps"], shape_of(r)), {}).setdefault(r["lr"], {})[r["seed"]] = r["loss"]
+    for steps, shape in sorted(bests):
+        b = bests[(steps, shape)]
+        width, layers, batch_size, context = shape
+        heads = 4 if width == BASE else 8
+        lr = default_config(width, heads, layers, context, batch_size)[1]["lr"]
+        k = round(math.log2(lr / MUP_LR))
+        ran = default.get((steps, shape), {}).get(lr)
+        if ran is None and math.isclose(MUP_LR * 2.0**k, lr, rel_tol=1e-9) and k in b["means"]:
+            ran = {
+                s: next(
+                    r["loss"]
+                    for r in rows
+                    if r["arm"] == "sp"
+                    and shape_of(r) == shape
+                    and r["steps"] == steps
+                    and r["seed"] == s
+                    and math.isclose(r["lr"], lr)
+                )
+                for s in b["seeds"]
+            }
+        edge = ", on the grid's edge" if b["edge"] else ""
+        cells = [f"{steps}", f"{width} x {layers}", f"{batch_size} x {context} ({batch_size * context:,})"]
+        cells += [",".join(map(str, b["seeds"]))]
+        cells.append(
+            f"{b['means'][b['best']]:.4f} at {sci(MUP_LR * 2.0 ** b['best'])} (vertex {sci(MUP_LR * 2.0 ** (b['vertex'] + 0), 2)}{edge})"
+        )
+        if ran and set(ran) >= set(b["seeds"]):
+            loss = sum(ran[s] for s in b["seeds"]) / len(b["seeds"])
+            each = ", ".join(f"{100 * (ran[s] / b['own'][s] - 1):+.1f}" for s in b["seeds"])
+            cells.append(f"{loss:.4f} at {sci(lr)} ({100 * (loss / b['means'][b['best']] - 1):+.1f} % [{each}])")
+        else:
+            cells.append(f"not run (its LR {sci(lr)})")
+        cells.append("held out" if shape in HELD_OUT else "fit" if steps == 300 else "held out (1,000 steps)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -324,15 +438,28 @@ def ablate(bench: Bench, width: int, steps: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.table and (missing := [p for p in args.table if not os.path.isfile(p)]):
-        print(f"error: --table: no such file: {', '.join(missing)}", file=sys.stderr)
-        raise SystemExit(2)
-    if args.table:
-        print(table([json.loads(line) for path in args.table for line in open(path) if line.strip()]))
-        return
+    for flag, paths in (("--table", args.table), ("--rule-table", args.rule_table)):
+        if paths and (missing := [p for p in paths if not os.path.isfile(p)]):
+            print(f"error: {flag}: no such file: {', '.join(missing)}", file=sys.stderr)
+            raise SystemExit(2)
+        if paths:
+            rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
+            print((table if flag == "--table" else rule_table)(rows))
+            return
     torch.set_num_threads(1)
     widths = [int(w) for w in args.widths.split(",")]
     lengths = [int(s) for s in args.steps.split(",")]
+    if args.shapes:  # one shape at a time, each with its own windows (the context) and batch
+        t0 = time.time()
+        for shape in args.shapes.split(","):
+            (width, layers), (batch_size, context) = (map(int, half.split("x")) for half in shape.split("@"))
+            compare(
+                Bench(argparse.Namespace(**{**vars(args), "layers": layers, "batch": batch_size, "context": context})),
+                [width],
+                lengths,
+            )
+        print(f"{time.time() - t0:.0f}s in all")
+        return
     bench = Bench(args)
     if args.ablate:
         ablate(bench, widths[0], lengths[0])

@@ -33,7 +33,8 @@ TINY = [
     "model.n_layer=1",
     "model.n_head=2",
     "model.d_model=32",
-    "optim.width_rule.width=32",  # the rule's LR at this width: 2e-3, as the messages below say
+    "optim.lr_rule.width=32",  # the rule's LR at this width: 2e-3, as the messages below say
+    "optim.lr_rule.tokens_exponent=0",  # ... whatever the batch
     "model.context_length=32",
     "data.batch_size=4",
     "trainer.max_steps=2",
@@ -360,7 +361,7 @@ def test_bad_checkpoints(make_cfg, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "resumed"
     for ckpt, extra, pattern in cases:
         overrides = ["trainer=cpu", "model.n_head=2", "model.d_model=64", "model.context_length=64", "model.n_layer=2"]
-        overrides.append("optim.width_rule.width=64")  # the checkpoint's LR (conftest's)
+        overrides += ["optim.lr_rule.width=64", "optim.lr_rule.tokens_exponent=0"]  # the checkpoint's LR (conftest's)
         code, err = run_main(
             monkeypatch,
             capsys,

@@ -62,7 +62,9 @@ def test_healthy_config_passes_and_plots_the_lr_curve(make_cfg, tmp_path):
         assert name in names
     png = tmp_path / "doc" / "lr_schedule.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    assert "peak 0.002 at step 4" in rows_by_name(rows)["schedule: LR curve"].evidence
+    evidence = rows_by_name(rows)["schedule: LR curve"].evidence
+    assert "peak 0.002 at step 4" in evidence
+    assert "; optim.lr 0.002 from optim.lr_rule: 0.002 × (width 64 / 64)^" in evidence  # where the LR came from
 
 
 def group_rows(cfg, check: str, out_dir: Path, deep: bool = False):
@@ -258,7 +260,7 @@ def test_cli_context_length_bug_is_one_line_and_exit_1(shards_dir, tmp_path):
     [
         (
             "optim.lrr=1",
-            "error: optim.lrr is not a config key; did you mean optim.lr? (to add a new key on purpose, write +optim.lrr=...)",
+            "error: optim.lrr is not a config key; did you mean optim.lr or optim.lr_rule? (to add a new key on purpose, write +optim.lrr=...)",
         ),
         (
             "model=smal",

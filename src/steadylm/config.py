@@ -18,6 +18,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from steadylm.errors import ConfigError, exit_with, is_int, number
+from steadylm.lr_rule import lr_rule
 
 # `${mul:${optim.lr},0.1}`: a value that follows another (min_lr stays 10 % of a swept lr).
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
@@ -35,18 +36,8 @@ def sweep_dir(base: str, stamp: str, resume: Any) -> str:
 OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
 
 
-def width_lr(rule: Any, d_model: int, parametrization: str, base_width: int | None) -> float:
-    """The default peak LR of a model `d_model` wide: `rule.lr` · (d_model / `rule.width`)^`rule.exponent`, SP's
-    best LR measured per width and fitted (conf/optim/adamw.yaml names the benchmark). Under mup, the rule's LR at
-    the base width: muP's LR is the one tuned there, where mup is sp. A shape override moves the LR with it."""
-    width = base_width if parametrization == "mup" and base_width else d_model
-    if not (isinstance(width, (int, float)) and width > 0 and rule.width > 0):
-        return float(rule.lr)  # a width the model's own rule refuses next, in one line naming it
-    return float(f"{rule.lr * (width / rule.width) ** rule.exponent:.3g}")
-
-
-# `${width_lr:${optim.width_rule},${model.d_model},...}`: optim.lr follows the model's width (above).
-OmegaConf.register_new_resolver("width_lr", width_lr, replace=True)
+# `${lr_rule:${optim.lr_rule}}`: optim.lr follows the model's width and the tokens a step (lr_rule.py).
+OmegaConf.register_new_resolver("lr_rule", lr_rule, replace=True)
 
 # In the package, so an installed copy composes the same configs (the repo's `conf/` links here); or STEADYLM_CONF.
 CONF_DIR = Path(os.environ.get("STEADYLM_CONF", Path(__file__).resolve().parent / "conf"))

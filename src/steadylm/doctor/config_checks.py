@@ -11,6 +11,7 @@ from steadylm.config import context_length_copies, validate_config
 from steadylm.derived import padded_vocab
 from steadylm.devices import devices_of, resolve_precision
 from steadylm.doctor.check import FAIL, OK, WARN, Check, guarded
+from steadylm.lr_rule import explain
 from steadylm.schedule import Schedule
 
 
@@ -105,7 +106,8 @@ def check_precision(cfg: DictConfig) -> list[Check]:
 
 
 def check_schedule(cfg: DictConfig, png: Path) -> list[Check]:
-    """The LR over the whole run, from the same `Schedule` the module steps; the curve goes to a PNG."""
+    """The LR over the whole run, from the same `Schedule` the module steps, and where its peak came from (the LR
+    rule's terms, or an explicit optim.lr beside the rule's); the curve goes to a PNG."""
     from steadylm.plots import plot_lr_schedule
 
     name = "schedule: LR curve"
@@ -124,7 +126,8 @@ def check_schedule(cfg: DictConfig, png: Path) -> list[Check]:
     plot_lr_schedule(lrs, schedule, png)
     peak = max(range(max_steps), key=lrs.__getitem__)
     evidence = (
-        f"{schedule.describe()}; peak {lrs[peak]:.3g} at step {peak}, {lrs[-1]:.3g} at step {max_steps - 1}; plot {png}"
+        f"{schedule.describe()}; peak {lrs[peak]:.3g} at step {peak}, {lrs[-1]:.3g} at step {max_steps - 1}; "
+        f"{explain(cfg)}; plot {png}"
     )
     if int(o.total_steps) != max_steps:
         return [

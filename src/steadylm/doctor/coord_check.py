@@ -136,7 +136,7 @@ def check_coords(
     cfg: DictConfig, batch: tuple[torch.Tensor, torch.Tensor] | None, groups: Callable[..., list[dict]] = param_groups
 ) -> list[Check]:
     """The doctor row: mup must be flat in width; sp is shown growing (what makes its best LR move, and why
-    `optim.width_rule` moves the default LR with the width)."""
+    `optim.lr_rule` moves the default LR with the width)."""
     name = "model: coordinate check"
     model = OmegaConf.to_container(cfg.model, resolve=True)
     if batch is None:  # the data rows failed already; a fixed random batch still exercises the multipliers
@@ -160,7 +160,7 @@ def check_coords(
                 name,
                 OK,
                 f"sp (grows with width, as expected: {key} {worst:+.2f}); {where}; "
-                "optim.width_rule lowers the LR with the width to match (docs/model.md)",
+                "optim.lr_rule lowers the LR with the width to match (docs/model.md)",
             )
         ]
     if not result.flat:

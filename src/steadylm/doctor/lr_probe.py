@@ -28,6 +28,9 @@ the model's (muP's point). Under sp (or mup based at the model's own width) the 
 mup at the base is sp, so the proxy behaves like the full-width sp model scaled down (an sp proxy taken
 narrower would tolerate a larger LR and pass an LR too high for the model). The vocabulary is cut to the
 token ids the probe batches use, which is what the output layer costs on a CPU and not what sets the LR.
+The probe's batch is smaller than the run's, and a smaller batch takes a lower LR: every probed LR carries the LR
+rule's tokens term (`lr_rule.tokens_scale`) from the run's tokens a step to the probe's, as muP carries the width, so
+the probe judges the LR the run will train at rather than that number at a batch it does not use.
 The batches are read as training reads them: a mixture's (`data.sources`) at the sources' shares, the first
 windows of the run's own stream, and under `data.pack=doc` with documents masked apart.
 A published model (`model.init_from`) is probed from its own weights while the probe runs the model itself; a proxy
@@ -49,6 +52,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from steadylm.doctor.check import FAIL, OK, WARN, Check
+from steadylm.lr_rule import tokens_scale
 from steadylm.module import LMModule
 from steadylm.schedule import Schedule, set_lr
 from steadylm.stability.signals import Precursors
@@ -305,11 +309,13 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
         where = where[:-1] + f", {cut})" if where.startswith("proxy") else f"proxy ({cut})"
     tau = float(p.tau)
     lr = float(optim["lr"])
+    scale, carried = tokens_scale(cfg, batch_size * model["context_length"])
+
     node = OmegaConf.select(cfg, "callbacks.stability.signals")
     signals = OmegaConf.to_container(node, resolve=True) if node is not None else None
 
     def probe(mult: float, model=model, optim=optim, warmup=warmup) -> Probe:
-        return run_probe(model, optim, batches, lr * mult, steps, warmup, clip, tau, signals, separator)
+        return run_probe(model, optim, batches, lr * scale * mult, steps, warmup, clip, tau, signals, separator)
 
     results, prev = {1.0: probe(1.0)}, 1.0
     for m in DOWN:  # the yardstick: down while a lower LR ends no higher, or the one above is plainly unstable
@@ -350,7 +356,7 @@ def probe_lrs(cfg: DictConfig) -> ProbeSweep:
         data = f" of data.sources ({', '.join(f'{name} {read[name]}' for name in dm.sources)} windows){data}"
     what = (
         f"{steps} steps of {batch_size}x{model['context_length']} tokens{data} on {where} ({shape}), "
-        f"lrs {', '.join(f'{lr * m:.3g}' for m in sorted(results))}, {time.perf_counter() - started:.1f} s"
+        f"lrs {', '.join(f'{lr * scale * m:.3g}' for m in sorted(results))}{carried}, {time.perf_counter() - started:.1f} s"
     )
     return ProbeSweep(lr, results, verdicts, first_bad, widen, what)
 
