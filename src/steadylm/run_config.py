@@ -1,7 +1,7 @@
 """The values a run resolved, in `<run_dir>/config.yaml`: what every tool that reads a run folder reads.
 
 Hydra's `.hydra/config.yaml` holds the config as composed, interpolations and all (`optim.lr` is
-`${width_lr:...}`, `paths.output_dir` is `${hydra:...}`), which only a running Hydra app can resolve. Rank 0 writes
+`${lr_rule:...}`, `paths.output_dir` is `${hydra:...}`), which only a running Hydra app can resolve. Rank 0 writes
 the resolved config beside it when training starts (the same dict every checkpoint carries), so diagnose, doctor and
 the sweep summary read numbers, never expressions, whatever resolvers the run used."""
 
