@@ -1,15 +1,18 @@
 """Hydra + Lightning's multi-process strategies: one run dir, one writer, no sweep inside a sweep. Lightning's
 DDP launcher re-runs `train.py` per extra process with rank 0's `hydra.run.dir` (under `-m`, the job's: multirun.py);
-this adds FSDP's own clipping. Launching stays with Lightning, torchrun, submitit."""
+`FSDP2Strategy` is Lightning's `ModelParallelStrategy` with every process one data-parallel shard, and `local`
+is a sharded tensor's own slice, which the stability suite measures, snapshots and restores without gathering.
+Launching stays with Lightning, torchrun, submitit."""
 
 from __future__ import annotations
 
 import os
 
-import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 
 # Set for the extra processes of one job of a multirun (its folder): they fail, diverge and stop as a sweep job does.
 SWEEP_JOB_ENV = "STEADYLM_SWEEP_JOB"
@@ -26,18 +29,23 @@ def in_multirun() -> bool:
     return multirun or bool(os.environ.get(SWEEP_JOB_ENV))
 
 
-class FSDPClipping(L.Callback):
-    """Global-norm clipping by the FSDP module (Lightning refuses it there); last: callbacks see pre-clip grads."""
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 (`fully_shard`, applied by `LMModule.configure_model`) over every process: `ModelParallelStrategy`'s
+    "auto" data-parallel size is the number of nodes (tensor parallelism within each), here it is the world size."""
 
-    def __init__(self, max_norm: float):
-        self.max_norm = float(max_norm)
+    def __init__(self, **kwargs) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        trainer.strategy.model.clip_grad_norm_(self.max_norm)
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
 
 
-def use_fsdp_clipping(trainer: L.Trainer) -> None:
-    clip = trainer.gradient_clip_val
-    if isinstance(trainer.strategy, FSDPStrategy) and clip and trainer.gradient_clip_algorithm == "norm":
-        trainer.gradient_clip_val = None
-        trainer.callbacks.append(FSDPClipping(clip))
+def is_sharded(strategy) -> bool:
+    """The parameters are DTensors sharded over the ranks (FSDP2), not whole replicas."""
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a sharded tensor (a view of its storage), the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t

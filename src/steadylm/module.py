@@ -10,8 +10,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 
 from steadylm.compat import attached_trainer, foreach_norm
+from steadylm.distributed import is_sharded, local
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
@@ -80,6 +82,21 @@ class LMModule(L.LightningModule):
             line = self.net.choose_doc_kernel(self.trainer.strategy.root_device.type)
             if self.trainer.is_global_zero:
                 log.info(line)
+
+    def configure_model(self) -> None:
+        """FSDP2 (`trainer=fsdp`): each block one `fully_shard` unit, then the root (embeddings, final norm, head), so
+        a forward gathers one block's weights at a time; under bf16-mixed they are gathered in bf16 and the gradients
+        reduced in fp32. Any other strategy: nothing to do (the hook runs once a fit; a module sharded already stays)."""
+        if not is_sharded(self.trainer.strategy) or isinstance(self.net.wte.weight, DTensor):
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        bf16 = self.trainer.precision == "bf16-mixed"
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        shard = functools.partial(fully_shard, mesh=self.device_mesh["data_parallel"], mp_policy=mixed or MixedPrecisionPolicy())
+        for block in self.net.blocks:
+            shard(block)
+        shard(self.net)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)
@@ -214,12 +231,18 @@ class LMModule(L.LightningModule):
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
-        kept for this step's clipping, so the gradients are walked once."""
+        kept for this step's clipping, so the gradients are walked once. Sharded (FSDP2): the norms of this rank's
+        slices, and no total (the step's all-reduce makes it: `set_sharded_grad_norm`)."""
         params = [p for opt in self.trainer.optimizers for group in opt.param_groups for p in group["params"]]
         with_grad = [p for p in params or self.parameters() if p.grad is not None]
-        norms = torch.stack(foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
-        self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
+        norms = torch.stack(foreach_norm([local(p.grad) for p in with_grad])).float() if with_grad else None
+        whole = norms is not None and not is_sharded(self.trainer.strategy)
+        self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if whole else None
         return norms, with_grad
+
+    def set_sharded_grad_norm(self, norm: torch.Tensor) -> None:
+        """The global pre-clip norm of sharded gradients (the step's all-reduce of the slices' squares), for clipping."""
+        self.pre_clip_grad_norm = norm
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         o, trainer = self.optim_cfg, attached_trainer(self)  # None in a plain loop
@@ -250,16 +273,16 @@ class LMModule(L.LightningModule):
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
-        if norm is None:
-            norm = torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)  # returns the norm before clipping
-        else:
-            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
+        if norm is None:  # sharded gradients (DTensors): the norm of their slices is a partial sum, made whole here
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
         if self.logs_now:  # the one writer of optim/grad_norm whenever the module clips by norm
             write_metrics(self.trainer, {"optim/grad_norm": float(norm)})
 
     @staticmethod
     def clips_by_norm(trainer: L.Trainer) -> bool:
-        """The module clips (and so logs `optim/grad_norm`); FSDP moves clipping to `FSDPClipping` instead."""
+        """The module clips by norm (and so logs `optim/grad_norm`)."""
         return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
