@@ -12,6 +12,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 # Set for the extra processes of one job of a multirun (its folder): they fail, diverge and stop as a sweep job does.
@@ -49,3 +50,25 @@ def is_sharded(strategy) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a sharded tensor (a view of its storage), the tensor itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Free every FSDP unit's gathered weights. FSDP2 keeps the root's gathered after a forward (the backward in
+    training needs them next) and a forward outside training has no backward to free them: without this, the next
+    forward would reuse them after the shards changed (an update, a restore)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def sharding(t: torch.Tensor) -> tuple | None:
+    """What `from_local` needs to make a sharded tensor of a copy of its slice again; None: not sharded."""
+    return (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+
+
+def from_local(t: torch.Tensor, spec: tuple | None) -> torch.Tensor:
+    """`t` (a slice's copy) as the sharded tensor `spec` describes (`sharding`); `t` itself when `spec` is None."""
+    if spec is None:
+        return t
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
 from steadylm.compat import attached_trainer, foreach_norm
-from steadylm.distributed import is_sharded, local
+from steadylm.distributed import is_sharded, local, reshard
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
@@ -174,6 +174,7 @@ class LMModule(L.LightningModule):
         """`val/loss`: sums across ranks, then one division, so every non-padding target weighs the same; `val/bpb`:
         bits per UTF-8 byte of the val split, so runs with different tokenizers compare. With `data.sources`, the
         same per source (`val/loss/<name>`, `val/bpb/<name>`), and `val/loss`, `val/bpb` their weighted means."""
+        reshard(self)  # FSDP: the gathered root weights of the last val forward are not kept for training
         totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
         losses = [ce_sum / max(count, 1.0) for ce_sum, count in totals]
         if not self.val_sources:
