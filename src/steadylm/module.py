@@ -93,7 +93,9 @@ class LMModule(L.LightningModule):
 
         bf16 = self.trainer.precision == "bf16-mixed"
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        shard = functools.partial(fully_shard, mesh=self.device_mesh["data_parallel"], mp_policy=mixed or MixedPrecisionPolicy())
+        shard = functools.partial(
+            fully_shard, mesh=self.device_mesh["data_parallel"], mp_policy=mixed or MixedPrecisionPolicy()
+        )
         for block in self.net.blocks:
             shard(block)
         shard(self.net)

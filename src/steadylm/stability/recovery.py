@@ -94,7 +94,9 @@ def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
-        restored = apply_to_collection(state, _Slot, lambda s: from_local(tensors[s.index - snap.n_weights], s.sharding))
+        restored = apply_to_collection(
+            state, _Slot, lambda s: from_local(tensors[s.index - snap.n_weights], s.sharding)
+        )
         opt.load_state_dict(restored)
 
 
