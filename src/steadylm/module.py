@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from steadylm.compat import attached_trainer, foreach_norm
+from steadylm.compat import attached_trainer, ends_step, foreach_norm, scale_tensors
 from steadylm.distributed import is_sharded, local, reshard
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
@@ -75,6 +75,8 @@ class LMModule(L.LightningModule):
         self.token_losses: torch.Tensor | None = None  # its per-position CE, while a check asks (`keep_token_losses`)
         self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
+        self._step_sums: torch.Tensor | None = None  # the step so far, this rank: [loss x valid targets, valid targets]
+        self._nominal = 1  # the targets of a step without padding, every micro-batch and rank
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
 
     def setup(self, stage: str) -> None:
@@ -150,17 +152,41 @@ class LMModule(L.LightningModule):
             return chunked_token_losses(hidden, self.net.lm_head.weight, targets, chunk, self.net.cfg.logit_softcap)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The micro-batch's summed loss over the targets a micro-batch holds unpadded: every token of the step weighs
+        the same, however the padding (`data.align=doc`, an epoch's last windows) falls on micro-batches and ranks.
+        `on_after_backward` makes the step's gradient the mean over its valid targets (no padding: a factor of 1)."""
         x, y = batch
         loss, z = self.head_loss(x, y)
+        valid = (y != IGNORE_INDEX).sum()
+        t = self.trainer
+        self._step_sums += torch.stack([loss.detach().double() * valid, valid.double()])
+        self._nominal = y.numel() * t.accumulate_grad_batches * t.world_size  # the step's targets, all ranks
         # Only on the steps the Trainer writes (`self.log` costs milliseconds), as a host copy (Lightning reads the
         # progress-bar value every step: on a device tensor, one more host sync). The step's hooks reuse it.
-        t = self.trainer  # Lightning writes logs every `log_every_n_steps` optimizer steps, and at a stop
         self.logs_now = (t.global_step + 1) % t.log_every_n_steps == 0 or t.should_stop
+        if self.logs_now and self.z_loss:
+            self.log("train/z_loss", z, on_step=True)
+        return loss * (valid / y.numel())
+
+    def on_train_epoch_start(self) -> None:
+        self._step_sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss x targets, targets]
+
+    def on_after_backward(self) -> None:
+        """At the step's last micro-batch: its valid targets over every micro-batch and rank (one all-reduce of two
+        numbers, read by no host but on a logging step) scale the gradients to their mean over those targets
+        (torchtitan #1842); `train/loss` is the step's token mean."""
+        t = self.trainer
+        if not ends_step(t):
+            return
+        sums, self._step_sums = self._step_sums, torch.zeros_like(self._step_sums)
+        if t.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        count = sums[1].clamp(min=1)
+        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
+        if grads:
+            scale_tensors(grads, (self._nominal / count).float())
         if self.logs_now:
-            self.log("train/loss", loss.detach().cpu(), on_step=True, prog_bar=True)
-            if self.z_loss:
-                self.log("train/z_loss", z, on_step=True)
-        return loss
+            self.log("train/loss", (sums[0] / count).float().cpu(), on_step=True, prog_bar=True)
 
     def on_validation_epoch_start(self) -> None:
         # [loader, (summed CE, target count)]: one row, or one per source's val loader
