@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from steadylm.distributed import local
+from steadylm.export import main as export_main
 from steadylm.stability import read_events
 from tests.helpers import faults, run_cli, scalars
+from tests.test_eval import write_generic
 
 # The conftest tiny model, through the command line (a strategy with a launcher needs a script to re-run).
 TINY = [
@@ -44,9 +46,12 @@ def _result(run: Path) -> dict:
 @pytest.mark.slow
 def test_fsdp_sim_trains_as_ddp_sim_does_and_saves_a_distributed_checkpoint(shards_dir, tmp_path):
     """30 steps, fp32: the same train and val loss (1e-4 relative), the same pre-clip gradient norm and per-block
-    stats (the norms of shards, summed as squares); the checkpoint is a folder with each rank's shards."""
+    stats (the norms of shards, summed as squares), the same in-loop multiple-choice scores; the checkpoint is a
+    folder with each rank's shards."""
+    task = write_generic(tmp_path / "mc.jsonl")
     steps = ["trainer.max_steps=30", "trainer.val_check_interval=15", "trainer.limit_val_batches=4"]
     steps += ["trainer.log_every_n_steps=5", "optim.warmup_steps=5", "callbacks.checkpoint.every_n_train_steps=15"]
+    steps += [f"callbacks.eval.tasks=[{task}]", "callbacks.eval.limit=12"]
     ddp = _run(shards_dir, tmp_path, "ddp", "trainer=ddp_sim", *steps)
     fsdp = _run(shards_dir, tmp_path, "fsdp", "trainer=fsdp_sim", *steps)
     for key in ("train_loss", "val_loss"):
@@ -54,6 +59,7 @@ def test_fsdp_sim_trains_as_ddp_sim_does_and_saves_a_distributed_checkpoint(shar
     a, b = scalars(ddp), scalars(fsdp)
     for tag in ("optim/grad_norm", "stability/grad_norm/block_1", "stability/param_norm/block_0", "val/loss"):
         assert len(a[tag]) >= 2 and b[tag] == pytest.approx(a[tag], rel=1e-4), tag
+    assert len(a["eval/mc/acc_norm"]) == 2 and b["eval/mc/acc_norm"] == a["eval/mc/acc_norm"]
     ckpt = fsdp / "checkpoints" / "step0000030.ckpt"
     assert ckpt.is_dir() and {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= {
         p.name for p in ckpt.iterdir()
@@ -151,3 +157,5 @@ def test_a_distributed_checkpoint_resumes_bitwise_on_as_many_ranks_and_reshards_
         assert _result(resumed)["val_loss"] == pytest.approx(_result(full)["val_loss"], rel=1e-5)
     out = run_cli(f"ckpt={full / ckpt}", "max_new_tokens=8", "seed=0", module="steadylm.generate", cwd=tmp_path)
     assert out.returncode == 0 and len(out.stdout) > 0, out.stderr[-2000:]
+    export_main([f"ckpt={full / ckpt}", f"out={tmp_path / 'hf'}"])  # eval's path too (an export, then lm-eval)
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -90,3 +90,13 @@ def ends_step(trainer: Any) -> bool:
     """The micro-batch under way is the last of its optimizer step (the fit loop's own test, valid from the batch's
     `training_step` to its `on_after_backward`)."""
     return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+# The fused attention kernels' aten ops (torch names them privately), whose outputs selective activation
+# checkpointing keeps (model/recompute.py); those this build lacks are left out.
+_FUSED_ATTENTION = ("flash_attention", "efficient_attention", "flash_attention_for_cpu", "cudnn_attention")
+ATTENTION_OPS = {
+    getattr(torch.ops.aten, f"_scaled_dot_product_{name}").default
+    for name in _FUSED_ATTENTION
+    if hasattr(torch.ops.aten, f"_scaled_dot_product_{name}")
+}

@@ -54,6 +54,9 @@ SWITCHES: dict[str, Switch] = {
     "mup_base_head_dim": MUP,
     "mup_output_mult": MUP,
     "logit_softcap": Switch(None, NONE, "8 more bytes a logit (its fp32 tanh)"),
+    "activation_checkpointing": Switch(
+        "nothing: training only", "nothing: model FLOPs leave the recompute out", "activations kept per layer"
+    ),
 }
 
 
