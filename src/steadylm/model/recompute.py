@@ -24,7 +24,7 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_block(block: torch.nn.Module, mode: str, *args):
+def run_block(block: torch.nn.Module, mode: str, *args) -> torch.Tensor:
     """`block(*args)`, its activations kept as `mode` says (all of them without autograd, as in validation)."""
     if mode == "none" or not torch.is_grad_enabled():
         return block(*args)
