@@ -114,6 +114,7 @@ def test_faults_in_a_sharded_run_are_each_handled_on_every_rank_and_end_where_th
         (100, "loss_spike", "log"),
         (151, "loss_spike", "rollback"),
         (154, "rollback", "rollback"),
+        (200, "unrecovered", "log"),  # 45 steps after the restore, a hair above the best before it: cut short
     ], events
     detail = {e["kind"]: e["detail"] for e in read_events(run)}
     assert detail["nonfinite_grad"]["module"] == "blocks.0.attn.qkv"
@@ -129,24 +130,29 @@ def test_faults_in_a_sharded_run_are_each_handled_on_every_rank_and_end_where_th
 @pytest.mark.slow
 def test_muon_under_fsdp_sim_orthogonalizes_whole_matrices_as_under_ddp_sim(shards_dir, tmp_path):
     """optim=muon with sharded matrices: each gathered whole for Newton-Schulz, then its own rows kept; 10 steps end
-    where DDP's do (1e-4 relative; fp32 Newton-Schulz on a CPU)."""
+    where DDP's do, bitwise. Without norm clipping: the global norm of shards (a sum of their squares) rounds apart
+    from DDP's in the 7th digit, and Newton-Schulz, whose quintic has slope 3.4 at 0, amplifies that in the small
+    singular directions ~500x over its 5 iterations (1e-3 on the val loss after 10 clipped steps)."""
     steps = ["optim=muon", "trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=4"]
+    steps += ["trainer.gradient_clip_val=null"]
     steps += ["trainer.log_every_n_steps=5", "optim.warmup_steps=2"]
     ddp = _run(shards_dir, tmp_path, "ddp", "trainer=ddp_sim", *steps)
     fsdp = _run(shards_dir, tmp_path, "fsdp", "trainer=fsdp_sim", *steps)
     for key in ("train_loss", "val_loss"):
-        assert _result(fsdp)[key] == pytest.approx(_result(ddp)[key], rel=1e-4), key
-    assert scalars(fsdp)["optim/grad_norm"] == pytest.approx(scalars(ddp)["optim/grad_norm"], rel=1e-4)
+        assert _result(fsdp)[key] == _result(ddp)[key], key
+    assert scalars(fsdp)["stability/update_ratio"] == pytest.approx(scalars(ddp)["stability/update_ratio"], rel=1e-6)
 
 
 @pytest.mark.slow
 def test_a_distributed_checkpoint_resumes_bitwise_on_as_many_ranks_and_reshards_to_one_and_back(shards_dir, tmp_path):
-    """8 steps of 8 windows on 2 ranks, saved every 2 (each a folder of shards). Resumed from step 4 on 2 ranks: the
+    """8 steps of 32 windows on 2 ranks with selective activation checkpointing, saved every 2 (each a folder of
+    shards). Resumed from step 4 on 2 ranks: the
     same val loss, bitwise; from step 4 on 1 rank, then that run's step 6 on 2 again: the same loss within float
     tolerance. `generate` reads a sharded checkpoint as it is."""
-    steps = ["data.global_batch_tokens=512", "trainer.max_steps=8", "trainer.val_check_interval=8"]
+    steps = ["data.global_batch_tokens=2048", "trainer.max_steps=8", "trainer.val_check_interval=8"]
     steps += ["trainer.limit_val_batches=4", "trainer.log_every_n_steps=2", "optim.warmup_steps=2"]
     steps += ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=-1", "trainer=fsdp_sim"]
+    steps += ["model.activation_checkpointing=selective"]  # FSDP2 units recomputed in backward, as on a 24 GB GPU
     full = _run(shards_dir, tmp_path, "full", *steps)
     ckpt = "checkpoints/step0000004.ckpt"
     again = _run(shards_dir, tmp_path, "again", *steps, f"ckpt_path={full / ckpt}")
