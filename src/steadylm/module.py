@@ -158,8 +158,8 @@ class LMModule(L.LightningModule):
         x, y = batch
         loss, z = self.head_loss(x, y)
         valid = (y != IGNORE_INDEX).sum()
-        t = self.trainer
-        self._step_sums += torch.stack([loss.detach().double() * valid, valid.double()])
+        t, sums = self.trainer, torch.stack([loss.detach().double() * valid, valid.double()])
+        self._step_sums = sums if self._step_sums is None else self._step_sums + sums
         self._nominal = y.numel() * t.accumulate_grad_batches * t.world_size  # the step's targets, all ranks
         # Only on the steps the Trainer writes (`self.log` costs milliseconds), as a host copy (Lightning reads the
         # progress-bar value every step: on a device tensor, one more host sync). The step's hooks reuse it.
@@ -168,9 +168,6 @@ class LMModule(L.LightningModule):
             self.log("train/z_loss", z, on_step=True)
         return loss * (valid / y.numel())
 
-    def on_train_epoch_start(self) -> None:
-        self._step_sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss x targets, targets]
-
     def on_after_backward(self) -> None:
         """At the step's last micro-batch: its valid targets over every micro-batch and rank (one all-reduce of two
         numbers, read by no host but on a logging step) scale the gradients to their mean over those targets
@@ -178,7 +175,7 @@ class LMModule(L.LightningModule):
         t = self.trainer
         if not ends_step(t):
             return
-        sums, self._step_sums = self._step_sums, torch.zeros_like(self._step_sums)
+        sums, self._step_sums = self._step_sums, None
         if t.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         count = sums[1].clamp(min=1)
