@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from steadylm.config import compose
 from steadylm.devices import Devices, devices_of, parse_devices, resolve
+from steadylm.doctor.check import FAIL, OK
 from steadylm.doctor.data_checks import check_datamodule
 from steadylm.errors import ConfigError
 from steadylm.memory import ADAMW_BYTES_PER_PARAM, plan
@@ -164,3 +165,36 @@ def test_auto_is_one_answer_for_memory_and_doctor(eight_gpus, make_cfg):
     assert plan(cfg, "32-true", devices_of(cfg), cfg.data.batch_size).processes == 8
     rows, _ = check_datamodule(cfg)
     assert "(8 rank(s))" in rows[1].evidence
+
+
+@pytest.fixture
+def four_24gb_gpus(monkeypatch):
+    """A machine with 4 visible 24 GiB bf16 GPUs, as `devices_of`, the precision and the memory plan read it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=24 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "GPU-24G")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+def test_doctor_says_whether_llama_1b_fits_four_24gb_gpus_and_what_to_set(four_24gb_gpus, tmp_path):
+    """FSDP2 over 4 GPUs at the preset's 4 sequences: 4.6 GiB of sharded state, fits; at 8, activation checkpointing
+    makes it fit; DDP's whole 18.4 GiB of state does not, and the answer is to shard it."""
+    from steadylm.doctor.model_checks import check_memory
+    from steadylm.memory import count_params
+
+    def memory(*overrides):
+        cfg = compose(["model=llama_1b", "trainer.devices=4", *overrides, f"paths.output_dir={tmp_path}"])
+        return check_memory(cfg, count_params(cfg.model), cfg.data.batch_size)[0]
+
+    fsdp = memory("trainer=fsdp")
+    assert fsdp.status == OK and "weights+grads+adamw 4.60 GiB" in fsdp.evidence and "vs 24.00 GiB" in fsdp.evidence
+    bigger = memory("trainer=fsdp", "data.batch_size=8")
+    assert bigger.status == FAIL and bigger.fix == "it fits with model.activation_checkpointing=selective"
+    ddp = memory("trainer=ddp")
+    assert (
+        ddp.status == FAIL
+        and "weights+grads+adamw 18.42 GiB" in ddp.evidence
+        and ddp.fix == "it fits with trainer=fsdp"
+    )

@@ -296,12 +296,6 @@ def test_export_generate_doctor_and_diagnose_work_on_a_muon_run(make_cfg, tmp_pa
     assert "optim=muon (adjust_lr=match_rms_adamw, lr_mult=1.0, ns_dtype=auto; AdamW on the rest)" in facts
 
 
-def test_fsdp_with_muon_is_refused_in_one_line(tmp_path):
-    out = run_cli("optim=muon", "trainer=fsdp", "model.vocab_size=320", cwd=tmp_path)  # no shards needed
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].count("FSDP") >= 1 and "optim=adamw" in out.stderr
-
-
 @pytest.mark.slow
 def test_time_to_loss_quick_mode_prints_every_row_and_the_step_cost(tmp_path):
     out = tmp_path / "ttl.json"

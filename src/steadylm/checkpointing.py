@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import random
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,14 @@ class CheckpointError(SteadyError):
     """A checkpoint that cannot be used: missing, corrupt, unsafe, or for a different model."""
 
 
+SHARDED_META = "meta.pt"  # a distributed checkpoint's (FSDP2's folder) non-tensor part, as Lightning names it
+
+
 def is_complete(path: Path) -> bool:
-    """`torch.save` writes a zip whose directory comes last: a truncated file fails to open, tensors unread."""
+    """`torch.save` writes a zip whose directory comes last: a truncated file fails to open, tensors unread. A
+    distributed checkpoint (a folder): DCP writes `.metadata` once every rank's shards are in, then rank 0 `meta.pt`."""
+    if path.is_dir():
+        return (path / ".metadata").is_file() and is_complete(path / SHARDED_META)
     try:
         with zipfile.ZipFile(path) as z:
             return bool(z.namelist())
@@ -38,8 +45,11 @@ def is_complete(path: Path) -> bool:
 
 
 def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict:
-    """`torch.load(weights_only=True)`, with each way it can fail turned into one clear message."""
+    """`torch.load(weights_only=True)`, with each way it can fail turned into one clear message; a distributed
+    checkpoint (a folder) is read whole (`load_sharded`)."""
     path = Path(path)
+    if path.is_dir():
+        return load_sharded(path, map_location)
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint file not found; check ckpt_path (or use resume=auto)")
     if not is_complete(path):
@@ -59,6 +69,37 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = F
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); resume from another file"
         ) from None
+
+
+def load_sharded(path: Path, map_location: Any = "cpu") -> dict:
+    """A distributed checkpoint as a single-file one reads: the shards of every rank gathered into whole weights
+    (torch's `dcp_to_torch_save`, through a temporary file beside it), the rest from its `meta.pt`; the optimizer
+    state is left out. On one process, any number of ranks: what `generate`, `export`, `eval` and `init_from` read."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not is_complete(path):
+        raise CheckpointError(
+            f"{path}: not a complete distributed checkpoint (no .metadata or {SHARDED_META}: a save cut short); "
+            f"resume from another one in {path.parent} (resume=auto picks the newest good one)"
+        )
+    meta = safe_load(path / SHARDED_META, map_location=map_location)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".consolidate-") as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "whole.pt")
+        whole = safe_load(Path(tmp) / "whole.pt", map_location=map_location)
+    return {**meta, "state_dict": whole["state_dict"]}
+
+
+def describe_sharded(path: Path) -> dict:
+    """A distributed checkpoint's `meta.pt`, with its `state_dict` as shapes only (meta tensors, from DCP's
+    `.metadata`): enough to check a resume against the model without reading, let alone gathering, a weight."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not is_complete(path):
+        load_sharded(path)  # its message
+    shapes = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("state_dict."): v for k, v in shapes.items() if k.startswith("state_dict.")}
+    state = {k: torch.empty(v.size, device="meta") for k, v in weights.items() if hasattr(v, "size")}
+    return {**safe_load(path / SHARDED_META), "state_dict": state}
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -16,6 +16,7 @@ def cpu_has_bf16() -> bool:
 # Fused per-tensor kernels torch has no public name for; aliases, not wrappers, so a step calls no function of ours.
 foreach_norm = torch._foreach_norm  # the L2 norm of each tensor of a list
 sub_tensors = torch._foreach_sub  # `a[i] - b[i]` for every i
+scale_tensors = torch._foreach_mul_  # `a[i] *= s` for every i, in place (`s` may be a device scalar)
 
 
 def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -77,3 +78,19 @@ def checkpoint_batches(checkpoint: dict) -> dict | None:
     """The fit loop's micro-batch counters in a checkpoint (`_BatchProgress.state_dict()`: `current`, `total`), None if
     absent; a resume on another machine size rewrites them before Lightning restores its loops (data/position.py)."""
     return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+
+
+def ends_step(trainer: Any) -> bool:
+    """The micro-batch under way is the last of its optimizer step (the fit loop's own test, valid from the batch's
+    `training_step` to its `on_after_backward`)."""
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+# The fused attention kernels' aten ops (torch names them privately), whose outputs selective activation
+# checkpointing keeps (model/recompute.py); those this build lacks are left out.
+_FUSED_ATTENTION = ("flash_attention", "efficient_attention", "flash_attention_for_cpu", "cudnn_attention")
+ATTENTION_OPS = {
+    getattr(torch.ops.aten, f"_scaled_dot_product_{name}").default
+    for name in _FUSED_ATTENTION
+    if hasattr(torch.ops.aten, f"_scaled_dot_product_{name}")
+}

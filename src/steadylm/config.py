@@ -123,7 +123,7 @@ def _value_rules(cfg: DictConfig) -> list[tuple[str, Any, bool, str]]:
         ]
     from steadylm.muon import config_rules  # only optim=muon loads Muon
 
-    return rules + config_rules(o.muon, t)
+    return rules + config_rules(o.muon)
 
 
 def validate_values(cfg: DictConfig, prefix: str = "") -> None:

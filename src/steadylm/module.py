@@ -10,8 +10,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 
-from steadylm.compat import attached_trainer, foreach_norm
+from steadylm.compat import attached_trainer, ends_step, foreach_norm, scale_tensors
+from steadylm.distributed import is_sharded, local, reshard
 from steadylm.errors import ConfigError
 from steadylm.logging_steps import write_metrics
 from steadylm.model import GPT, GPTConfig
@@ -73,6 +75,8 @@ class LMModule(L.LightningModule):
         self.token_losses: torch.Tensor | None = None  # its per-position CE, while a check asks (`keep_token_losses`)
         self._keep_token_losses = False
         self.logs_now = False  # the Trainer writes this batch's logs (set in `training_step`)
+        self._step_sums: torch.Tensor | None = None  # the step so far, this rank: [loss x valid targets, valid targets]
+        self._nominal = 1  # the targets of a step without padding, every micro-batch and rank
         self.weights_from: str | None = None  # `init_from`'s checkpoint: the weights are trained, not an init
         if model.get("init_from") is not None:  # a published model's weights (model/hf.py, loaded only then)
             from steadylm.model.hf import load_pretrained
@@ -84,6 +88,23 @@ class LMModule(L.LightningModule):
             line = self.net.choose_doc_kernel(self.trainer.strategy.root_device.type)
             if self.trainer.is_global_zero:
                 log.info(line)
+
+    def configure_model(self) -> None:
+        """FSDP2 (`trainer=fsdp`): each block one `fully_shard` unit, then the root (embeddings, final norm, head), so
+        a forward gathers one block's weights at a time; under bf16-mixed they are gathered in bf16 and the gradients
+        reduced in fp32. Any other strategy: nothing to do (the hook runs once a fit; a module sharded already stays)."""
+        if not is_sharded(self.trainer.strategy) or isinstance(self.net.wte.weight, DTensor):
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        bf16 = self.trainer.precision == "bf16-mixed"
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        shard = functools.partial(
+            fully_shard, mesh=self.device_mesh["data_parallel"], mp_policy=mixed or MixedPrecisionPolicy()
+        )
+        for block in self.net.blocks:
+            shard(block)
+        shard(self.net)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.net(idx)
@@ -135,17 +156,38 @@ class LMModule(L.LightningModule):
             return chunked_token_losses(hidden, self.net.lm_head.weight, targets, chunk, self.net.cfg.logit_softcap)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The micro-batch's summed loss over the targets a micro-batch holds unpadded: every token of the step weighs
+        the same, however the padding (`data.align=doc`, an epoch's last windows) falls on micro-batches and ranks.
+        `on_after_backward` makes the step's gradient the mean over its valid targets (no padding: a factor of 1)."""
         x, y = batch
         loss, z = self.head_loss(x, y)
+        valid = (y != IGNORE_INDEX).sum()
+        t, sums = self.trainer, torch.stack([loss.detach().double() * valid, valid.double()])
+        self._step_sums = sums if self._step_sums is None else self._step_sums + sums
+        self._nominal = y.numel() * t.accumulate_grad_batches * t.world_size  # the step's targets, all ranks
         # Only on the steps the Trainer writes (`self.log` costs milliseconds), as a host copy (Lightning reads the
         # progress-bar value every step: on a device tensor, one more host sync). The step's hooks reuse it.
-        t = self.trainer  # Lightning writes logs every `log_every_n_steps` optimizer steps, and at a stop
         self.logs_now = (t.global_step + 1) % t.log_every_n_steps == 0 or t.should_stop
+        if self.logs_now and self.z_loss:
+            self.log("train/z_loss", z, on_step=True)
+        return loss * (valid / y.numel())
+
+    def on_after_backward(self) -> None:
+        """At the step's last micro-batch: its valid targets over every micro-batch and rank (one all-reduce of two
+        numbers, read by no host but on a logging step) scale the gradients to their mean over those targets
+        (torchtitan #1842); `train/loss` is the step's token mean."""
+        t = self.trainer
+        if not ends_step(t):
+            return
+        sums, self._step_sums = self._step_sums, None
+        if t.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        count = sums[1].clamp(min=1)
+        grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
+        if grads:
+            scale_tensors(grads, (self._nominal / count).float())
         if self.logs_now:
-            self.log("train/loss", loss.detach().cpu(), on_step=True, prog_bar=True)
-            if self.z_loss:
-                self.log("train/z_loss", z, on_step=True)
-        return loss
+            self.log("train/loss", (sums[0] / count).float().cpu(), on_step=True, prog_bar=True)
 
     def on_validation_epoch_start(self) -> None:
         # [loader, (summed CE, target count)]: one row, or one per source's val loader
@@ -161,6 +203,7 @@ class LMModule(L.LightningModule):
         """`val/loss`: sums across ranks, then one division, so every non-padding target weighs the same; `val/bpb`:
         bits per UTF-8 byte of the val split, so runs with different tokenizers compare. With `data.sources`, the
         same per source (`val/loss/<name>`, `val/bpb/<name>`), and `val/loss`, `val/bpb` their weighted means."""
+        reshard(self)  # FSDP: the gathered root weights of the last val forward are not kept for training
         totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
         losses = [ce_sum / max(count, 1.0) for ce_sum, count in totals]
         bits = lambda loss, per_token: loss / math.log(2) / per_token  # noqa: E731
@@ -227,12 +270,18 @@ class LMModule(L.LightningModule):
 
     def grad_norms(self) -> tuple[torch.Tensor | None, list[torch.nn.Parameter]]:
         """(the L2 norm of each parameter's gradient, those parameters), in the optimizer's order; the total is
-        kept for this step's clipping, so the gradients are walked once."""
+        kept for this step's clipping, so the gradients are walked once. Sharded (FSDP2): the norms of this rank's
+        slices, and no total (the step's all-reduce makes it: `set_sharded_grad_norm`)."""
         params = [p for opt in self.trainer.optimizers for group in opt.param_groups for p in group["params"]]
         with_grad = [p for p in params or self.parameters() if p.grad is not None]
-        norms = torch.stack(foreach_norm([p.grad for p in with_grad])).float() if with_grad else None
-        self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if norms is not None else None
+        norms = torch.stack(foreach_norm([local(p.grad) for p in with_grad])).float() if with_grad else None
+        whole = norms is not None and not is_sharded(self.trainer.strategy)
+        self.pre_clip_grad_norm = torch.linalg.vector_norm(norms) if whole else None
         return norms, with_grad
+
+    def set_sharded_grad_norm(self, norm: torch.Tensor) -> None:
+        """The global pre-clip norm of sharded gradients (the step's all-reduce of the slices' squares), for clipping."""
+        self.pre_clip_grad_norm = norm
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         o, trainer = self.optim_cfg, attached_trainer(self)  # None in a plain loop
@@ -263,16 +312,16 @@ class LMModule(L.LightningModule):
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
-        if norm is None:
-            norm = torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)  # returns the norm before clipping
-        else:
-            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
+        if norm is None:  # sharded gradients (DTensors): the norm of their slices is a partial sum, made whole here
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
         if self.logs_now:  # the one writer of optim/grad_norm whenever the module clips by norm
             write_metrics(self.trainer, {"optim/grad_norm": float(norm)})
 
     @staticmethod
     def clips_by_norm(trainer: L.Trainer) -> bool:
-        """The module clips (and so logs `optim/grad_norm`); FSDP moves clipping to `FSDPClipping` instead."""
+        """The module clips by norm (and so logs `optim/grad_norm`)."""
         return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

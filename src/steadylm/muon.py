@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw
 
 from steadylm import compat
@@ -48,11 +49,8 @@ NS_DTYPES = ("auto", "float32", "bfloat16")
 NS_COEFFS = tuple(NS_SCHEDULES)
 
 
-def config_rules(m, t) -> list[tuple[str, object, bool, str]]:
-    """config.py's value rules for `optim.muon` (`m`) and the trainer (`t`) it needs."""
-    strategy = t.get("strategy")
-    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy)
-    fsdp = "a strategy other than FSDP under optim=muon (Newton-Schulz needs whole matrices, FSDP shards them): "
+def config_rules(m) -> list[tuple[str, object, bool, str]]:
+    """config.py's value rules for `optim.muon` (`m`)."""
     return [
         ("optim.muon.lr_mult", m.lr_mult, number(m.lr_mult) > 0, "a number > 0"),
         ("optim.muon.adjust_lr", m.adjust_lr, m.adjust_lr in ADJUST_LR, " | ".join(ADJUST_LR)),
@@ -61,7 +59,6 @@ def config_rules(m, t) -> list[tuple[str, object, bool, str]]:
         ("optim.muon.ns_steps", m.ns_steps, is_int(m.ns_steps) and 1 <= m.ns_steps <= 20, "a whole number in 1..20"),
         ("optim.muon.ns_dtype", m.ns_dtype, m.ns_dtype in NS_DTYPES, " | ".join(NS_DTYPES)),
         ("optim.muon.ns_coeffs", m.ns_coeffs, m.ns_coeffs in NS_COEFFS, " | ".join(NS_COEFFS)),
-        ("trainer.strategy", target, "fsdp" not in target.lower(), fsdp + "use DDP, or optim=adamw"),
     ]
 
 
@@ -247,6 +244,8 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             new_buf = state["momentum_buffer"].lerp(p.grad, 1 - mu)
             update = p.grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
+            if isinstance(update, DTensor):  # FSDP: each matrix orthogonalized whole, gathered on every rank
+                update = update.full_tensor()
             new_bufs.append(new_buf)
             parts.append(update.split(rows) if rows else (update,))
         ortho = iter(self._orthogonalize_by_shape([x for ps in parts for x in ps], group, params[0].device))
@@ -254,6 +253,8 @@ class Muon(torch.optim.Optimizer):
         for p, new_buf, ps in zip(params, new_bufs, parts):
             mine = [next(ortho) for _ in ps]
             step = torch.cat([o.to(p.dtype) * (lr * lr_ratio(group["adjust_lr"], *o.shape)) for o in mine])
+            if isinstance(p, DTensor):  # this rank's rows of the whole matrix's step
+                step = distribute_tensor(step, p.device_mesh, p.placements, src_data_rank=None)
             new_p = p.mul(1 - lr * wd).sub_(step)  # decoupled decay, with the unscaled LR
             buf = self.state[p]["momentum_buffer"]
             if skip is None:

@@ -15,7 +15,7 @@ from steadylm.config import set_key, validate_config
 from steadylm.derived import KEY, accumulation, data_source, from_data, from_run_length, val_interval
 from steadylm.devices import Devices, devices_of, resolve_precision
 from steadylm.errors import ConfigError
-from steadylm.memory import MemoryPlan, plan
+from steadylm.memory import MemoryPlan, advice, plan
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,7 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str, batch_s
             f"(trainer.accelerator={accelerator}); use trainer.precision=bf16-mixed or 32-true"
         )
     if not (memory := plan(cfg, precision, devices, batch_size)).fits:
-        raise ConfigError(
-            f"this run does not fit: {memory.describe()}; lower data.batch_size (and raise "
-            "trainer.accumulate_grad_batches to keep the batch), lower model.context_length, use fewer "
-            "trainer.devices on a CPU, or a smaller model"
-        )
+        raise ConfigError(f"this run does not fit: {memory.describe()}; {advice(cfg, precision, devices, batch_size)}")
     folder = Path(cfg.paths.output_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)

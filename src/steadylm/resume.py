@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from steadylm.checkpointing import CheckpointError, is_complete, safe_load
+from steadylm.checkpointing import CheckpointError, describe_sharded, is_complete, safe_load
 from steadylm.errors import ConfigError
 from steadylm.schedule import Schedule
 
@@ -20,7 +20,8 @@ log = logging.getLogger("steadylm")
 
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """The most recently written complete `*.ckpt` in `folder` (temp files and broken files skipped)."""
+    """The most recently written complete `*.ckpt` in `folder`, a file or a distributed checkpoint's folder (temp
+    files and broken ones skipped)."""
     for path in sorted(Path(folder).glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns, reverse=True):
         if is_complete(path):
             return path
@@ -105,7 +106,8 @@ def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
         if init_from:
             init_weights_from(init_from, module)
         return None
-    ckpt = safe_load(ckpt_path, mmap=True)  # mmap: no second full read into RAM
+    # mmap: no second full read into RAM; a distributed checkpoint: its shapes alone
+    ckpt = describe_sharded(Path(ckpt_path)) if Path(ckpt_path).is_dir() else safe_load(ckpt_path, mmap=True)
     check_compatible(ckpt, ckpt_path, module)
     meta = ckpt.get("steadylm") or {}
     applied = int(ckpt.get("global_step", 0)) - int(meta.get("skipped_steps", 0))

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from steadylm.config import CONF_DIR, hydra_errors_as_messages, plain_config
 from steadylm.console import copy_console, quiet
 from steadylm.derived import val_check_batches
-from steadylm.distributed import in_multirun, is_job_rank, is_rank_zero_process, use_fsdp_clipping
+from steadylm.distributed import in_multirun, is_job_rank, is_rank_zero_process
 from steadylm.errors import ConfigError, SteadyError, exit_with
 from steadylm.module import LMModule
 from steadylm.preemption import Preempted, Preemption, place_last
@@ -71,9 +71,7 @@ def build_trainer(run: Resolved) -> L.Trainer:
     loggers = instantiate_named(cfg.get("logger"), "logger") or False
     resolved = {"accelerator": run.devices.accelerator, "precision": run.precision}  # what memory was checked for
     resolved |= val_check_batches(cfg.trainer)
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
-    use_fsdp_clipping(trainer)
-    return trainer
+    return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **resolved)
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:

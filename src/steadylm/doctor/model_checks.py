@@ -17,7 +17,7 @@ from steadylm.devices import devices_of
 from steadylm.doctor.check import FAIL, OK, Check, guarded
 from steadylm.doctor.config_checks import precision_of
 from steadylm.doctor.coord_check import check_coords
-from steadylm.memory import plan
+from steadylm.memory import advice, plan
 from steadylm.module import LMModule
 from steadylm.stability.init_loss import INIT_OTHERWISE, init_fix
 
@@ -169,17 +169,11 @@ def check_activations(net: torch.nn.Module, x: torch.Tensor) -> list[Check]:
 
 def check_memory(cfg: DictConfig, n_params: int, batch_size: int) -> list[Check]:
     """The same estimate and verdict `train.py` refuses a run on (`steadylm.memory`), at the data's batch size."""
-    p = plan(cfg, precision_of(cfg), devices_of(cfg), batch_size, n_params)
+    precision, devices = precision_of(cfg), devices_of(cfg)
+    p = plan(cfg, precision, devices, batch_size, n_params)
     evidence = f"{n_params / 1e6:.2f}M params; {p.describe()} at a batch of {batch_size}"
     if not p.fits:
-        return [
-            Check(
-                "model: size and memory",
-                FAIL,
-                evidence,
-                "lower data.batch_size and raise trainer.accumulate_grad_batches, fewer CPU processes, or a smaller model",
-            )
-        ]
+        return [Check("model: size and memory", FAIL, evidence, advice(cfg, precision, devices, batch_size, n_params))]
     return [Check("model: size and memory", OK, evidence)]
 
 

@@ -1,7 +1,8 @@
 """`DownstreamEval`: multiple-choice accuracy (`eval/<task>/acc`, `eval/<task>/acc_norm`) on every `every`-th
 validation (sanity checks excluded); off while `tasks` is empty. Each task's first `limit` items are split over the
 ranks (item i on rank i % world), scored through `LMModule.target_losses` under the run's precision; the counts
-[acc, acc_norm, items] are summed in one all-reduce. Single-device and DDP only (FSDP shards the head's weight)."""
+[acc, acc_norm, items] are summed in one all-reduce. Under FSDP2 the scoring forwards gather the weights as
+training's do (the same scores as under DDP: tests/test_fsdp.py)."""
 
 from __future__ import annotations
 

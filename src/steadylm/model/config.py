@@ -36,6 +36,9 @@ class GPTConfig:
     mup_output_mult: float = 1.0  # mup: muP's tunable alpha_output; the logits are scaled by it / width_mult
     logit_softcap: float | None = None  # c: logits = c·tanh(logits/c) (Gemma 2), so |logits| < c
     init_from: str | None = None  # a Hugging Face folder: its config.json is this shape, its weights the start (hf.py)
+    # Recompute in backward instead of keeping: none | blocks (each block's activations, from its input) | selective
+    # (a block's elementwise ops; its matmul outputs are kept). Gradients as none's.
+    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"
 
     def __post_init__(self) -> None:
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -47,7 +50,14 @@ class GPTConfig:
         # The base shape muP measures width against (null: this model's own).
         self.mup_base_width = self.d_model if self.mup_base_width is None else self.mup_base_width
         self.mup_base_head_dim = self.head_dim if self.mup_base_head_dim is None else self.mup_base_head_dim
-        for key in ("pos", "norm", "mlp", "init", "parametrization"):  # the choices their annotations list
+        for key in (
+            "pos",
+            "norm",
+            "mlp",
+            "init",
+            "parametrization",
+            "activation_checkpointing",
+        ):  # the choices their annotations list
             if (value := getattr(self, key)) not in (allowed := get_args(get_type_hints(GPTConfig)[key])):
                 raise ConfigError(f"model.{key}={value!r} is not allowed; use one of: {', '.join(allowed)}")
         if self.d_model % self.n_head:

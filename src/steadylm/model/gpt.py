@@ -16,6 +16,7 @@ from torch import nn
 from steadylm.model import mup
 from steadylm.model.config import GPTConfig
 from steadylm.model.init import init_weights, layer, make_norm
+from steadylm.model.recompute import run_block
 from steadylm.model.switches import require_understood
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ class GPT(nn.Module):
         rope = None if self.wpe is not None else (self.rope_cos[rows], self.rope_sin[rows])
         x = self.drop(self.wte(idx) if rope else self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x, rope, docs, block_mask)
+            x = run_block(block, self.cfg.activation_checkpointing, x, rope, docs, block_mask)
         if self.track_residual:
             self.residual_rms = x.detach().float().pow(2).mean().sqrt()
         x = self.ln_f(x)

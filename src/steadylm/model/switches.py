@@ -56,6 +56,9 @@ SWITCHES: dict[str, Switch] = {
     "mup_output_mult": MUP,
     "logit_softcap": Switch(None, NONE, "8 more bytes a logit (its fp32 tanh)"),
     "init_from": Switch("nothing: the weights carry it", "nothing", "nothing"),
+    "activation_checkpointing": Switch(
+        "nothing: training only", "nothing: model FLOPs leave the recompute out", "activations kept per layer"
+    ),
 }
 
 

@@ -1,7 +1,8 @@
 """`Check`: the one protocol of a stability check, and `StepView`, what a check may read of the step.
 
-`measure(view) -> {key: (op, tensor)}` (optional) on the device after backward, `op` "mean" or "max" over ranks:
-the values join the step's one collective. `verdict(m, view) -> Verdict | list[Verdict]` on the host, from
+`measure(view) -> {key: (op, tensor)}` (optional) on the device after backward, `op` "mean" or "max" over ranks, or
+"norm" (L2 norms of this rank's slices of sharded tensors: the root of the ranks' summed squares under FSDP, the
+mean of the replicas' equal values otherwise): the values join the step's one collective. `verdict(m, view) -> Verdict | list[Verdict]` on the host, from
 `m.values[name]` (reduced; one step late when the read is deferred): `log`, `backoff` (`context["backoff"]`: what
 its `Backoff` granted, `context["policy"]`: that `Backoff`), `skip` (only with `acts_before_update`), `rollback` to
 before `onset`, or `stop`; its `metrics` go to the loggers at step `onset`. `state_dict()` of plain types rides in
@@ -22,7 +23,7 @@ from typing import Any
 
 from steadylm.stability.verdict import OK, Verdict
 
-OPS = ("mean", "max")  # how a measured value is reduced over ranks
+OPS = ("mean", "max", "norm")  # how a measured value is reduced over ranks
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 from steadylm.compat import set_loss_scale
+from steadylm.distributed import local
 from steadylm.errors import ConfigError
 
 KINDS = ("nan_weight", "inf_grad", "corrupt_labels", "lr_spike", "nan_loss", "nan_activation", "loss_scale")
@@ -60,7 +61,7 @@ class FaultInjector(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         for f in self._due(trainer, "nan_weight"):
             with torch.no_grad():
-                self._param(pl_module, f["param"]).view(-1)[0] = float("nan")
+                local(self._param(pl_module, f["param"])).view(-1)[0] = float("nan")  # FSDP: each rank's slice
         for f in self._due(trainer, "corrupt_labels"):
             y = batch[1]
             g = torch.Generator().manual_seed(int(f.get("seed", 0)))
@@ -89,7 +90,7 @@ class FaultInjector(L.Callback):
         for f in self._due(trainer, "inf_grad"):
             grad = self._param(pl_module, f["param"]).grad
             if grad is not None:
-                grad.view(-1)[0] = float("inf")
+                local(grad).view(-1)[0] = float("inf")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         for f in self._due(trainer, "lr_spike"):  # the module sets the LR from the scale after every callback

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from steadylm.distributed import reshard
 from steadylm.stability.events import stability_dir
 from steadylm.stability.recovery import restore_weights_and_optimizer
 from steadylm.stability.rollback import checkpoint_dir
@@ -76,6 +77,7 @@ def locate(pl_module, batches: list) -> dict:
     finally:
         for h in handles:
             h.remove()
+        reshard(net)
     for n, p in net.named_parameters():
         if not p.isfinite().all():
             layers.setdefault(module_of(n), {})["param_nonfinite"] = True

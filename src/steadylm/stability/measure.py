@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
 
 from steadylm.compat import FOUND_INF, clear_found_inf, set_found_inf
+from steadylm.distributed import is_sharded
 from steadylm.errors import ConfigError
 from steadylm.stability.check import OPS
 
@@ -55,26 +55,35 @@ def loss_scaler(trainer: Any) -> Any:
 
 
 class Packed:
-    """One rank's share of a step's collective: [loss, grad norm, the "mean" values] summed, the "max" values
-    maxed; `reduced[check][key]`: each "max" value, a view the all-reduce fills, on the device."""
+    """One rank's share of a step's collective: [loss, grad norm, the "mean" and "norm" values] summed, the "max"
+    values maxed; `reduced[check][key]`: each "max" value, a view the all-reduce fills, on the device. Sharded, a
+    norm travels as its square: the global norm of slices is the root of the sum."""
 
     def __init__(self, loss: torch.Tensor, norm: torch.Tensor, values: dict[str, dict], sharded: bool) -> None:
-        self.sharded = sharded  # the norm travels as its square: the global norm of slices is the root of the sum
-        self.keys: dict[str, list[tuple[str, str, tuple]]] = {"mean": [], "max": []}  # (check, key, shape)
+        self.sharded = sharded
+        self.keys: dict[str, list[tuple[str, str, tuple, str]]] = {"sum": [], "max": []}  # (check, key, shape, op)
         core = torch.stack([loss.float(), (norm.square() if sharded else norm).float()])
-        parts: dict[str, list[torch.Tensor]] = {"mean": [core], "max": []}
+        parts: dict[str, list[torch.Tensor]] = {"sum": [core], "max": []}
         for name, measured in values.items():
             for key, (op, t) in measured.items():
                 if op not in OPS:
                     raise ConfigError(f"check {name!r} measured {key!r} with op {op!r}; use one of {', '.join(OPS)}")
-                self.keys[op].append((name, key, tuple(t.shape)))
-                parts[op].append(t.detach().float().reshape(-1))
-        self.sums = torch.cat(parts["mean"]) if len(parts["mean"]) > 1 else core
+                shape, t = tuple(t.shape), t.detach().float().reshape(-1)
+                where = "max" if op == "max" else "sum"
+                self.keys[where].append((name, key, shape, op))
+                parts[where].append(t.square() if op == "norm" and sharded else t)
+        self.sums = torch.cat(parts["sum"]) if len(parts["sum"]) > 1 else core
         self.maxes = torch.cat(parts["max"]) if parts["max"] else None
         self.reduced: dict[str, dict[str, torch.Tensor]] = {}
-        sizes = [math.prod(shape) for *_, shape in self.keys["max"]]
-        for (name, key, shape), part in zip(self.keys["max"], self.maxes.split(sizes) if sizes else ()):
+        sizes = [math.prod(shape) for _, _, shape, _ in self.keys["max"]]
+        for (name, key, shape, _), part in zip(self.keys["max"], self.maxes.split(sizes) if sizes else ()):
             self.reduced.setdefault(name, {})[key] = part.view(shape)
+
+    def value(self, summed: np.ndarray, op: str, world: int) -> np.ndarray:
+        """A value as the host reads it after the all-reduce."""
+        if op == "max":
+            return summed
+        return np.sqrt(summed) if op == "norm" and self.sharded else summed / world
 
     def all_reduce(self) -> None:
         # Not `strategy.reduce`: its barrier makes the host wait every step. A non-finite term makes the sum so.
@@ -107,10 +116,10 @@ class InFlight:
         norm = math.sqrt(norm) if packed.sharded else norm / world  # replicated: every rank held the same norm
         values: dict[str, dict] = {}
         at = 2
-        for op in OPS:
-            for name, key, shape in packed.keys[op]:
+        for where in ("sum", "max"):
+            for name, key, shape, op in packed.keys[where]:
                 n = math.prod(shape)
-                got = host[at : at + n] / (world if op == "mean" else 1)
+                got = packed.value(host[at : at + n], op, world)
                 values.setdefault(name, {})[key] = got.reshape(shape).tolist()
                 at += n
         bad = ()
@@ -154,10 +163,12 @@ class StepMeasure:
         norm = torch.linalg.vector_norm(norms) if norms is not None else torch.zeros((), device=device)
         world = trainer.world_size
         # FSDP: each rank holds a slice, the global norm is the root of the summed squares; DDP: sum / world.
-        sharded = world > 1 and isinstance(trainer.strategy, FSDPStrategy)
+        sharded = is_sharded(trainer.strategy)
         packed = Packed(loss, norm, {c.name: c.measure(view) for c in checks}, sharded)
         if world > 1 and torch.distributed.is_initialized():
             packed.all_reduce()
+        if sharded and hasattr(pl_module, "set_sharded_grad_norm"):  # clipping reuses the global norm (a device value)
+            pl_module.set_sharded_grad_norm(packed.sums[1].sqrt())
         if self.deferred:  # the optimizers skip the whole update on the device while the flag is 1: no host read
             if self.skip_flag is None:
                 self.skip_flag = torch.zeros((), device=packed.sums.device)

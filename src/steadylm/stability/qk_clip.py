@@ -6,7 +6,7 @@ g = max(tau / S, `min_factor`) (a scalar per head commutes with rotary positions
 other). Bounded by `max_clips`; `backoff_after` clipping measurements in a row ask its `Backoff` for a lower LR and a
 rewind, since the damage of a too-high LR is done before the logits cross tau. The maxima join the step's collective
 (MAX), the clip runs on the device after the update, the accounting in `verdict`. Not under QK-norm (normalised
-logits) or FSDP (sharded weights).
+logits). Under FSDP2 each rank rescales the rows of its own shard of W_q / W_k: nothing is gathered.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from steadylm.errors import ConfigError
 from steadylm.stability.backoff import Backoff
@@ -90,7 +90,7 @@ class QKClip(Check):
 
     def applies(self, trainer) -> bool:
         net = getattr(trainer.lightning_module, "net", None)
-        ok = net is not None and not net.cfg.qk_norm and not isinstance(trainer.strategy, FSDPStrategy)
+        ok = net is not None and not net.cfg.qk_norm
         self.attns = [b.attn for b in net.blocks] if ok else []
         return bool(self.attns)
 
@@ -201,8 +201,15 @@ class QKClip(Check):
         rows = torch.cat([q.repeat_interleave(D, dim=-1), k.repeat_interleave(D, dim=-1)], dim=-1)
         for attn, row in zip(attns, rows):
             for p in (attn.qkv.weight, attn.qkv.bias):  # its query and key rows, in place
-                if p is not None:
-                    p[: row.numel()].mul_(row.to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1))))
+                if p is None:
+                    continue
+                scale = row.to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1)))
+                if isinstance(p, DTensor):  # sharded by rows: each rank scales its own rows by its slice of the scale
+                    whole = torch.ones(p.shape[0], *scale.shape[1:], device=scale.device, dtype=scale.dtype)
+                    whole[: row.numel()] = scale
+                    p.mul_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
+                else:
+                    p[: row.numel()].mul_(scale)
 
     def rewind_target(self) -> dict:
         """Where a rewind goes (`rewind_to`): the newest good snapshot at or before `rewind_before`, else the earliest

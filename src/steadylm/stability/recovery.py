@@ -25,6 +25,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from steadylm.checkpointing import rng_state, set_rng_state
+from steadylm.distributed import from_local, local, reshard, sharding
 from steadylm.errors import ConfigError
 from steadylm.stability import rollback as disk
 from steadylm.stability.events import stability_dir
@@ -59,10 +60,12 @@ _STATE = ("rollbacks", "strikes", "last_onset", "skip_until", "restored")  # wit
 @dataclass(frozen=True)
 class _Slot:
     index: int
+    sharding: tuple | None = None  # FSDP: the store holds this rank's slice, made a DTensor again on restore
 
 
 def _live_tensors(pl_module) -> list[torch.Tensor]:
-    return [p.detach() for p in pl_module.parameters()] + list(pl_module.buffers())
+    """The parameters and buffers; under FSDP each rank's own slices: a snapshot never gathers a whole tensor."""
+    return [local(p.detach()) for p in pl_module.parameters()] + [local(b) for b in pl_module.buffers()]
 
 
 def capture(trainer, pl_module, detectors: dict | None = None, store=None) -> Snapshot:
@@ -72,8 +75,8 @@ def capture(trainer, pl_module, detectors: dict | None = None, store=None) -> Sn
     n_weights = len(tensors)
 
     def slot(t: torch.Tensor) -> _Slot:
-        tensors.append(t)
-        return _Slot(len(tensors) - 1)
+        tensors.append(local(t))
+        return _Slot(len(tensors) - 1, sharding(t))
 
     optim = [apply_to_collection(opt.state_dict(), torch.Tensor, slot) for opt in trainer.optimizers]
     store = store or HostBuffers()
@@ -84,13 +87,17 @@ def capture(trainer, pl_module, detectors: dict | None = None, store=None) -> Sn
 
 def restore_weights_and_optimizer(trainer, pl_module, snap: Snapshot) -> None:
     """Put the snapshot's weights, buffers and optimizer state back into the live objects (each rank its own)."""
+    reshard(pl_module)  # FSDP: the next forward gathers the restored shards
     with torch.no_grad():
         for t, b in zip(_live_tensors(pl_module), snap.store.held()):
             t.copy_(b)
     # Fresh tensors (load_state_dict keeps one already on the device): training never writes into the snapshot.
     tensors = snap.store.read(snap.n_weights, copy=True)
     for opt, state in zip(trainer.optimizers, snap.optim):
-        opt.load_state_dict(apply_to_collection(state, _Slot, lambda s: tensors[s.index - snap.n_weights]))
+        restored = apply_to_collection(
+            state, _Slot, lambda s: from_local(tensors[s.index - snap.n_weights], s.sharding)
+        )
+        opt.load_state_dict(restored)
 
 
 class Recovery:

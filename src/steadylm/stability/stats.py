@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from steadylm.compat import copy_tensors, per_tensor_norms, sub_tensors
+from steadylm.distributed import local
 from steadylm.logging_steps import is_logging_step
 from steadylm.stability.check import Check
 from steadylm.stability.verdict import OK, Verdict
@@ -125,11 +126,11 @@ class GradParamStats(Check):
             held, self._held = self._held, None
             n, before = held["n"], held["before"]
             param = per_tensor_norms(before)
-            moved = per_tensor_norms(sub_tensors([p.detach() for p in held["params"]], before))
+            moved = per_tensor_norms(sub_tensors([local(p.detach()) for p in held["params"]], before))
             # ‖Δθ‖/‖θ‖ against the weights the update was applied to (after a blow-up ‖θ_new‖ ≈ ‖Δθ‖).
             totals = torch.stack([moved.square().sum().sqrt(), param.square().sum().sqrt()])
-            out = {"param": ("mean", self._per_block(param, n)), "delta": ("mean", self._per_block(moved, n))}
-            out["total"] = ("mean", totals)
+            out = {"param": ("norm", self._per_block(param, n)), "delta": ("norm", self._per_block(moved, n))}
+            out["total"] = ("norm", totals)
         if self.armed_step == view.step:
             out.update(self._hold(view.module))
         else:
@@ -148,7 +149,7 @@ class GradParamStats(Check):
             owner_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
             self._owner = torch.tensor([owner_of.get(id(p), len(blocks)) for p in params], device=pl_module.device)
             self._owner_key = key
-        grads = [p.grad for p in params]
+        grads = [local(p.grad) if p.grad is not None else None for p in params]  # FSDP: this rank's slices
         zero = torch.zeros((), device=pl_module.device)
         if all(g is not None for g in grads):
             norms = per_tensor_norms(grads)
@@ -160,10 +161,11 @@ class GradParamStats(Check):
         log_z = getattr(pl_module, "log_z", None)  # the loss's own by-product (`LMModule.head_loss`)
         log_z = log_z.detach() if log_z is not None else torch.tensor(float("nan"))
         acts = [self._act.get(i, zero).float() for i in range(len(blocks))]
-        self._held = {"params": params, "before": copy_tensors([p.detach() for p in params]), "n": len(blocks)}
+        before = copy_tensors([local(p.detach()) for p in params])
+        self._held = {"params": params, "before": before, "n": len(blocks)}
         self._act = {}
         return {
-            "grad": ("mean", self._per_block(norms, len(blocks))),
+            "grad": ("norm", self._per_block(norms, len(blocks))),
             "log_z": ("mean", log_z.to(zero.device).float().view(1)),
             "logit": ("max", torch.stack([t.float().to(zero.device) for t in logits]) if blocks else zero.view(0)),
             "act": ("max", torch.stack(acts) if blocks else zero.view(0)),

@@ -17,8 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
 
+from steadylm.distributed import is_sharded, reshard
 from steadylm.model.gpt import IGNORE_INDEX
 from steadylm.stability.events import stability_dir
 
@@ -63,6 +63,7 @@ def sample_losses(pl_module, batches: list, weights=None) -> list[tuple[int, int
                     rows.append((mi, r, float(v)))
     finally:
         pl_module.train(was_training)
+        reshard(pl_module)
     return rows
 
 
@@ -136,7 +137,7 @@ def spike_suspects(trainer, pl_module, episode: dict, weights=None, weights_step
     append them to suspects.jsonl and return the evidence for the event (the batch's mean loss, the top rows)."""
     if not episode["batches"]:
         return {}
-    if weights is not None and isinstance(trainer.strategy, FSDPStrategy):
+    if weights is not None and is_sharded(trainer.strategy):
         weights, weights_step = None, None  # a snapshot holds this rank's shards only: use the live weights
     losses = sample_losses(pl_module, episode["batches"], weights)
     rows = rank_suspects(trainer, episode["onset"], episode["batch_idx"], losses)
