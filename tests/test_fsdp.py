@@ -24,7 +24,7 @@ TINY = [
     "model.n_head=2",
     "model.mup_base_width=64",
     "model.mup_base_head_dim=32",
-    "optim.width_rule.width=64",
+    "optim.lr_rule.width=64",
     "model.context_length=64",
     "data.batch_size=8",
     "trainer.precision=32-true",
@@ -49,7 +49,7 @@ def test_fsdp_sim_trains_as_ddp_sim_does_and_saves_a_distributed_checkpoint(shar
     stats (the norms of shards, summed as squares), the same in-loop multiple-choice scores; the checkpoint is a
     folder with each rank's shards."""
     task = write_generic(tmp_path / "mc.jsonl")
-    steps = ["trainer.max_steps=30", "trainer.val_check_interval=15", "trainer.limit_val_batches=4"]
+    steps = ["trainer.max_steps=30", "trainer.val_check_interval=15", "data.val_windows=16"]
     steps += ["trainer.log_every_n_steps=5", "optim.warmup_steps=5", "callbacks.checkpoint.every_n_train_steps=15"]
     steps += [f"callbacks.eval.tasks=[{task}]", "callbacks.eval.limit=12"]
     ddp = _run(shards_dir, tmp_path, "ddp", "trainer=ddp_sim", *steps)
@@ -96,7 +96,7 @@ class ShardProbe(L.Callback):
 def test_faults_in_a_sharded_run_are_each_handled_on_every_rank_and_end_where_the_clean_run_ends(shards_dir, tmp_path):
     """An inf gradient (skipped), a batch of random labels (logged, a one-off), a 1000x LR step (QK-clip bounds the
     broken logits, the spike is rolled back to the step-150 snapshot of every rank's shards, restored exactly)."""
-    steps = ["trainer.max_steps=200", "trainer.val_check_interval=200", "trainer.limit_val_batches=8"]
+    steps = ["trainer.max_steps=200", "trainer.val_check_interval=200", "data.val_windows=32"]
     steps += ["trainer.log_every_n_steps=10", "optim.warmup_steps=20", "trainer=fsdp_sim"]
     clean = _run(shards_dir, tmp_path, "clean", *steps)
     injected = faults(
@@ -133,7 +133,7 @@ def test_muon_under_fsdp_sim_orthogonalizes_whole_matrices_as_under_ddp_sim(shar
     where DDP's do, bitwise. Without norm clipping: the global norm of shards (a sum of their squares) rounds apart
     from DDP's in the 7th digit, and Newton-Schulz, whose quintic has slope 3.4 at 0, amplifies that in the small
     singular directions ~500x over its 5 iterations (1e-3 on the val loss after 10 clipped steps)."""
-    steps = ["optim=muon", "trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=4"]
+    steps = ["optim=muon", "trainer.max_steps=10", "trainer.val_check_interval=10", "data.val_windows=16"]
     steps += ["trainer.gradient_clip_val=null"]
     steps += ["trainer.log_every_n_steps=5", "optim.warmup_steps=2"]
     ddp = _run(shards_dir, tmp_path, "ddp", "trainer=ddp_sim", *steps)
@@ -150,7 +150,7 @@ def test_a_distributed_checkpoint_resumes_bitwise_on_as_many_ranks_and_reshards_
     same val loss, bitwise; from step 4 on 1 rank, then that run's step 6 on 2 again: the same losses within float
     tolerance. `generate` reads a sharded checkpoint as it is."""
     steps = ["data.global_batch_tokens=2048", "trainer.max_steps=8", "trainer.val_check_interval=8"]
-    steps += ["trainer.limit_val_batches=4", "trainer.log_every_n_steps=2", "optim.warmup_steps=2"]
+    steps += ["data.val_windows=16", "trainer.log_every_n_steps=2", "optim.warmup_steps=2"]
     steps += ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=-1", "trainer=fsdp_sim"]
     steps += ["model.activation_checkpointing=selective"]  # FSDP2 units recomputed in backward, as on a 24 GB GPU
     full = _run(shards_dir, tmp_path, "full", *steps)
