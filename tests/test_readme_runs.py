@@ -2,11 +2,12 @@
 each exiting 0 with no traceback and leaving what it promises. Editing a README line changes what runs here.
 
 `small()` is the only thing added to a line, and only what makes it small: a step count, 16 val windows and a
-1-layer model (a line's own preset and settings stay), 2 CPU processes (`trainer=ddp_sim`) where the line asks for
-N GPUs, and for a recipe the embedded corpus instead of its own dataset, no compile, and a warmup and validation
-interval made for the short run. Before the block, the folder gets what a newcomer's `make demo` / `make data` and
-their own files give: the prepared embedded corpus, a folder of text (`corpus/`) and an eval task file;
-`logs/demo` (make demo's run, which a tool line reads) is the run the resume line made.
+1-layer model (a line's own preset and settings stay), 2 CPU processes (`trainer=ddp_sim`, or `fsdp_sim` for
+`trainer=fsdp`) where the line asks for N GPUs, and for a recipe the embedded corpus instead of its own dataset, no
+compile, and a warmup and validation interval made for the short run. Before the block, the folder gets what a
+newcomer's `make demo` / `make data` and their own files give: the prepared embedded corpus, a folder of text
+(`corpus/`) and an eval task file; `logs/demo` (make demo's run, which a tool line reads) is the run the resume line
+made.
 `tests/test_docs_runs.py` does the same for the commands of docs/.
 """
 
@@ -22,6 +23,8 @@ import pytest
 from tests.helpers import ROOT, run_cli
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context_length=32"]
+TINY += ["model.n_kv_head=null", "model.mlp_hidden=null"]  # a preset's own (llama_1b's 8 of 32 heads, 8192 wide)
+CPU_TWIN = {"trainer=fsdp": "trainer=fsdp_sim", "trainer=ddp": "trainer=ddp_sim", "trainer=gpu": "trainer=ddp_sim"}
 SHORT = ["data.batch_size=4", "trainer.max_steps=4", "trainer.log_every_n_steps=2", "data.val_windows=16"]
 RECIPE = ["data.tokenizer=null", "data.dir=data/stdlib-bytes", "data.global_batch_tokens=256", "compile=false"]
 RECIPE += ["optim.warmup_steps=1", "trainer.val_check_interval=2"]  # its own are for 19,073 steps
@@ -60,7 +63,9 @@ def small(line: str) -> tuple[list[str], str | None]:
         return args, module  # prepare, export: small already
     args = words[2:]
     gpus = [a for a in args if re.fullmatch(r"trainer\.devices=\d+", a) and int(a.split("=")[1]) > 1]
-    args = [a for a in args if a not in gpus] + (["trainer=ddp_sim"] if gpus else [])
+    if gpus:  # its trainer's 2-CPU-process twin (the line's own group, else DDP)
+        args = [CPU_TWIN.get(a, a) for a in args if a not in gpus]
+        args += [] if any(a.startswith("trainer=") for a in args) else ["trainer=ddp_sim"]
     if any(a in GPU_RECIPES for a in args):
         args += RECIPE
     return [*args, *TINY, *SHORT], None

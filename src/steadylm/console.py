@@ -17,6 +17,8 @@ SILENCED_WARNINGS = (
     (UserWarning, r"Precision .* is not supported by the model summary"),  # bf16-mixed; steadylm estimates memory
     # steadylm resumes mid-epoch exactly (its sampler state is in the checkpoint), which Lightning cannot see
     (UserWarning, r"You're resuming from a checkpoint that ended before the epoch ended"),
+    # the val metrics are summed over ranks before they are logged (LMModule.val_results), which Lightning cannot see
+    (UserWarning, r"It is recommended to use `self.log\('val/"),
 )
 # (logger, message start, why)
 SILENCED_LOGS = (("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging", "a logger's ad"),)
