@@ -223,7 +223,7 @@ def judge(run_dir: Path, twins: list[Path] | None) -> dict:
     }
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--jobs", type=int, default=2)
@@ -233,11 +233,23 @@ def main() -> None:
     ap.add_argument("--act", type=float, help="also run each scenario with signals.forecast_lr=ACT and =null; compare")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: also the fp16 scenario")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def chosen(args: argparse.Namespace) -> dict:
+    """The scenarios `args` runs: `--only`'s (a name that is none is an error), less those this device cannot."""
+    if unknown := sorted(set(args.only or ()) - set(SCENARIOS)):
+        sys.exit(f"error: --only {unknown[0]!r} is no scenario; one of: {', '.join(SCENARIOS)}")
     scenarios = {n: s for n, s in SCENARIOS.items() if not args.only or n in args.only}
     for name in [n for n, (_, _, t) in scenarios.items() if t in NEEDS_CUDA and args.device != "cuda"]:
         print(f"skipped: {name} needs a CUDA GPU (--device cuda); on a CPU Lightning runs 16-mixed as bf16-mixed")
         del scenarios[name]
+    return scenarios
+
+
+def main() -> None:
+    args = arguments()
+    scenarios = chosen(args)
     twins = sorted({t for _, _, t in scenarios.values()})
     if not (ROOT / "data/stdlib-bytes/tokenizer.json").exists():  # a fresh clone: the default data, as `make data`
         subprocess.run([sys.executable, "-m", "steadylm.data.prepare"], cwd=ROOT, check=True)

@@ -174,7 +174,8 @@ class ParamHash(L.Callback):
         self.out = out
 
     def on_train_end(self, trainer, pl_module):
-        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in pl_module.parameters()]  # FSDP2: its shard
+        flat = torch.cat([p.detach().flatten() for p in local])
         digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(
             json.dumps({"hash": digest, "skipped": pl_module.skipped_steps, "step": trainer.global_step})

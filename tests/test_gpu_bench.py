@@ -4,6 +4,7 @@ The GPU numbers come from a lent GPU; what can break without one (the pairing, t
 passes on) is checked here."""
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_sh_names_a_cuda_scenario_of_the_divergence_bench(monkeypatch):
+def test_gpu_sh_runs_the_divergence_benchs_cuda_scenario(monkeypatch, capsys):
+    """gpu.sh's divergence line, parsed by the bench's own parser: it runs one scenario, a CUDA one, which the same
+    line on a CPU skips (a renamed scenario, or a flag the bench lost, fails here)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import divergence_bench
 
-    script = (ROOT / "benchmarks" / "gpu.sh").read_text()
-    names = re.findall(r'--only "([^"]+)"', script)
-    assert names, "gpu.sh runs no divergence scenario"
-    for name in names:
-        assert divergence_bench.SCENARIOS[name][2] in divergence_bench.NEEDS_CUDA, name
+    (line,) = [ln for ln in (ROOT / "benchmarks" / "gpu.sh").read_text().splitlines() if "divergence_bench.py" in ln]
+    args = divergence_bench.arguments(shlex.split(line.split("divergence_bench.py", 1)[1]))
+    (name,) = divergence_bench.chosen(args)
+    assert args.device == "cuda" and divergence_bench.SCENARIOS[name][2] in divergence_bench.NEEDS_CUDA
+    args.device = "cpu"
+    assert divergence_bench.chosen(args) == {} and f"skipped: {name} needs a CUDA GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="is no scenario"):
+        divergence_bench.chosen(divergence_bench.arguments(["--only", "fp16 typo"]))
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu.sh")]).returncode == 0
 
 
