@@ -18,13 +18,13 @@ keep_matmuls = recompute._keep_matmuls
 SHAPES = [{}, {"pos": "rope", "mlp": "swiglu", "norm": "rmsnorm", "n_kv_head": 1, "dropout": 0.1}]
 
 
-def _step(mode: str, **switches) -> torch.Tensor:
-    """The gradients of one forward and backward."""
+def _step(mode: str, compiled: bool = False, **switches) -> torch.Tensor:
+    """The gradients of one forward and backward (`compiled`: through `torch.compile`)."""
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, context_length=32, vocab_size=320, **switches)
     net = GPT(GPTConfig(**{**vars(cfg), "activation_checkpointing": mode}))
     x = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(1))
-    net(x).float().logsumexp(-1).mean().backward()
+    (torch.compile(net) if compiled else net)(x).float().logsumexp(-1).mean().backward()
     return torch.cat([p.grad.flatten() for p in net.parameters()])
 
 
@@ -33,6 +33,13 @@ def test_blocks_and_selective_give_the_gradients_of_none(switches):
     grads = _step("none", **switches)
     for mode in ("blocks", "selective"):
         assert (_step(mode, **switches) - grads).norm() <= 1e-6 * grads.norm(), mode
+
+
+@pytest.mark.slow
+def test_blocks_and_selective_under_torch_compile_give_the_gradients_of_eager_none():
+    grads = _step("none")
+    for mode in ("blocks", "selective"):
+        assert (_step(mode, compiled=True) - grads).norm() <= 1e-6 * grads.norm(), mode
 
 
 def test_selective_keeps_what_the_matmuls_and_attention_produce_and_recomputes_the_rest(monkeypatch):
