@@ -74,7 +74,7 @@ def main() -> None:
             "model.d_model=32",
             "model.n_head=2",
             "model.context_length=32",
-            "data.val_windows=${mul:2,${data.batch_size}}",
+            "data.val_windows=32",
         ]
         base += [f"optim.warmup_steps={args.steps // 4}", f"trainer.val_check_interval={args.steps}"]
     columns = {"default": [], "unmitigated": UNMITIGATED}

@@ -43,7 +43,7 @@ JOB = [
     "model.context_length=64",
     "data.batch_size=8",
     "optim.warmup_steps=10",
-    "data.val_windows=${mul:4,${data.batch_size}}",
+    "data.val_windows=64",
     "trainer.enable_progress_bar=false",
     "optim.lr=1e-3,2e-3,3e-3,4e-3",
 ]

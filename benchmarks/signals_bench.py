@@ -101,7 +101,7 @@ def run(out: Path, overrides: list[str], steps: int) -> Path:
         f"optim.warmup_steps={steps // 5}",
         "trainer.log_every_n_steps=5",
         f"trainer.val_check_interval={steps}",
-        "data.val_windows=${mul:8,${data.batch_size}}",
+        "data.val_windows=128",
         "trainer.enable_progress_bar=false",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STEADYLM_ROOT": str(ROOT)}

@@ -65,7 +65,7 @@ def one_run(work: str, name: str, seed: int, args: dict) -> dict:
             "trainer.num_sanity_val_steps=0",
             f"trainer.max_steps={args['steps']}",
             f"trainer.val_check_interval={args['eval_every']}",
-            f"data.val_windows=${{mul:{args['val_batches']},${{data.batch_size}}}}",
+            f"data.val_windows={args['val_batches'] * 16}",
             "~callbacks.checkpoint",
             *([] if preset else BASELINE),
             *args["shape"],

@@ -94,7 +94,7 @@ def config(work: Path, steps: int, eval_every: int, val_batches: int, overrides:
             "trainer.num_sanity_val_steps=0",
             f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={eval_every}",
-            f"data.val_windows=${{mul:{val_batches},${{data.batch_size}}}}",
+            f"data.val_windows={val_batches * 16}",
             f"optim.warmup_steps={max(1, steps // 10)}",
             "~callbacks.checkpoint",
             *SIZE,

@@ -69,6 +69,9 @@ def assert_unchanged(before: dict[str, str], root: Path) -> None:
 
 def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    # a handler an earlier in-process test left on a captured stream, now closed, would print logging's own
+    # "--- Logging error ---" traceback into this capture: not the command's output
+    monkeypatch.setattr(logging, "raiseExceptions", False)
     with pytest.raises(SystemExit) as exit_info:
         main()
     return exit_info.value.code, capsys.readouterr().err

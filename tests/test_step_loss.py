@@ -70,7 +70,8 @@ def test_two_ranks_of_two_micro_batches_give_the_gradient_of_one_rank(make_cfg, 
     ref = fit(make_cfg(*DOC_DATA, f"data.dir={doc_dir}", "data.batch_size=16"), one)
     out = tmp_path / "grads.pt"
     tiny = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "model.mup_base_width=64"]
-    tiny += ["model.mup_base_head_dim=32", "optim.lr_rule.width=64", "trainer.precision=32-true"]
+    tiny += ["model.mup_base_head_dim=32", "optim.lr_rule.width=64", "optim.lr_rule.tokens_exponent=0"]
+    tiny += ["trainer.precision=32-true"]
     tiny += ["trainer.enable_progress_bar=false"]
     proc = run_cli(
         "trainer=ddp_sim", *tiny, *DOC_DATA, f"data.dir={doc_dir}", "data.batch_size=4",

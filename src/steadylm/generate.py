@@ -34,7 +34,7 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     """The one loader of a trained model (`generate`, `export`, `eval`): (GPT in eval mode, `ckpt["steadylm"]`, which
     holds the run's `config` and `tokenizer`); the shape comes from `hyper_parameters.model`. A Hugging Face folder
     (GPT-2 or Llama, model/hf.py) is read as `model.init_from` reads it, its `tokenizer.json` as the tokenizer."""
-    if Path(path).is_dir():
+    if Path(path).is_dir() and not (Path(path) / ".metadata").exists():  # .metadata: FSDP2's distributed checkpoint
         return load_pretrained_folder(path, device)
     try:
         ckpt = safe_load(path, map_location=device)

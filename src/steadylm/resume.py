@@ -118,7 +118,7 @@ def checkpoint_to_resume(cfg, module: torch.nn.Module) -> str | None:
 def init_weights_from(path: str, module: torch.nn.Module) -> None:
     """`init_from=<file>`: the checkpoint's weights, checked to fit `module`; its optimizer state, LR schedule, step
     count and data position are left behind (a new schedule from step 0: a restart, a fine-tune)."""
-    if Path(path).is_dir():
+    if Path(path).is_dir() and not (Path(path) / ".metadata").exists():  # .metadata: a distributed checkpoint
         raise CheckpointError(
             f"init_from={path} is a folder: init_from takes a steadylm checkpoint file; a Hugging Face model folder "
             f"is model.init_from={path}, which also sets the model's shape from its config.json"
