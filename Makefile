@@ -71,9 +71,10 @@ generate: $(VENV)/.installed ## sample from a run's last checkpoint: make genera
 tensorboard: $(VENV)/.installed ## serve a run (or sweep) dir on 127.0.0.1: make tensorboard RUN=logs/demo
 	$(VENV)/bin/tensorboard --logdir $(RUN) --host 127.0.0.1
 
-BENCHES := bench.py model_bench.py snapshot_bench.py qk_clip_bench.py prepare_bench.py head_loss_bench.py
+BENCHES := bench.py model_bench.py snapshot_bench.py qk_clip_bench.py prepare_bench.py head_loss_bench.py \
+	checkpoint_save_bench.py
 
-bench: $(VENV)/.dev ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, prepare MB/s, head+loss memory, Muon's step cost (ARGS=--quick)
+bench: $(VENV)/.dev ## side-by-side ratios: training overhead, Llama vs GPT, snapshots, FSDP2 checkpoint stall, prepare MB/s, head+loss memory, Muon's step cost (ARGS=--quick)
 	@for b in $(BENCHES); do echo "== benchmarks/$$b"; $(PY) benchmarks/$$b $(ARGS) || exit 1; done
 	@echo "== benchmarks/time_to_loss.py --step-cost"; $(PY) benchmarks/time_to_loss.py --step-cost $(ARGS)
 

@@ -49,14 +49,25 @@ DDP_TWO_CPU = [
 ]
 
 
+def cli_env(cwd: Path, **extra: str) -> dict[str, str]:
+    """The environment a command runs in as a user's would, with tests/ importable and `cwd` its project root."""
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
+    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(cwd), "OMP_NUM_THREADS": "1", **extra}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def cli_steps(steps: int) -> list[str]:
+    """CLI_TINY with its step count replaced."""
+    return [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + [f"trainer.max_steps={steps}"]
+
+
 def run_cli(
     *args: str, cwd: Path, timeout: int = 400, module: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`python train.py ARGS` (or `python -m MODULE ARGS`) in `cwd`, as a user runs it; tests/ importable;
     `env` adds to (or overrides) the environment."""
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
-    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(cwd), "OMP_NUM_THREADS": "1", **(env or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
+    env = cli_env(cwd, **(env or {}))
     command = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

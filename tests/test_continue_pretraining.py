@@ -186,7 +186,10 @@ def test_data_whose_ids_do_not_fit_the_embedding_is_refused_in_one_line(shards_d
     import transformers
 
     folder = tmp_path / "small-vocab"
-    config = transformers.GPT2Config(vocab_size=200, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    # token ids inside the 200 rows: GPT-2's defaults (50256) would make transformers warn through its logger
+    config = transformers.GPT2Config(
+        vocab_size=200, n_embd=16, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     args = [*RUN, f"model.init_from={folder}", f"data.dir={shards_dir}", f"hydra.run.dir={tmp_path / 'run'}"]
     code, err = run_main(monkeypatch, capsys, *args)

@@ -5,6 +5,7 @@ ends; a rollback restores each rank's shards of the weights and the optimizer st
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -64,6 +65,9 @@ def test_fsdp_sim_trains_as_ddp_sim_does_and_saves_a_distributed_checkpoint(shar
     assert ckpt.is_dir() and {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= {
         p.name for p in ckpt.iterdir()
     }
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["last.ckpt", "step0000030.ckpt"]  # no .tmp, .old
+    log = (fsdp / "train.log").read_text()  # written asynchronously (trainer=fsdp's default), each save's stall said
+    assert re.search(r"checkpoint step0000030\.ckpt: training waited [\d.]+ s \(its shards are written in the", log)
 
 
 class ShardProbe(L.Callback):
@@ -125,6 +129,27 @@ def test_faults_in_a_sharded_run_are_each_handled_on_every_rank_and_end_where_th
         restored = json.loads((run / f"restored{rank}.json").read_text())  # the first step on the restored state
         assert (restored["diff"], restored["sharded"]) == (0.0, True) and restored["step"] > 154, restored
     assert not any(e["kind"] in ("qk_clip", "loss_spike", "nonfinite_grad") for e in read_events(clean))
+
+
+@pytest.mark.slow
+def test_without_snapshots_a_sharded_rollback_loads_each_rank_s_shards_of_the_checkpoint_on_disk(shards_dir, tmp_path):
+    """No snapshots (`recovery=null`): a NaN written into one rank's shard at step 6 is caught, and every rank loads
+    its own shards of the step-4 distributed checkpoint (the newest at or before the onset), weights and AdamW state,
+    exactly; the run goes on to its end."""
+    steps = ["trainer=fsdp_sim", "trainer.max_steps=12", "trainer.val_check_interval=12", "data.val_windows=16"]
+    steps += ["optim.warmup_steps=2", "callbacks.checkpoint.every_n_train_steps=4", "callbacks.stability.recovery=null"]
+    steps += [
+        "callbacks.stability.guard.max_consecutive=2",
+        "+callbacks.probe={_target_: test_fsdp.ShardProbe, step: 4}",
+    ]
+    fault = faults({"kind": "nan_weight", "step": 6, "param": "blocks.1.mlp.fc.weight", "rank": 1})
+    run = _run(shards_dir, tmp_path, "disk", *steps, fault)
+    rollback = [e["detail"] for e in read_events(run) if e["kind"] == "rollback"]
+    assert [(r["source"], r["checkpoint"], r["to_step"]) for r in rollback] == [("disk", "step0000004.ckpt", 4)]
+    for rank in (0, 1):
+        restored = json.loads((run / f"restored{rank}.json").read_text())
+        assert (restored["diff"], restored["sharded"]) == (0.0, True), restored
+    assert _result(run)["status"] != "diverged" and _result(run)["train_loss"] < 6, _result(run)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from steadylm.errors import ConfigError, exit_with
 from steadylm.jobs import LOCK_FILE, first_failure, lock_job
-from tests.helpers import CLI_TINY, ROOT, run_cli
+from tests.helpers import CLI_TINY, ROOT, cli_env, cli_steps, run_cli
 from tests.test_preemption import processes_running
 
 GLOO_PEER_LOST = (
@@ -155,12 +155,10 @@ def alive(pid: int) -> bool:
 def test_a_sigkill_of_the_sweep_leaves_no_rank_running_and_resume_waits_for_the_folder(shards_dir, tmp_path):
     """While job 0 trains on 2 processes: the same sweep with `resume=auto` refuses the folder in one line (exit 2),
     naming the process that writes it; then a SIGKILL of the sweep takes both ranks with it and frees the folder."""
-    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=1000"]
+    steps = cli_steps(1000)
     probe = "+callbacks.pid={_target_: test_jobs.RankPid, sleep: 0.2}"  # job 0 trains until it is killed
     args = ["-m", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *steps, probe]
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
-    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
+    env = cli_env(tmp_path)
     sweep_root = tmp_path / "logs" / "train" / "multiruns"
     with subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],

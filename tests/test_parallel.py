@@ -19,7 +19,7 @@ from steadylm.checkpointing import safe_load
 from steadylm.errors import ConfigError
 from steadylm.parallel import plan_slots
 from steadylm.requeue import PREEMPTED_EXIT
-from tests.helpers import CLI_TINY, ROOT, run_cli
+from tests.helpers import CLI_TINY, ROOT, cli_env, cli_steps, run_cli
 from tests.test_jobs import alive
 from tests.test_preemption import processes_running
 
@@ -117,11 +117,9 @@ def test_four_jobs_on_two_slots_run_two_at_once_each_on_its_core_and_a_failed_jo
 def test_a_sigterm_stops_every_running_job_resumably_and_resume_auto_finishes_the_sweep(shards_dir, tmp_path):
     """SIGTERM to the sweep once jobs 0 and 1 train: both stop with preempted.ckpt, jobs 2 and 3 never start, the
     summary lists the two, exit 75; the same command with resume=auto continues 0 and 1 and runs 2 and 3."""
-    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=12"]
+    steps = cli_steps(12)
     args = [*PARALLEL, "optim.lr=1e-3,2e-3,3e-3,4e-3", f"data.dir={shards_dir}", *steps, probe(0.5)]
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
-    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
+    env = cli_env(tmp_path)
     sweep_root = tmp_path / "logs" / "train" / "multiruns"
     with subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],
@@ -161,11 +159,9 @@ def test_a_sigterm_stops_every_running_job_resumably_and_resume_auto_finishes_th
 def test_a_sigkill_of_the_parallel_sweep_leaves_no_job_running(shards_dir, tmp_path):
     """Both jobs train side by side; the sweep is SIGKILLed: each job's process follows it within seconds (none goes
     on writing a folder that `resume=auto` would start again)."""
-    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=1000"]
+    steps = cli_steps(1000)
     args = [*PARALLEL, "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *steps, probe(0.2)]
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(ROOT / "tests"), *sys.path])
-    env = {**os.environ, "PYTHONPATH": path, "STEADYLM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
+    env = cli_env(tmp_path)
     sweep_root = tmp_path / "logs" / "train" / "multiruns"
     with subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL

@@ -25,7 +25,7 @@ from steadylm.result import finish_job
 from steadylm.resume import latest_checkpoint
 from steadylm.sweep import summarize_sweep
 from steadylm.train import train
-from tests.helpers import CLI_TINY, DDP_TWO_CPU, run_cli
+from tests.helpers import CLI_TINY, DDP_TWO_CPU, cli_steps, run_cli
 
 STEPS = 8
 # Dropout makes the losses depend on the RNG stream; no periodic checkpoint, so a resume can only come
@@ -340,7 +340,7 @@ def test_a_signal_to_a_sweep_of_two_process_jobs_then_resume_auto_finishes_the_s
     which stop job 0 at one step (preempted.ckpt); then the summary so far and exit 75. The same command with
     resume=auto continues job 0 from it and runs job 1; once more, both are finished and skipped (the callback that
     sends the signal is left out of the commands that resume)."""
-    steps = [o for o in CLI_TINY if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=12"]
+    steps = cli_steps(12)
     args = ["-m", "trainer=ddp_sim", "optim.lr=1e-3,2e-3", f"data.dir={shards_dir}", *steps]
     signal_it = "+callbacks.signal={_target_: test_preemption.SignalTheSweep, step: 2, signal: SIGUSR1}"
     proc = run_cli(*args, signal_it, cwd=tmp_path, timeout=240)

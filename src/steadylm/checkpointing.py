@@ -20,6 +20,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadylm.errors import SteadyError
 from steadylm.preemption import Preempted
+from steadylm.sharded_save import SHARDED_META
 
 log = logging.getLogger("steadylm")
 STABILITY_STATE_KEY = "steadylm.stability"  # the stability callback's Lightning `state_key` in "callbacks"
@@ -27,9 +28,6 @@ STABILITY_STATE_KEY = "steadylm.stability"  # the stability callback's Lightning
 
 class CheckpointError(SteadyError):
     """A checkpoint that cannot be used: missing, corrupt, unsafe, or for a different model."""
-
-
-SHARDED_META = "meta.pt"  # a distributed checkpoint's (FSDP2's folder) non-tensor part, as Lightning names it
 
 
 def is_complete(path: Path) -> bool:

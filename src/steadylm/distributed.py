@@ -6,7 +6,10 @@ measures, snapshots and restores without gathering. Launching stays with Lightni
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -14,6 +17,10 @@ from hydra.types import RunMode
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from steadylm import sharded_save
+
+log = logging.getLogger("steadylm")
 
 # Set in each rank of a sweep job that jobs.py started (its folder): its job's process reads how it ended.
 SWEEP_JOB_ENV = "STEADYLM_SWEEP_JOB"
@@ -37,14 +44,44 @@ def is_job_rank() -> bool:
 
 class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 (`fully_shard`, applied by `LMModule.configure_model`) over every process: `ModelParallelStrategy`'s
-    "auto" data-parallel size is the number of nodes (tensor parallelism within each), here it is the world size."""
+    "auto" data-parallel size is the number of nodes (tensor parallelism within each), here it is the world size.
+    Its distributed checkpoints are swapped into place whole and, with `async_save`, written while training goes on
+    (sharded_save.py); each save's stall is logged."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, async_save: bool = True, **kwargs) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        self.async_save, self._save_group, self._pending = async_save, None, None
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        if self.async_save:  # the writing thread's collectives: never in the way of training's
+            self._save_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        began = time.perf_counter()
+        self.finish_save()  # one save in flight at a time
+        path = Path(self.broadcast(str(filepath)))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        self._pending = sharded_save.start(state, checkpoint, path, self.global_rank, self.barrier, self._save_group)
+        how = "its shards are written in the background" if self._pending.written else "written"
+        if self._pending.written is None:
+            self.finish_save()
+        if self.global_rank == 0:
+            log.info("checkpoint %s: training waited %.2f s (%s)", path.name, time.perf_counter() - began, how)
+
+    def finish_save(self) -> None:
+        """The save in flight, if any, complete and in place."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            sharded_save.finish(pending, self.global_rank)
+
+    def teardown(self) -> None:
+        self.finish_save()  # the last checkpoint lands before `fit` returns, or an exception ends the run
+        super().teardown()
 
 
 def is_sharded(strategy) -> bool:

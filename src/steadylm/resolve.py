@@ -91,6 +91,20 @@ def check_environment(cfg: DictConfig, devices: Devices, precision: str, batch_s
     return memory
 
 
+def check_tokenizer(folder: str | Path, data_tokenizer: str) -> None:
+    """Refuse data tokenized otherwise than `folder`'s tokenizer.json (the DataModule's `tokenizer_name`, the spec
+    its shards record); a folder without one is trusted to the vocabulary check alone."""
+    from steadylm.data.tokenizer import same_tokenizer
+    from steadylm.model.hf import tokenizer_file
+
+    if (theirs := tokenizer_file(folder)) is not None and not same_tokenizer(str(data_tokenizer), theirs):
+        raise ConfigError(
+            f"model.init_from={folder} reads ids of its {theirs.name}, but the data was tokenized by "
+            f"{data_tokenizer!r}; prepare it with the model's: python -m steadylm.data.prepare data.tokenizer={folder} "
+            "data.dir=<a new folder>, and train with that data.dir"
+        )
+
+
 def resolve(cfg: DictConfig) -> Resolved:
     """Fill, check and freeze `cfg` in place; the DataModule is built once (first when the vocabulary needs it), and
     asked for the batch size (never the shard DataModule's `data.*` keys, which a custom source may not have)."""
@@ -98,8 +112,6 @@ def resolve(cfg: DictConfig) -> Resolved:
     validate_config(cfg)
     datamodule = dm if dm is not None else data_source(cfg)
     if cfg.model.get("init_from") is not None:  # the data tokenized as the published model reads
-        from steadylm.model.hf import check_tokenizer
-
         check_tokenizer(cfg.model.init_from, datamodule.tokenizer_name)
     devices = devices_of(cfg)
     accumulate = accumulation(cfg, devices.world_size, datamodule.batch_size)

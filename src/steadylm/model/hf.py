@@ -221,19 +221,6 @@ def tokenizer_file(folder: str | Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def check_tokenizer(folder: str | Path, data_tokenizer: str) -> None:
-    """Refuse data tokenized otherwise than `folder`'s tokenizer.json (the DataModule's `tokenizer_name`, the spec
-    its shards record); a folder without one is trusted to the vocabulary check alone."""
-    from steadylm.data.tokenizer import same_tokenizer
-
-    if (theirs := tokenizer_file(folder)) is not None and not same_tokenizer(str(data_tokenizer), theirs):
-        raise ConfigError(
-            f"model.init_from={folder} reads ids of its {theirs.name}, but the data was tokenized by "
-            f"{data_tokenizer!r}; prepare it with the model's: python -m steadylm.data.prepare data.tokenizer={folder} "
-            "data.dir=<a new folder>, and train with that data.dir"
-        )
-
-
 # --- the weights -----------------------------------------------------------------------------------------------
 
 
