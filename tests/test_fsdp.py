@@ -12,8 +12,10 @@ import lightning as L
 import pytest
 import torch
 
+from steadylm.diagnose.cli import main as diagnose_main
 from steadylm.distributed import local
 from steadylm.export import main as export_main
+from steadylm.run_config import read_run_config
 from steadylm.stability import read_events
 from tests.helpers import faults, run_cli, scalars
 from tests.test_eval import write_generic
@@ -192,3 +194,7 @@ def test_a_distributed_checkpoint_resumes_bitwise_on_as_many_ranks_and_reshards_
     assert out.returncode == 0 and len(out.stdout) > 0, out.stderr[-2000:]
     export_main([f"ckpt={full / ckpt}", f"out={tmp_path / 'hf'}"])  # eval's path too (an export, then lm-eval)
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    (full / "config.yaml").unlink()  # diagnose falls back to the newest checkpoint's config: a folder's meta.pt
+    assert read_run_config(full)["optim"]["lr"] == _result(full)["lr"]
+    diagnose_main([str(full)])
+    assert f"optim.lr={_result(full)['lr']}" in (full / "report.md").read_text()

@@ -27,11 +27,11 @@ def read_run_config(run_dir: str | Path) -> dict | None:
     run_dir = Path(run_dir)
     if (path := run_dir / RUN_CONFIG).is_file():
         return yaml.safe_load(path.read_text())
-    from steadylm.checkpointing import CheckpointError, safe_load
+    from steadylm.checkpointing import SHARDED_META, CheckpointError, safe_load
 
     for ckpt in sorted((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            return safe_load(ckpt, mmap=True)["steadylm"]["config"]
+        try:  # a distributed checkpoint's (a folder's) config is in its meta.pt: no shard is read
+            return safe_load(ckpt / SHARDED_META if ckpt.is_dir() else ckpt, mmap=True)["steadylm"]["config"]
         except (CheckpointError, KeyError, TypeError):
             continue
     return None
