@@ -65,6 +65,16 @@ def test_checkpoint_period():
     assert compat.every_n_train_steps(L.pytorch.callbacks.ModelCheckpoint()) == 0
 
 
+def test_the_sharded_strategy_s_timeout_and_checkpoint_form():
+    from datetime import timedelta
+
+    from steadylm.distributed import FSDP2Strategy
+
+    strategy = FSDP2Strategy(timeout=timedelta(seconds=42))
+    assert compat.pg_timeout(strategy) == timedelta(seconds=42) and compat.saves_sharded(strategy)
+    assert not compat.saves_sharded(FSDP2Strategy(save_distributed_checkpoint=False))
+
+
 def test_trainer_internals_during_a_fit(make_cfg):
     """logged_step, batches_processed and attached_trainer read inside a real fit, and the module's own
     reckoning of Lightning's logging steps (`logs_now`)."""

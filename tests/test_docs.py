@@ -96,7 +96,7 @@ def _values(node, prefix: str = "") -> dict[str, object]:
 def config_values() -> dict[str, object]:
     """Every key of the configs a user's overrides reach -> its default (train.py's default config first)."""
     values: dict[str, object] = {}
-    overrides = [[], ["optim=muon", "logger=many"], ["data=hf_stream"]]
+    overrides = [[], ["optim=muon", "logger=many"], ["data=hf_stream"], ["trainer=fsdp"]]
     sources = [compose(o, config_name="train") for o in overrides]
     sources += [compose([], config_name=n) for n in ("doctor", "prepare")]
     own = ("generate", "export", "diagnose", "window", "eval", "eval_fetch")

@@ -66,6 +66,16 @@ def every_n_train_steps(checkpoint_callback: Any) -> int:
     return int(getattr(checkpoint_callback, "_every_n_train_steps", 0) or 0)
 
 
+def pg_timeout(strategy: Any) -> Any:
+    """The process-group timeout a Lightning strategy was given (a `timedelta`), for a group of our own beside it."""
+    return strategy._timeout
+
+
+def saves_sharded(strategy: Any) -> bool:
+    """`ModelParallelStrategy` writes a distributed checkpoint (each rank its shards), not one gathered file."""
+    return bool(strategy._save_distributed_checkpoint)
+
+
 def set_loss_scale(scaler: torch.amp.GradScaler, value: float) -> None:
     """Force the fp16 loss scale, also before the first step, when `update(new_scale=)` has no scale yet."""
     if scaler._scale is not None:

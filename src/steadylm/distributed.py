@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from steadylm import sharded_save
+from steadylm.compat import pg_timeout, saves_sharded
 
 log = logging.getLogger("steadylm")
 
@@ -56,10 +57,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
         if self.async_save:  # the writing thread's collectives: never in the way of training's
-            self._save_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+            self._save_group = torch.distributed.new_group(backend="gloo", timeout=pg_timeout(self))
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        if not self._save_distributed_checkpoint:
+        if not saves_sharded(self):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         began = time.perf_counter()
         self.finish_save()  # one save in flight at a time
